@@ -1,0 +1,39 @@
+"""meshpar: tensor, pipeline and data parallelism on one ``DeviceMesh`` with dims ``("dp", "pp", "tp")``."""
+
+from meshpar import parallel_state
+from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
+from meshpar.random import checkpoint, get_rng_tracker, model_parallel_manual_seed
+from meshpar.tensor_parallel import (
+    ColumnParallel,
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallel,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    VocabParallel,
+    VocabParallelEmbedding,
+    parallel_cross_entropy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "ParallelDims",
+    "ParallelEmbedding",
+    "RowParallel",
+    "RowParallelLinear",
+    "SequenceParallelNorm",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "checkpoint",
+    "destroy_parallel",
+    "get_parallel",
+    "get_rng_tracker",
+    "init_parallel",
+    "is_initialized",
+    "model_parallel_manual_seed",
+    "parallel_cross_entropy",
+    "parallel_state",
+]

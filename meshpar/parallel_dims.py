@@ -1,0 +1,224 @@
+"""The one parallel context of meshpar: a ``DeviceMesh`` with dims ``("dp", "pp", "tp")``.
+
+Rank layout follows Megatron: tp varies fastest, then pp, then dp. With world size 8 and
+``tp=2, pp=2, dp=2`` the tp groups are ``[0, 1], [2, 3], ...``, the pp groups ``[0, 2], [1, 3], ...`` and the
+dp groups ``[0, 4], [1, 5], ...``. This is exactly the row-major order of a mesh of shape ``(dp, pp, tp)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+MESH_DIM_NAMES = ("dp", "pp", "tp")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the three parallel dimensions and, once built, the mesh over them.
+
+    Validation happens in ``__post_init__`` and uses only local information, so a wrong layout raises on every
+    rank before any process group or collective is created.
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    world_size: int
+    virtual_pipeline_size: int | None = None
+    seed: int = 1234
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    virtual_pipeline_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("world_size", self.world_size)
+        _check_positive("tp", self.tp)
+        _check_positive("pp", self.pp)
+        if self.dp == -1:
+            if self.world_size % (self.tp * self.pp) != 0:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = "
+                    f"{self.tp * self.pp}; choose tp and pp whose product divides the world size"
+                )
+            self.dp = self.world_size // (self.tp * self.pp)
+        _check_positive("dp", self.dp)
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise ValueError(
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} does not equal the world "
+                f"size {self.world_size}; pass dp=-1 to use the rest of the world for data parallelism"
+            )
+        if self.virtual_pipeline_size is not None:
+            _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
+            if self.virtual_pipeline_size > 1 and self.pp == 1:
+                raise ValueError(
+                    f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline parallelism (pp > 1), got pp=1"
+                )
+            if self.virtual_pipeline_rank is None:
+                self.virtual_pipeline_rank = 0
+
+    # -- mesh ---------------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the ``(dp, pp, tp)`` mesh; a collective call on every rank."""
+        self.mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+        return self.mesh
+
+    def _require_mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise RuntimeError("the mesh is not built yet; call meshpar.init_parallel() first")
+        return self.mesh
+
+    @property
+    def device_type(self) -> str:
+        return self._require_mesh().device_type
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self._require_mesh()["tp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self._require_mesh()["pp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self._require_mesh()["dp"]
+
+    def _local_rank(self, dim: str) -> int:
+        return self._require_mesh().get_local_rank(dim)
+
+    @property
+    def tp_rank(self) -> int:
+        return self._local_rank("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._local_rank("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._local_rank("dp")
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def group_ranks(self, dim: str) -> list[list[int]]:
+        """All groups of global ranks along ``dim``, e.g. ``[[0, 1], [2, 3]]`` for tp=2 on 4 ranks."""
+        if dim not in MESH_DIM_NAMES:
+            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {MESH_DIM_NAMES}")
+        ranks = self._require_mesh().mesh
+        axis = MESH_DIM_NAMES.index(dim)
+        moved = ranks.movedim(axis, -1)
+        return moved.reshape(-1, ranks.shape[axis]).tolist()
+
+
+_PARALLEL: ParallelDims | None = None
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _init_process_group(backend: str, device_type: str, timeout: datetime.timedelta | None) -> None:
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, **kwargs)
+    else:
+        # A plain ``python script.py``: a one-process group so that the same code runs without torchrun.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = -1,
+    *,
+    virtual_pipeline_size: int | None = None,
+    device_type: str | None = None,
+    backend: str | None = None,
+    seed: int = 1234,
+    timeout: datetime.timedelta | None = None,
+) -> ParallelDims:
+    """Initialise ``torch.distributed`` if needed and build meshpar's ``(dp, pp, tp)`` mesh.
+
+    ``dp=-1`` takes the rest of the world. The backend defaults to ``nccl`` on CUDA and ``gloo`` on CPU. All sizes
+    are checked against the world size before any process group is created, so a wrong layout raises the same
+    ``ValueError`` on every rank instead of hanging in a collective. ``seed`` seeds the default generator identically
+    on every rank (so every rank builds the same dense weights) and the tensor-parallel RNG tracker per tp rank.
+    """
+    global _PARALLEL
+    if _PARALLEL is not None:
+        raise RuntimeError("meshpar is already initialised; call meshpar.destroy_parallel() first")
+    device_type = device_type or _default_device_type()
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims(
+        dp=dp, pp=pp, tp=tp, world_size=world_size, virtual_pipeline_size=virtual_pipeline_size, seed=seed
+    )
+    if not dist.is_initialized():
+        _init_process_group(backend, device_type, timeout)
+    dims.build_mesh(device_type)
+    _PARALLEL = dims
+    from meshpar.random import model_parallel_manual_seed
+
+    model_parallel_manual_seed(seed, dims)
+    logger.info("meshpar initialised: %s", dims)
+    return dims
+
+
+def get_parallel() -> ParallelDims:
+    """The current parallel context; raises if :func:`init_parallel` was not called."""
+    if _PARALLEL is None:
+        raise RuntimeError("meshpar is not initialised; call meshpar.init_parallel(tp=..., pp=..., dp=...) first")
+    return _PARALLEL
+
+
+def _set_parallel(dims: ParallelDims | None) -> None:
+    """Install an already-built context (used by :mod:`meshpar.testing` to reuse process groups)."""
+    global _PARALLEL
+    _PARALLEL = dims
+
+
+def is_initialized() -> bool:
+    return _PARALLEL is not None
+
+
+def destroy_parallel(destroy_process_group: bool = False) -> None:
+    """Forget the mesh context (and optionally tear down ``torch.distributed``) so that it can be re-initialised."""
+    global _PARALLEL
+    _PARALLEL = None
+    from meshpar.random import get_rng_tracker
+
+    get_rng_tracker().reset()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()

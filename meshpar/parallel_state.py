@@ -1,0 +1,118 @@
+"""apex.transformer / neuronx-distributed ``parallel_state`` API as thin views of meshpar's one mesh.
+
+Nothing here holds state of its own: every getter reads :func:`meshpar.get_parallel`. Rank layout is Megatron's
+(tp fastest-varying, then pp, then dp); see :mod:`meshpar.parallel_dims`.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from meshpar.parallel_dims import destroy_parallel, get_parallel, init_parallel, is_initialized
+
+GroupOrRanks = dist.ProcessGroup | list[list[int]]
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    *,
+    seed: int = 1234,
+) -> None:
+    """apex/NxD entry point; data parallelism takes the rest of the world."""
+    init_parallel(
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        dp=-1,
+        virtual_pipeline_size=virtual_pipeline_model_parallel_size,
+        seed=seed,
+    )
+
+
+def model_parallel_is_initialized() -> bool:
+    return is_initialized()
+
+
+def destroy_model_parallel() -> None:
+    destroy_parallel()
+
+
+def _group(dim: str, as_list: bool) -> GroupOrRanks:
+    dims = get_parallel()
+    if as_list:
+        return dims.group_ranks(dim)
+    return getattr(dims, f"{dim}_mesh").get_group()
+
+
+def get_tensor_model_parallel_size() -> int:
+    return get_parallel().tp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel().tp_rank
+
+
+def get_tensor_model_parallel_group(as_list: bool = False) -> GroupOrRanks:
+    return _group("tp", as_list)
+
+
+def get_pipeline_model_parallel_size() -> int:
+    return get_parallel().pp
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel().pp_rank
+
+
+def get_pipeline_model_parallel_group(as_list: bool = False) -> GroupOrRanks:
+    return _group("pp", as_list)
+
+
+def get_data_parallel_size() -> int:
+    return get_parallel().dp
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel().dp_rank
+
+
+def get_data_parallel_group(as_list: bool = False) -> GroupOrRanks:
+    return _group("dp", as_list)
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return get_parallel().virtual_pipeline_size
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    return get_parallel().virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    dims = get_parallel()
+    vpp = dims.virtual_pipeline_size or 1
+    if not 0 <= rank < vpp:
+        raise ValueError(f"virtual pipeline rank {rank} is out of range for virtual_pipeline_size={vpp}")
+    dims.virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    dims = get_parallel()
+    if not ignore_virtual and (dims.virtual_pipeline_size or 1) > 1 and dims.virtual_pipeline_rank != 0:
+        return False
+    return dims.pp_rank == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    dims = get_parallel()
+    vpp = dims.virtual_pipeline_size or 1
+    if not ignore_virtual and vpp > 1 and dims.virtual_pipeline_rank != vpp - 1:
+        return False
+    return dims.pp_rank == dims.pp - 1
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tp rank 0 in this rank's tp group (apex's ``broadcast_data`` source)."""
+    dims = get_parallel()
+    return dist.get_rank() - dims.tp_rank

@@ -1,0 +1,38 @@
+"""Tensor parallelism: layers, plan styles, collectives and vocab-parallel cross entropy."""
+
+from meshpar.tensor_parallel._collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    scatter_to_tp,
+)
+from meshpar.tensor_parallel.cross_entropy import parallel_cross_entropy
+from meshpar.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from meshpar.tensor_parallel.style import ColumnParallel, RowParallel, SequenceParallelNorm, VocabParallel
+
+__all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "ParallelEmbedding",
+    "RowParallel",
+    "RowParallelLinear",
+    "SequenceParallelNorm",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "copy_to_tp",
+    "gather_from_sp",
+    "gather_from_tp",
+    "parallel_cross_entropy",
+    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "scatter_to_sp",
+    "scatter_to_tp",
+]

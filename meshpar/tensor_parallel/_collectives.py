@@ -1,0 +1,158 @@
+"""Differentiable tensor-parallel collectives on local tensors (Megatron's mappings, picotron-style).
+
+Each function is an ``autograd.Function`` whose forward and backward are one functional collective
+(``torch.distributed._functional_collectives``), so eager mode issues exactly the collectives Megatron issues and
+``torch.compile`` can trace them. All take the 1-D tp ``DeviceMesh``; with a mesh of size 1 they are the identity.
+
+=========================  ===========================  ===========================
+function                   forward                      backward
+=========================  ===========================  ===========================
+copy_to_tp                 identity                     all-reduce
+reduce_from_tp             all-reduce                   identity
+gather_from_tp(dim)        all-gather along dim         keep own chunk
+scatter_to_tp(dim)         keep own chunk               all-gather along dim
+gather_from_sp(dim)        all-gather along dim         reduce-scatter along dim
+reduce_scatter_to_sp(dim)  reduce-scatter along dim     all-gather along dim
+=========================  ===========================  ===========================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshpar._compat import DeviceMesh, funcol
+
+
+def _all_reduce(x: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, mesh))
+
+
+def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), mesh))
+
+
+def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    if x.shape[dim] % mesh.size() != 0:
+        raise ValueError(
+            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over tp={mesh.size()}: "
+            "the sequence length must be divisible by tp under sequence parallelism"
+        )
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, mesh))
+
+
+def _own_chunk(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    size = mesh.size()
+    if x.shape[dim] % size != 0:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over tp={size}")
+    return x.chunk(size, dim)[mesh.get_local_rank()].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.mesh), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return _all_reduce(x, mesh)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim % x.dim()
+        return _all_gather(x, mesh, ctx.dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _own_chunk(grad, ctx.mesh, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim % x.dim()
+        return _own_chunk(x, mesh, ctx.dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.mesh, ctx.dim), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim % x.dim()
+        return _all_gather(x, mesh, ctx.dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim % x.dim()
+        return _reduce_scatter(x, mesh, ctx.dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.mesh, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Enter a tp region with a replicated tensor: the backward sums the partial input grads."""
+    return x if mesh.size() == 1 else _CopyToTP.apply(x, mesh)
+
+
+def reduce_from_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Leave a tp region by summing partial results."""
+    return x if mesh.size() == 1 else _ReduceFromTP.apply(x, mesh)
+
+
+def gather_from_tp(x: torch.Tensor, mesh: DeviceMesh, dim: int = -1) -> torch.Tensor:
+    return x if mesh.size() == 1 else _GatherFromTP.apply(x, mesh, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, mesh: DeviceMesh, dim: int = -1) -> torch.Tensor:
+    return x if mesh.size() == 1 else _ScatterToTP.apply(x, mesh, dim)
+
+
+def gather_from_sp(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """Sequence shards -> full sequence before a column-parallel layer (backward: reduce-scatter)."""
+    return x if mesh.size() == 1 else _GatherFromSP.apply(x, mesh, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """Partial full-sequence results -> summed sequence shards after a row-parallel layer (backward: all-gather)."""
+    return x if mesh.size() == 1 else _ReduceScatterToSP.apply(x, mesh, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """Replicated full sequence -> this rank's sequence shard (backward: all-gather)."""
+    return scatter_to_tp(x, mesh, dim)
+
+
+def all_reduce_max(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Non-differentiable max over tp (used for the cross-entropy stabiliser)."""
+    return x if mesh.size() == 1 else _all_reduce(x, mesh, "max")
+
+
+def all_reduce_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Non-differentiable sum over tp."""
+    return x if mesh.size() == 1 else _all_reduce(x, mesh, "sum")

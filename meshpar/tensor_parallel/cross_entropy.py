@@ -1,0 +1,130 @@
+"""Cross entropy over vocab-sharded logits, without gathering them.
+
+Each tp rank holds logits ``[..., V/tp]`` for its vocabulary slice. Instead of Megatron's three all-reduces
+(max, target logit, sum of exps), every rank reduces its slice to a few per-token statistics (local max, sum of
+``exp(x - local max)``, target logit if owned, sum of logits for label smoothing) and one all-gather of those
+``[tokens, 4]`` statistics gives every rank the exact global log-partition function (the online-softmax merge).
+The backward needs no communication: the gradient of each rank's slice is local, and stays sharded.
+
+Per-token loss, as ``F.cross_entropy(..., reduction="none")``:
+``loss = (1 - eps) * (logZ - x_target) + eps * (logZ - mean_j x_j)``, 0 where ``label == ignore_index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshpar._compat import DeviceMesh, DTensor, Shard, funcol
+from meshpar.parallel_dims import get_parallel
+
+
+def local_vocab_stats(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (max, sum exp(x - max), target logit or 0, sum x) of a local logits shard ``[N, V_local]``, fp32.
+
+    This is the torch reference of the fused kernel ``torch.ops.meshpar.vocab_ce_stats``.
+    """
+    x = logits.float()
+    row_max = x.amax(dim=-1)
+    sum_exp = torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1)
+    local_label = labels - vocab_start
+    owned = (local_label >= 0) & (local_label < x.shape[-1])
+    target = x.gather(-1, local_label.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target = torch.where(owned, target, torch.zeros_like(target))
+    return row_max, sum_exp, target, x.sum(dim=-1)
+
+
+def _merge_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``[tp, N, 4]`` per-rank statistics into (logZ, target logit, sum of logits), each ``[N]``."""
+    row_max, sum_exp, target, sum_logits = stats.unbind(-1)
+    global_max = row_max.amax(dim=0)
+    total = (sum_exp * torch.exp(row_max - global_max)).sum(dim=0)
+    return global_max + torch.log(total), target.sum(dim=0), sum_logits.sum(dim=0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        mesh: DeviceMesh | None,
+        vocab_start: int,
+        vocab_size: int,
+        label_smoothing: float,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        stats = torch.stack(local_vocab_stats(logits, labels, vocab_start), dim=-1)
+        if mesh is not None and mesh.size() > 1:
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(stats.contiguous(), 0, mesh))
+            stats = gathered.view(mesh.size(), *stats.shape)
+        else:
+            stats = stats.unsqueeze(0)
+        log_z, target, sum_logits = _merge_stats(stats)
+        loss = (1.0 - label_smoothing) * (log_z - target)
+        if label_smoothing > 0:
+            loss = loss + label_smoothing * (log_z - sum_logits / vocab_size)
+        ignored = labels == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logits, labels, log_z, ignored)
+        ctx.vocab_start, ctx.vocab_size = vocab_start, vocab_size
+        ctx.label_smoothing = label_smoothing
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, labels, log_z, ignored = ctx.saved_tensors
+        grad = torch.exp(logits.float() - log_z.unsqueeze(-1))
+        if ctx.label_smoothing > 0:
+            grad = grad - ctx.label_smoothing / ctx.vocab_size
+        local_label = labels - ctx.vocab_start
+        owned = (local_label >= 0) & (local_label < logits.shape[-1]) & ~ignored
+        index = local_label.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        grad.scatter_add_(-1, index, (owned.to(grad.dtype) * -(1.0 - ctx.label_smoothing)).unsqueeze(-1))
+        scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return (grad * scale).to(logits.dtype), None, None, None, None, None, None
+
+
+def parallel_cross_entropy(
+    parallel_logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    *,
+    tp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Per-token loss from vocab-sharded logits ``[..., V/tp]`` (a local shard or a ``Shard(-1)`` DTensor).
+
+    Returns a replicated ``[...]`` tensor; the gradient w.r.t. the logits stays sharded.
+    """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(parallel_logits, DTensor):
+        mesh = parallel_logits.device_mesh
+        if len(parallel_logits.placements) != 1 or parallel_logits.placements[0] not in (
+            Shard(-1),
+            Shard(parallel_logits.ndim - 1),
+        ):
+            raise ValueError(f"parallel_cross_entropy expects logits sharded on the last dim, got {parallel_logits.placements}")
+        local = parallel_logits.to_local()
+    else:
+        mesh = tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
+        local = parallel_logits
+    if local.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(local.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
+    tp = mesh.size()
+    vocab_local = local.shape[-1]
+    vocab_start = mesh.get_local_rank() * vocab_local
+    loss = _VocabParallelCrossEntropy.apply(
+        local.reshape(-1, vocab_local),
+        labels.reshape(-1),
+        mesh,
+        vocab_start,
+        vocab_local * tp,
+        float(label_smoothing),
+        ignore_index,
+    )
+    return loss.view(labels.shape)

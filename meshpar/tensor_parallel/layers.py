@@ -1,0 +1,371 @@
+"""Megatron / NxD tensor-parallel layers whose parameters are DTensors on the tp mesh.
+
+Parameters carry their placements (column: weight ``Shard(0)``; row: weight ``Shard(1)``, bias ``Replicate()``;
+vocab embedding: ``Shard(0)``), so DCP, FSDP2 and ``torch.compile`` see real DTensors. The forward pass runs on the
+local shards with the explicit collectives of :mod:`._collectives`: one all-reduce forward and one backward per
+column/row pair (all-gather + reduce-scatter under sequence parallelism), no DTensor dispatch on the hot path.
+
+Activations are plain tensors, batch-first ``[batch, seq, hidden]``; under sequence parallelism they are sequence
+shards ``[batch, seq/tp, hidden]`` (the ``Shard(1)`` layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshpar._compat import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from meshpar.parallel_dims import get_parallel
+from meshpar.tensor_parallel._collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+    scatter_to_tp,
+)
+from meshpar.tensor_parallel._init import (
+    InitMethod,
+    check_divisible,
+    empty_dtensor,
+    fill_from_full_,
+    linear_bias_init,
+    linear_weight_init,
+)
+
+
+def _resolve_tp_mesh(tp_mesh: DeviceMesh | None) -> DeviceMesh:
+    return tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
+
+
+def _local_input(x: torch.Tensor, owner: str) -> torch.Tensor:
+    if isinstance(x, DTensor):
+        if all(isinstance(p, (Replicate, Shard)) for p in x.placements):
+            return x.to_local()
+        raise TypeError(f"{owner} got a DTensor input with placements {x.placements}; pass a local tensor")
+    return x
+
+
+def _is_meta(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _distribute_param(param: nn.Parameter, mesh: DeviceMesh, placements: list, src_data_rank: int | None) -> nn.Parameter:
+    tensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
+    return nn.Parameter(tensor, requires_grad=param.requires_grad)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """``Y = X A^T + b`` with ``A`` split by output features (weight ``Shard(0)``).
+
+    Input: replicated ``[..., in]`` (or a sequence shard ``[b, s/tp, in]`` with ``sequence_parallel_enabled``).
+    Output: this rank's ``[..., out/tp]`` slice, or the full ``[..., out]`` with ``gather_output=True``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        sequence_parallel_enabled: bool = False,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        mesh = _resolve_tp_mesh(tp_mesh)
+        check_divisible(output_size, mesh.size(), "output_size", type(self).__name__)
+        self._configure(mesh, input_size, output_size, gather_output, sequence_parallel_enabled, init_method)
+        self.weight = empty_dtensor((output_size, input_size), mesh, [Shard(0)], dtype=dtype, device=device)
+        self.bias = empty_dtensor((output_size,), mesh, [Shard(0)], dtype=dtype, device=device) if bias else None
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    def _configure(
+        self,
+        mesh: DeviceMesh,
+        input_size: int,
+        output_size: int,
+        gather_output: bool,
+        sequence_parallel_enabled: bool,
+        init_method: InitMethod | None,
+    ) -> None:
+        self.tp_mesh = mesh
+        self.in_features = self.input_size = input_size
+        self.out_features = self.output_size = output_size
+        self.gather_output = gather_output
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.init_method = init_method
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        tp_mesh: DeviceMesh,
+        *,
+        gather_output: bool = False,
+        sequence_parallel_enabled: bool = False,
+        src_data_rank: int | None = 0,
+    ) -> ColumnParallelLinear:
+        """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
+        check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
+        linear.weight = _distribute_param(linear.weight, tp_mesh, [Shard(0)], src_data_rank)
+        if linear.bias is not None:
+            linear.bias = _distribute_param(linear.bias, tp_mesh, [Shard(0)], src_data_rank)
+        linear.__class__ = cls
+        linear._configure(tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None)
+        return linear
+
+    def reset_parameters(self) -> None:
+        if self.init_method is None:
+            fill_from_full_(self.weight, linear_weight_init)
+            if self.bias is not None:
+                fill_from_full_(self.bias, linear_bias_init(self.input_size))
+        else:
+            fill_from_full_(self.weight, self.init_method)
+            if self.bias is not None:
+                fill_from_full_(self.bias, torch.nn.init.zeros_)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _local_input(x, type(self).__name__)
+        if self.sequence_parallel_enabled:
+            x = gather_from_sp(x, self.tp_mesh, dim=1)
+        else:
+            x = copy_to_tp(x, self.tp_mesh)
+        bias = self.bias.to_local() if self.bias is not None else None
+        y = F.linear(x, self.weight.to_local(), bias)
+        return gather_from_tp(y, self.tp_mesh, dim=-1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size} (tp={self.tp_mesh.size()}), bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel_enabled}"
+        )
+
+
+class RowParallelLinear(nn.Linear):
+    """``Y = X A^T + b`` with ``A`` split by input features (weight ``Shard(1)``, bias ``Replicate()``).
+
+    Input: this rank's ``[..., in/tp]`` slice (``input_is_parallel=True``) or the full ``[..., in]``, which is then
+    split locally. Output: the full ``[..., out]`` (all-reduced), or the sequence shard ``[b, s/tp, out]``
+    (reduce-scattered) with ``sequence_parallel_enabled``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        sequence_parallel_enabled: bool = False,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        mesh = _resolve_tp_mesh(tp_mesh)
+        check_divisible(input_size, mesh.size(), "input_size", type(self).__name__)
+        self._configure(mesh, input_size, output_size, input_is_parallel, sequence_parallel_enabled, init_method)
+        self.weight = empty_dtensor((output_size, input_size), mesh, [Shard(1)], dtype=dtype, device=device)
+        self.bias = empty_dtensor((output_size,), mesh, [Replicate()], dtype=dtype, device=device) if bias else None
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    def _configure(
+        self,
+        mesh: DeviceMesh,
+        input_size: int,
+        output_size: int,
+        input_is_parallel: bool,
+        sequence_parallel_enabled: bool,
+        init_method: InitMethod | None,
+    ) -> None:
+        if sequence_parallel_enabled and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel_enabled=True requires input_is_parallel=True")
+        self.tp_mesh = mesh
+        self.in_features = self.input_size = input_size
+        self.out_features = self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.init_method = init_method
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        tp_mesh: DeviceMesh,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel_enabled: bool = False,
+        src_data_rank: int | None = 0,
+    ) -> RowParallelLinear:
+        """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
+        check_divisible(linear.in_features, tp_mesh.size(), "in_features", cls.__name__)
+        linear.weight = _distribute_param(linear.weight, tp_mesh, [Shard(1)], src_data_rank)
+        if linear.bias is not None:
+            linear.bias = _distribute_param(linear.bias, tp_mesh, [Replicate()], src_data_rank)
+        linear.__class__ = cls
+        linear._configure(
+            tp_mesh, linear.in_features, linear.out_features, input_is_parallel, sequence_parallel_enabled, None
+        )
+        return linear
+
+    reset_parameters = ColumnParallelLinear.reset_parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _local_input(x, type(self).__name__)
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp_mesh, dim=-1)
+        y = F.linear(x, self.weight.to_local())
+        if self.sequence_parallel_enabled:
+            y = reduce_scatter_to_sp(y, self.tp_mesh, dim=1)
+        else:
+            y = reduce_from_tp(y, self.tp_mesh)
+        if self.bias is None:
+            return y
+        bias = self.bias.to_local()
+        if self.sequence_parallel_enabled:
+            # Each rank adds the bias to its own sequence shard: its grad is a partial sum over tp ranks.
+            bias = copy_to_tp(bias, self.tp_mesh)
+        return y + bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size} (tp={self.tp_mesh.size()}), out={self.output_size}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel_enabled}"
+        )
+
+
+class ParallelEmbedding(nn.Embedding):
+    """Embedding sharded over the vocabulary (weight ``Shard(0)``) or, with ``shard_across_embedding``, over the
+    embedding dim (weight ``Shard(1)``).
+
+    Vocab sharding: each rank looks up the ids it owns, zeroes the rest and the partial results are all-reduced
+    (reduce-scattered over the sequence with ``sequence_parallel_enabled``). Output ``[..., embedding_dim]``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        shard_across_embedding: bool = False,
+        sequence_parallel_enabled: bool = False,
+        *,
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        mesh = _resolve_tp_mesh(tp_mesh)
+        if shard_across_embedding:
+            check_divisible(embedding_dim, mesh.size(), "embedding_dim", type(self).__name__)
+        else:
+            check_divisible(num_embeddings, mesh.size(), "num_embeddings (vocab size)", type(self).__name__)
+        self._configure(
+            mesh, num_embeddings, embedding_dim, padding_idx, shard_across_embedding, sequence_parallel_enabled, init_method
+        )
+        placement = Shard(1) if shard_across_embedding else Shard(0)
+        self.weight = empty_dtensor((num_embeddings, embedding_dim), mesh, [placement], dtype=dtype, device=device)
+        if not _is_meta(device):
+            self.reset_parameters()
+
+    def _configure(
+        self,
+        mesh: DeviceMesh,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None,
+        shard_across_embedding: bool,
+        sequence_parallel_enabled: bool,
+        init_method: InitMethod | None,
+    ) -> None:
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.tp_mesh = mesh
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.shard_across_embedding = shard_across_embedding
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.init_method = init_method
+        self.max_norm = None
+        self.sparse = False
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        per_rank = num_embeddings if shard_across_embedding else num_embeddings // tp
+        self.vocab_start_index = 0 if shard_across_embedding else rank * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+
+    @classmethod
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        tp_mesh: DeviceMesh,
+        *,
+        shard_across_embedding: bool = False,
+        sequence_parallel_enabled: bool = False,
+        src_data_rank: int | None = 0,
+    ) -> ParallelEmbedding:
+        """Shard an existing ``nn.Embedding`` in place."""
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("ParallelEmbedding does not support max_norm or sparse embeddings")
+        dim_size = embedding.embedding_dim if shard_across_embedding else embedding.num_embeddings
+        what = "embedding_dim" if shard_across_embedding else "num_embeddings (vocab size)"
+        check_divisible(dim_size, tp_mesh.size(), what, cls.__name__)
+        placement = Shard(1) if shard_across_embedding else Shard(0)
+        embedding.weight = _distribute_param(embedding.weight, tp_mesh, [placement], src_data_rank)
+        embedding.__class__ = cls
+        embedding._configure(
+            tp_mesh,
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            embedding.padding_idx,
+            shard_across_embedding,
+            sequence_parallel_enabled,
+            None,
+        )
+        return embedding
+
+    def reset_parameters(self) -> None:
+        def init(full: torch.Tensor) -> None:
+            (self.init_method or torch.nn.init.normal_)(full)
+            if self.padding_idx is not None:
+                full[self.padding_idx].zero_()
+
+        fill_from_full_(self.weight, init)
+
+    def _local_padding_idx(self) -> int | None:
+        if self.padding_idx is None or not self.vocab_start_index <= self.padding_idx < self.vocab_end_index:
+            return None
+        return self.padding_idx - self.vocab_start_index
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local()
+        if self.shard_across_embedding:
+            out = gather_from_tp(F.embedding(ids, weight, self.padding_idx), self.tp_mesh, dim=-1)
+            return scatter_to_sp(out, self.tp_mesh, dim=1) if self.sequence_parallel_enabled else out
+        if self.tp_mesh.size() == 1:
+            out = F.embedding(ids, weight, self.padding_idx)
+            return out
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, weight, self._local_padding_idx())
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel_enabled:
+            return reduce_scatter_to_sp(out, self.tp_mesh, dim=1)
+        return reduce_from_tp(out, self.tp_mesh)
+
+    def extra_repr(self) -> str:
+        how = "embedding dim" if self.shard_across_embedding else "vocab"
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharded over {how} (tp={self.tp_mesh.size()})"
+
+
+VocabParallelEmbedding = ParallelEmbedding

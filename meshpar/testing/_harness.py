@@ -1,0 +1,130 @@
+"""A persistent pool of gloo worker processes that runs test functions on every rank.
+
+Spawning processes and importing torch costs seconds, so each world size gets one pool per test session; every
+call sends a picklable (module-level) function to all ranks and returns the per-rank results. A failure on any rank
+raises with every rank's traceback; a rank that does not answer within the timeout is treated as a hang: the pool is
+killed (and rebuilt by the next call) instead of blocking the test session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_GLOO_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S)
+    )
+    from meshpar.parallel_dims import destroy_parallel
+
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            destroy_parallel()
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """``world_size`` gloo processes waiting for functions to run."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns: list[Connection] = []
+        self._procs: list[mp.process.BaseProcess] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+        if self.broken:
+            raise RuntimeError("this pool was killed after a failure; use a new one")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        errors: list[str] = []
+        for rank, conn in enumerate(self._conns):
+            wait = timeout if not errors else 15.0
+            if not conn.poll(wait):
+                errors.append(f"rank {rank}: no answer after {wait:.0f}s (hang or deadlock)")
+                continue
+            status, payload = conn.recv()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+        if errors:
+            self.close(force=True)
+            raise AssertionError(f"{fn.__name__} failed on world size {self.world_size}:\n" + "\n".join(errors))
+        return results
+
+    def close(self, force: bool = False) -> None:
+        self.broken = True
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if not force and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+
+
+_POOLS: dict[int, DistributedPool] = {}
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank of a gloo group of ``world_size``; returns per-rank results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.broken:
+        pool = _POOLS[world_size] = DistributedPool(world_size)
+    return pool.run(fn, *args, **kwargs)
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        if not pool.broken:
+            pool.close()
+    _POOLS.clear()

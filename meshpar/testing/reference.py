@@ -1,0 +1,56 @@
+"""Helpers to compare sharded results with a dense single-process reference."""
+
+from __future__ import annotations
+
+import torch
+
+from meshpar._compat import DeviceMesh, DTensor, Shard
+from meshpar.parallel_dims import ParallelDims, _set_parallel, get_parallel
+
+_MESH_CACHE: dict[tuple[int, int, int], ParallelDims] = {}
+
+
+def setup_parallel(tp: int = 1, pp: int = 1, dp: int = -1, *, seed: int = 1234) -> ParallelDims:
+    """``init_parallel`` for tests, reusing the process groups of an earlier mesh of the same shape."""
+    import torch.distributed as dist
+
+    from meshpar.random import model_parallel_manual_seed
+
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), seed=seed)
+    key = (dims.dp, dims.pp, dims.tp)
+    if key not in _MESH_CACHE:
+        dims.build_mesh("cpu")
+        _MESH_CACHE[key] = dims
+    dims.mesh = _MESH_CACHE[key].mesh
+    _set_parallel(dims)
+    model_parallel_manual_seed(seed, dims)
+    return dims
+
+
+def shard_of(dense: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """This rank's slice of ``dense`` when split evenly along ``dim`` over ``mesh``."""
+    return dense.chunk(mesh.size(), dim)[mesh.get_local_rank()]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expected_local(dense: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The slice of ``dense`` that a DTensor ``like`` (param or grad) holds on this rank."""
+    if not isinstance(like, DTensor):
+        return dense
+    out = dense
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            mesh = like.device_mesh
+            out = out.chunk(mesh.size(mesh_dim), placement.dim)[mesh.get_local_rank(mesh_dim)]
+    return out
+
+
+def assert_matches_dense(actual: torch.Tensor, dense: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5, msg: str = "") -> None:
+    torch.testing.assert_close(local(actual), expected_local(dense, actual), atol=atol, rtol=rtol, msg=msg or None)
+
+
+def current_tp_mesh() -> DeviceMesh:
+    return get_parallel().tp_mesh

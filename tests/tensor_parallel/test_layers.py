@@ -1,0 +1,191 @@
+"""ColumnParallelLinear / RowParallelLinear / ParallelEmbedding against dense nn.Linear / nn.Embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshpar import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
+
+BATCH, SEQ, IN, OUT = 3, 8, 12, 20  # OUT=20 and IN=12 split over tp=4; SEQ=8 splits for sequence parallelism
+
+
+def _dense_linear(bias: bool) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    dense = nn.Linear(IN, OUT, bias=bias)
+    x = torch.randn(BATCH, SEQ, IN, requires_grad=True)
+    grad_out = torch.randn(BATCH, SEQ, OUT)
+    dense(x).backward(grad_out)
+    return dense, x, grad_out
+
+
+def _check_params(layer: nn.Module, dense: nn.Module) -> None:
+    for name, param in layer.named_parameters():
+        dense_param = dict(dense.named_parameters())[name]
+        assert_matches_dense(param.detach(), dense_param.detach(), msg=f"value of {name}")
+        assert_matches_dense(param.grad, dense_param.grad, msg=f"grad of {name}")
+
+
+def column_case(tp: int, bias: bool, gather_output: bool, sp: bool) -> None:
+    dims = setup_parallel(tp=tp)
+    dense, x, grad_out = _dense_linear(bias)
+    torch.manual_seed(0)  # the sharded layer must hold exactly the slice of the dense init
+    layer = ColumnParallelLinear(IN, OUT, bias=bias, gather_output=gather_output, sequence_parallel_enabled=sp)
+    mesh = dims.tp_mesh
+    x_local = (shard_of(x.detach(), mesh, 1) if sp else x.detach()).clone().requires_grad_()
+    y = layer(x_local)
+    expected = dense(x)
+    if not gather_output:
+        expected, grad_out = shard_of(expected, mesh, -1), shard_of(grad_out, mesh, -1)
+    torch.testing.assert_close(y, expected.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(grad_out)
+    expected_grad = shard_of(x.grad, mesh, 1) if sp else x.grad
+    torch.testing.assert_close(x_local.grad, expected_grad, atol=1e-5, rtol=1e-5)
+    _check_params(layer, dense)
+
+
+def row_case(tp: int, bias: bool, input_is_parallel: bool, sp: bool) -> None:
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense = nn.Linear(IN, OUT, bias=bias)
+    x = torch.randn(BATCH, SEQ, IN, requires_grad=True)
+    grad_out = torch.randn(BATCH, SEQ, OUT)
+    expected = dense(x)
+    expected.backward(grad_out)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(IN, OUT, bias=bias, input_is_parallel=input_is_parallel, sequence_parallel_enabled=sp)
+    mesh = dims.tp_mesh
+    x_local = (shard_of(x.detach(), mesh, -1) if input_is_parallel else x.detach()).clone().requires_grad_()
+    y = layer(x_local)
+    if sp:
+        expected, grad_out = shard_of(expected, mesh, 1), shard_of(grad_out, mesh, 1)
+    torch.testing.assert_close(y, expected.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(grad_out)
+    expected_grad = shard_of(x.grad, mesh, -1) if input_is_parallel else x.grad
+    torch.testing.assert_close(x_local.grad, expected_grad, atol=1e-5, rtol=1e-5)
+    _check_params(layer, dense)
+
+
+def embedding_case(tp: int, shard_across_embedding: bool, sp: bool, padding_idx: int | None) -> None:
+    dims = setup_parallel(tp=tp)
+    vocab, dim = 20, 12
+    torch.manual_seed(0)
+    dense = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+    ids = torch.tensor([[0, 4, 5, 9, 10, 14, 15, 19], [19, 3, 3, 7, 12, 0, 1, 2]])  # every shard boundary
+    grad_out = torch.randn(2, 8, dim)
+    expected = dense(ids)
+    expected.backward(grad_out)
+    torch.manual_seed(0)
+    layer = ParallelEmbedding(
+        vocab, dim, padding_idx=padding_idx, shard_across_embedding=shard_across_embedding, sequence_parallel_enabled=sp
+    )
+    y = layer(ids)
+    if sp:
+        expected, grad_out = shard_of(expected, dims.tp_mesh, 1), shard_of(grad_out, dims.tp_mesh, 1)
+    torch.testing.assert_close(y, expected.detach(), atol=1e-6, rtol=1e-6)
+    y.backward(grad_out)
+    _check_params(layer, dense)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("gather_output", "sp"), [(True, False), (False, False), (False, True), (True, True)])
+def test_column_parallel_linear_matches_dense(tp: int, bias: bool, gather_output: bool, sp: bool) -> None:
+    run_distributed(column_case, 4, tp, bias, gather_output, sp)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("input_is_parallel", "sp"), [(True, False), (False, False), (True, True)])
+def test_row_parallel_linear_matches_dense(tp: int, bias: bool, input_is_parallel: bool, sp: bool) -> None:
+    run_distributed(row_case, 4, tp, bias, input_is_parallel, sp)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("shard_across_embedding", "sp"), [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_parallel_embedding_matches_dense(tp: int, shard_across_embedding: bool, sp: bool, padding_idx: int | None) -> None:
+    run_distributed(embedding_case, 4, tp, shard_across_embedding, sp, padding_idx)
+
+
+def test_single_process_world() -> None:
+    run_distributed(column_case, 1, 1, True, False, False)
+    run_distributed(row_case, 2, 2, True, True, True)
+
+
+def placements_case() -> list[str]:
+    setup_parallel(tp=2)
+    col = ColumnParallelLinear(IN, OUT)
+    row = RowParallelLinear(IN, OUT)
+    emb = ParallelEmbedding(20, 12)
+    emb_dim = ParallelEmbedding(20, 12, shard_across_embedding=True)
+    return [str(p.placements) for p in (col.weight, col.bias, row.weight, row.bias, emb.weight, emb_dim.weight)]
+
+
+def test_parameters_are_dtensors_with_megatron_placements() -> None:
+    results = run_distributed(placements_case, 2)
+    assert results[0] == [
+        "(Shard(dim=0),)",
+        "(Shard(dim=0),)",
+        "(Shard(dim=1),)",
+        "(Replicate(),)",
+        "(Shard(dim=0),)",
+        "(Shard(dim=1),)",
+    ]
+
+
+def meta_init_case() -> bool:
+    setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Linear(IN, OUT)
+    layer = ColumnParallelLinear(IN, OUT, device="meta")
+    assert layer.weight.to_local().is_meta and layer.weight.to_local().shape == (OUT // 2, IN)
+    layer.to_empty(device="cpu")
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    assert_matches_dense(layer.weight.detach(), dense.weight.detach())
+    assert_matches_dense(layer.bias.detach(), dense.bias.detach())
+    return True
+
+
+def test_meta_init_allocates_only_local_shard_then_matches_dense() -> None:
+    assert run_distributed(meta_init_case, 2) == [True, True]
+
+
+def indivisible_case(kind: str) -> None:
+    setup_parallel(tp=4)
+    if kind == "column":
+        ColumnParallelLinear(8, 30)
+    elif kind == "row":
+        RowParallelLinear(30, 8)
+    elif kind == "embedding":
+        ParallelEmbedding(50257, 8)
+    elif kind == "row_sp_without_parallel_input":
+        RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel_enabled=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("column", "output_size 30 is not divisible by tp=4"),
+        ("row", "input_size 30 is not divisible by tp=4"),
+        ("embedding", "num_embeddings \\(vocab size\\) 50257 is not divisible by tp=4"),
+        ("row_sp_without_parallel_input", "requires input_is_parallel=True"),
+    ],
+)
+def test_indivisible_sizes_raise_clear_errors(kind: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(indivisible_case, 4, kind)
+
+
+def sp_bad_seq_case() -> None:
+    setup_parallel(tp=4)
+    layer = RowParallelLinear(8, 8, input_is_parallel=True, sequence_parallel_enabled=True)
+    layer(torch.randn(2, 6, 2))  # sequence length 6 is not divisible by tp=4
+
+
+def test_sequence_length_not_divisible_raises() -> None:
+    with pytest.raises(AssertionError, match="sequence length must be divisible by tp"):
+        run_distributed(sp_bad_seq_case, 4)
