@@ -11,7 +11,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ParallelStyle
 
+# torch >= 2.13 renamed the dim-aware functional collectives; same signatures.
+all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
+
 __all__ = [
+    "all_gather_single",
+    "reduce_scatter_single",
     "CommDebugMode",
     "DTensor",
     "DeviceMesh",

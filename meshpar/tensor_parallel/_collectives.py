@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from meshpar._compat import DeviceMesh, funcol
+from meshpar._compat import DeviceMesh, all_gather_single, funcol, reduce_scatter_single
 
 
 def _all_reduce(x: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
@@ -30,7 +30,7 @@ def _all_reduce(x: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Ten
 
 
 def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim % x.dim(), mesh))
+    return funcol.wait_tensor(all_gather_single(x.contiguous(), dim % x.dim(), mesh))
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor
             f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over tp={mesh.size()}: "
             "the sequence length must be divisible by tp under sequence parallelism"
         )
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, mesh))
+    return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, mesh))
 
 
 def _own_chunk(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:

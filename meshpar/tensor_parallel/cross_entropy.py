@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from meshpar._compat import DeviceMesh, DTensor, Shard, funcol
+from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, funcol
 from meshpar.parallel_dims import get_parallel
 
 
@@ -59,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         stats = torch.stack(local_vocab_stats(logits, labels, vocab_start), dim=-1)
         if mesh is not None and mesh.size() > 1:
-            gathered = funcol.wait_tensor(funcol.all_gather_tensor(stats.contiguous(), 0, mesh))
+            gathered = funcol.wait_tensor(all_gather_single(stats.contiguous(), 0, mesh))
             stats = gathered.view(mesh.size(), *stats.shape)
         else:
             stats = stats.unsqueeze(0)

@@ -369,3 +369,41 @@ class ParallelEmbedding(nn.Embedding):
 
 
 VocabParallelEmbedding = ParallelEmbedding
+
+
+class _SequenceParallelParams:
+    """Mixin for a module on sequence shards whose own parameters are ``Replicate()`` DTensors.
+
+    The forward temporarily swaps each parameter for ``copy_to_tp(local)`` so the module's unchanged forward sees
+    plain tensors and the partial grads of the sequence shards are summed over tp in backward.
+    """
+
+    _sp_tp_mesh: DeviceMesh
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        params = self._parameters  # type: ignore[attr-defined]
+        saved = dict(params)
+        try:
+            for name, param in saved.items():
+                if param is not None:
+                    params[name] = copy_to_tp(param.to_local(), self._sp_tp_mesh)
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            params.update(saved)
+
+
+_SP_CLASSES: dict[type, type] = {}
+
+
+def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    """Turn ``module`` in place into its sequence-parallel twin (same class name prefix, same parameter names)."""
+    cls = type(module)
+    if issubclass(cls, _SequenceParallelParams):
+        raise ValueError(f"{cls.__name__} is already sequence parallel")
+    for name, param in list(module.named_parameters(recurse=False)):
+        setattr(module, name, _distribute_param(param, tp_mesh, [Replicate()], src_data_rank))
+    if cls not in _SP_CLASSES:
+        _SP_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelParams, cls), {})
+    module.__class__ = _SP_CLASSES[cls]
+    module._sp_tp_mesh = tp_mesh
+    return module

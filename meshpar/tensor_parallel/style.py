@@ -10,7 +10,7 @@ style                         weight placement          activations in -> out
 ColumnParallel                Shard(0)                  replicated (or seq shard) -> features shard
 RowParallel                   Shard(1), bias Replicate  features shard -> replicated (or seq shard)
 VocabParallel                 Shard(0) (or Shard(1))    ids -> replicated (or seq shard) embeddings
-SequenceParallelNorm          Replicate                 seq shard -> seq shard (torch's SequenceParallel)
+SequenceParallelNorm          Replicate                 seq shard -> seq shard
 ============================  ========================  =============================================
 
 A vocab-parallel LM head is ``ColumnParallel()`` (``gather_output=False``) feeding
@@ -21,10 +21,13 @@ dicts for modules meshpar does not cover.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import SequenceParallel
-
 from meshpar._compat import DeviceMesh, ParallelStyle
-from meshpar.tensor_parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from meshpar.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    make_sequence_parallel_norm,
+)
 
 
 def _require(module: nn.Module, cls: type, style: str) -> None:
@@ -89,9 +92,14 @@ class VocabParallel(ParallelStyle):
         )
 
 
-def SequenceParallelNorm(sequence_dim: int = 1) -> ParallelStyle:  # noqa: N802 - reads like a style class
-    """Norm (or dropout) over sequence shards with replicated parameters whose grads are summed over tp.
+class SequenceParallelNorm(ParallelStyle):
+    """A norm (LayerNorm, RMSNorm, any module with its own parameters) run on sequence shards.
 
-    This is torch's ``SequenceParallel`` returning local tensors, so it composes with meshpar's local-tensor layers.
+    Its parameters become ``Replicate()`` DTensors. Each rank sees only its sequence shard, so each parameter's grad
+    is a partial sum; the forward passes every parameter through ``copy_to_tp`` (identity forward, all-reduce
+    backward), so the grads are complete and replicated when backward ends - one small all-reduce per parameter,
+    which is Megatron's sequence-parallel grad all-reduce done in place. Activations stay local tensors.
     """
-    return SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return make_sequence_parallel_norm(module, device_mesh, src_data_rank=self.src_data_rank)

@@ -82,10 +82,12 @@ class DistributedPool:
             conn.send((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
+        hung = False
         for rank, conn in enumerate(self._conns):
             wait = timeout if not errors else 15.0
             if not conn.poll(wait):
                 errors.append(f"rank {rank}: no answer after {wait:.0f}s (hang or deadlock)")
+                hung = True
                 continue
             status, payload = conn.recv()
             if status == "ok":
@@ -93,7 +95,8 @@ class DistributedPool:
             else:
                 errors.append(f"rank {rank}:\n{payload}")
         if errors:
-            self.close(force=True)
+            if hung:  # a rank may be stuck in a collective: the process group cannot be trusted any more
+                self.close(force=True)
             raise AssertionError(f"{fn.__name__} failed on world size {self.world_size}:\n" + "\n".join(errors))
         return results
 

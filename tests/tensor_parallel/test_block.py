@@ -1,0 +1,74 @@
+"""A 2-layer transformer sharded with parallelize_module plan dicts vs its dense twin, and its collectives."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshpar._compat import CommDebugMode
+from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
+from tests._models import TinyTransformer, block_plan
+
+
+def _comm_counts(mode: CommDebugMode) -> Counter:
+    return Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
+
+
+def block_case(tp: int, sp: bool, bias: bool) -> None:
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2, bias=bias)
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan(sequence_parallel=sp))
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    grad_out = torch.randn(2, 8, 16)
+    expected = dense(x)
+    expected.backward(grad_out)
+
+    x_local = (shard_of(x.detach(), dims.tp_mesh, 1) if sp else x.detach()).clone().requires_grad_()
+    y = model(x_local)
+    if sp:
+        expected, grad_out = shard_of(expected, dims.tp_mesh, 1), shard_of(grad_out, dims.tp_mesh, 1)
+    torch.testing.assert_close(y, expected.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(grad_out)
+    torch.testing.assert_close(x_local.grad, shard_of(x.grad, dims.tp_mesh, 1) if sp else x.grad, atol=1e-5, rtol=1e-5)
+    dense_params = dict(dense.named_parameters())
+    for name, param in model.named_parameters():
+        assert_matches_dense(param.grad, dense_params[name].grad, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_transformer_block_matches_dense(tp: int, sp: bool, bias: bool) -> None:
+    run_distributed(block_case, 4, tp, sp, bias)
+
+
+def comm_case(sp: bool) -> tuple[dict, dict]:
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    model = parallelize_module(TinyTransformer(layers=1, bias=False), dims.tp_mesh, block_plan(sequence_parallel=sp))
+    x = torch.randn(2, 4 if sp else 8, 16, requires_grad=True)
+    with CommDebugMode() as fwd:
+        y = model(x)
+    with CommDebugMode() as bwd:
+        y.sum().backward()
+    return dict(_comm_counts(fwd)), dict(_comm_counts(bwd))
+
+
+def test_megatron_block_issues_one_all_reduce_per_pair_each_way() -> None:
+    fwd, bwd = run_distributed(comm_case, 2, False)[0]
+    # attention (qkv -> out) and MLP (fc1 -> fc2): one all-reduce each, forward and backward
+    assert fwd == {"all_reduce": 2}
+    assert bwd == {"all_reduce": 2}
+
+
+def test_sequence_parallel_block_uses_all_gather_and_reduce_scatter() -> None:
+    fwd, bwd = run_distributed(comm_case, 2, True)[0]
+    assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    # backward mirrors the forward; the two LayerNorms' replicated weight and bias grads are partial sums over the
+    # sequence shards and need one all-reduce each (Megatron's sequence-parallel grad all-reduce)
+    assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 4}
