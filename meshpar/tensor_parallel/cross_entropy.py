@@ -108,7 +108,9 @@ def parallel_cross_entropy(
             Shard(-1),
             Shard(parallel_logits.ndim - 1),
         ):
-            raise ValueError(f"parallel_cross_entropy expects logits sharded on the last dim, got {parallel_logits.placements}")
+            raise ValueError(
+                f"parallel_cross_entropy expects logits sharded on the last dim, got {parallel_logits.placements}"
+            )
         local = parallel_logits.to_local()
     else:
         mesh = tp_mesh if tp_mesh is not None else get_parallel().tp_mesh

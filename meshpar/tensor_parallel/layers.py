@@ -52,7 +52,9 @@ def _is_meta(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
-def _distribute_param(param: nn.Parameter, mesh: DeviceMesh, placements: list, src_data_rank: int | None) -> nn.Parameter:
+def _distribute_param(
+    param: nn.Parameter, mesh: DeviceMesh, placements: list, src_data_rank: int | None
+) -> nn.Parameter:
     tensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
@@ -118,7 +120,9 @@ class ColumnParallelLinear(nn.Linear):
         if linear.bias is not None:
             linear.bias = _distribute_param(linear.bias, tp_mesh, [Shard(0)], src_data_rank)
         linear.__class__ = cls
-        linear._configure(tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None)
+        linear._configure(
+            tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None
+        )
         return linear
 
     def reset_parameters(self) -> None:
@@ -133,10 +137,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        if self.sequence_parallel_enabled:
-            x = gather_from_sp(x, self.tp_mesh, dim=1)
-        else:
-            x = copy_to_tp(x, self.tp_mesh)
+        x = gather_from_sp(x, self.tp_mesh, dim=1) if self.sequence_parallel_enabled else copy_to_tp(x, self.tp_mesh)
         bias = self.bias.to_local() if self.bias is not None else None
         y = F.linear(x, self.weight.to_local(), bias)
         return gather_from_tp(y, self.tp_mesh, dim=-1) if self.gather_output else y
@@ -271,7 +272,13 @@ class ParallelEmbedding(nn.Embedding):
         else:
             check_divisible(num_embeddings, mesh.size(), "num_embeddings (vocab size)", type(self).__name__)
         self._configure(
-            mesh, num_embeddings, embedding_dim, padding_idx, shard_across_embedding, sequence_parallel_enabled, init_method
+            mesh,
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            shard_across_embedding,
+            sequence_parallel_enabled,
+            init_method,
         )
         placement = Shard(1) if shard_across_embedding else Shard(0)
         self.weight = empty_dtensor((num_embeddings, embedding_dim), mesh, [placement], dtype=dtype, device=device)

@@ -21,6 +21,7 @@ dicts for modules meshpar does not cover.
 from __future__ import annotations
 
 from torch import nn
+
 from meshpar._compat import DeviceMesh, ParallelStyle
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,

@@ -9,6 +9,7 @@ killed (and rebuilt by the next call) instead of blocking the test session.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -51,7 +52,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
         fn, args, kwargs = message
         try:
             conn.send(("ok", fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        except BaseException:
             conn.send(("error", traceback.format_exc()))
         finally:
             destroy_parallel()
@@ -104,10 +105,8 @@ class DistributedPool:
         self.broken = True
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if not force and proc.is_alive():
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
                 proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

@@ -48,7 +48,9 @@ def expected_local(dense: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def assert_matches_dense(actual: torch.Tensor, dense: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5, msg: str = "") -> None:
+def assert_matches_dense(
+    actual: torch.Tensor, dense: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5, msg: str = ""
+) -> None:
     torch.testing.assert_close(local(actual), expected_local(dense, actual), atol=atol, rtol=rtol, msg=msg or None)
 
 

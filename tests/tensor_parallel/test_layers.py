@@ -106,7 +106,9 @@ def test_row_parallel_linear_matches_dense(tp: int, bias: bool, input_is_paralle
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize(("shard_across_embedding", "sp"), [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("padding_idx", [None, 3])
-def test_parallel_embedding_matches_dense(tp: int, shard_across_embedding: bool, sp: bool, padding_idx: int | None) -> None:
+def test_parallel_embedding_matches_dense(
+    tp: int, shard_across_embedding: bool, sp: bool, padding_idx: int | None
+) -> None:
     run_distributed(embedding_case, 4, tp, shard_across_embedding, sp, padding_idx)
 
 

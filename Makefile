@@ -1,0 +1,22 @@
+# The two entry points of the README. Each one sets up .venv first (scripts/setup_env.sh is a no-op when done).
+NPROC ?= 4
+PY := .venv/bin/python
+
+.PHONY: setup train test lint format
+
+setup:
+	bash scripts/setup_env.sh
+
+train: setup
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/train_tp.py $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check meshpar tests examples benchmarks
+	$(PY) -m ruff format --check meshpar tests examples benchmarks
+
+test: setup lint
+	$(PY) -m pytest -q $(ARGS)
+
+format: setup
+	$(PY) -m ruff format meshpar tests examples benchmarks
+	$(PY) -m ruff check --fix meshpar tests examples benchmarks

@@ -1,0 +1,111 @@
+"""init_parallel / ParallelDims / parallel_state views of the mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshpar
+from meshpar import ParallelDims, parallel_state
+from meshpar.testing import run_distributed
+
+
+def state_case(tp: int, pp: int, vpp: int | None) -> dict:
+    import torch.distributed as dist
+
+    parallel_state.initialize_model_parallel(tp, pp, vpp)
+    dims = meshpar.get_parallel()
+    assert parallel_state.model_parallel_is_initialized()
+    out = {
+        "rank": dist.get_rank(),
+        "tp": (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()),
+        "pp": (parallel_state.get_pipeline_model_parallel_size(), parallel_state.get_pipeline_model_parallel_rank()),
+        "dp": (parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()),
+        "tp_groups": parallel_state.get_tensor_model_parallel_group(as_list=True),
+        "pp_groups": parallel_state.get_pipeline_model_parallel_group(as_list=True),
+        "dp_groups": parallel_state.get_data_parallel_group(as_list=True),
+        "tp_group_size": dist.get_world_size(parallel_state.get_tensor_model_parallel_group()),
+        "first": parallel_state.is_pipeline_first_stage(),
+        "last": parallel_state.is_pipeline_last_stage(),
+        "mesh_dims": dims.mesh.mesh_dim_names,
+    }
+    if vpp:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(1)
+        out["first_v1"] = parallel_state.is_pipeline_first_stage()
+        out["first_v1_ignore"] = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        out["last_v1"] = parallel_state.is_pipeline_last_stage()
+    parallel_state.destroy_model_parallel()
+    assert not parallel_state.model_parallel_is_initialized()
+    return out
+
+
+def test_megatron_rank_layout_tp_fastest_then_pp_then_dp() -> None:
+    results = run_distributed(state_case, 4, 2, 2, None)
+    for r in results:
+        assert r["mesh_dims"] == ("dp", "pp", "tp")
+        assert r["tp_groups"] == [[0, 1], [2, 3]]
+        assert r["pp_groups"] == [[0, 2], [1, 3]]
+        assert r["dp_groups"] == [[0], [1], [2], [3]]
+        assert r["tp_group_size"] == 2
+    assert [r["tp"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert [r["pp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [r["dp"] for r in results] == [(1, 0)] * 4
+    assert [r["first"] for r in results] == [True, True, False, False]
+    assert [r["last"] for r in results] == [False, False, True, True]
+
+
+def test_data_parallel_takes_the_rest_of_the_world() -> None:
+    results = run_distributed(state_case, 4, 2, 1, None)
+    assert results[0]["dp_groups"] == [[0, 2], [1, 3]]
+    assert [r["dp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+
+
+def test_virtual_pipeline_rank_changes_first_and_last_stage() -> None:
+    results = run_distributed(state_case, 2, 1, 2, 2)
+    rank0, rank1 = results
+    assert rank0["first"] and not rank0["first_v1"] and rank0["first_v1_ignore"]
+    assert not rank1["last"] and rank1["last_v1"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dp": 2, "pp": 1, "tp": 3, "world_size": 4}, r"dp\*pp\*tp = 2\*1\*3 = 6 does not equal the world size 4"),
+        ({"dp": -1, "pp": 1, "tp": 3, "world_size": 4}, "world size 4 is not divisible by tp\\*pp = 3\\*1"),
+        ({"dp": 1, "pp": 0, "tp": 4, "world_size": 4}, "pp must be a positive int"),
+        ({"dp": 1, "pp": 1, "tp": -2, "world_size": 4}, "tp must be a positive int"),
+        ({"dp": 0, "pp": 1, "tp": 4, "world_size": 4}, "dp must be a positive int"),
+        ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "virtual_pipeline_size": 2}, "needs pipeline parallelism"),
+    ],
+)
+def test_bad_sizes_fail_before_any_collective(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def bad_world_case() -> str:
+    try:
+        meshpar.init_parallel(tp=3)
+    except ValueError as e:
+        assert not meshpar.is_initialized()
+        return str(e)
+    raise AssertionError("init_parallel accepted tp=3 on 4 ranks")
+
+
+def test_init_parallel_rejects_bad_layout_on_every_rank() -> None:
+    messages = run_distributed(bad_world_case, 4)
+    assert all("not divisible by tp*pp" in m for m in messages)
+
+
+def test_getters_before_init_raise() -> None:
+    with pytest.raises(RuntimeError, match="not initialised"):
+        meshpar.get_parallel()
+
+
+def double_init_case() -> None:
+    meshpar.init_parallel(tp=2)
+    meshpar.init_parallel(tp=2)
+
+
+def test_double_init_raises() -> None:
+    with pytest.raises(AssertionError, match="already initialised"):
+        run_distributed(double_init_case, 2)
