@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 import meshpar
+import meshpar.testing
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.tensor_parallel import ColumnParallel, RowParallel, VocabParallel
 
@@ -99,9 +100,8 @@ def main() -> None:
     model = parallelize_module(model, dims.tp_mesh, TP_PLAN).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     if is_logger:
-        print(
-            f"{dims} | corpus {len(data)} bytes | params per rank {sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters())}"
-        )
+        local_params = sum(meshpar.testing.local(p).numel() for p in model.parameters())
+        print(f"{dims} | corpus {len(data)} bytes | params per rank {local_params}")
 
     local_batch = args.batch // dims.dp
     stream = batches(data, local_batch, args.seq, dims.dp_rank, dims.dp, seed=0)

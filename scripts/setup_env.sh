@@ -14,8 +14,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "${PIP[@]}" "torch>=2.11"
   else
-    # The CPU wheel: found locally where a wheel cache is configured, else on PyTorch's CPU index.
-    "${PIP[@]}" --retries 1 --timeout 30 --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+    # The CPU wheel: found locally where pip's configuration names a wheel cache, else on PyTorch's CPU index.
+    "${PIP[@]}" "torch==2.13.0+cpu" 2>/dev/null ||
+      "${PIP[@]}" --retries 1 --timeout 30 --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
   fi
 fi
 "${PIP[@]}" --no-build-isolation -e ".[dev]"
