@@ -1,4 +1,12 @@
+import os
+
 import pytest
+import torch
+
+# Triton decides between compiled and interpreted kernels when they are defined, so the interpreter must be chosen
+# before meshpar.ops is imported. Without CUDA every Triton kernel test runs interpreted on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

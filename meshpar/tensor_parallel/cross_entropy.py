@@ -16,25 +16,9 @@ from typing import Any
 
 import torch
 
+import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
 from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, funcol
 from meshpar.parallel_dims import get_parallel
-
-
-def local_vocab_stats(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (max, sum exp(x - max), target logit or 0, sum x) of a local logits shard ``[N, V_local]``, fp32.
-
-    This is the torch reference of the fused kernel ``torch.ops.meshpar.vocab_ce_stats``.
-    """
-    x = logits.float()
-    row_max = x.amax(dim=-1)
-    sum_exp = torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1)
-    local_label = labels - vocab_start
-    owned = (local_label >= 0) & (local_label < x.shape[-1])
-    target = x.gather(-1, local_label.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target = torch.where(owned, target, torch.zeros_like(target))
-    return row_max, sum_exp, target, x.sum(dim=-1)
 
 
 def _merge_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +41,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
         ignore_index: int,
     ) -> torch.Tensor:
-        stats = torch.stack(local_vocab_stats(logits, labels, vocab_start), dim=-1)
+        stats = torch.ops.meshpar.vocab_ce_stats(logits, labels, vocab_start)
         if mesh is not None and mesh.size() > 1:
             gathered = funcol.wait_tensor(all_gather_single(stats.contiguous(), 0, mesh))
             stats = gathered.view(mesh.size(), *stats.shape)
@@ -77,15 +61,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, labels, log_z, ignored = ctx.saved_tensors
-        grad = torch.exp(logits.float() - log_z.unsqueeze(-1))
-        if ctx.label_smoothing > 0:
-            grad = grad - ctx.label_smoothing / ctx.vocab_size
-        local_label = labels - ctx.vocab_start
-        owned = (local_label >= 0) & (local_label < logits.shape[-1]) & ~ignored
-        index = local_label.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        grad.scatter_add_(-1, index, (owned.to(grad.dtype) * -(1.0 - ctx.label_smoothing)).unsqueeze(-1))
-        scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return (grad * scale).to(logits.dtype), None, None, None, None, None, None
+        scale = grad_loss.float().masked_fill(ignored, 0.0)
+        grad = torch.ops.meshpar.vocab_ce_grad(
+            logits, labels, log_z, scale, ctx.vocab_start, ctx.vocab_size, ctx.label_smoothing
+        )
+        return grad, None, None, None, None, None, None
 
 
 def parallel_cross_entropy(

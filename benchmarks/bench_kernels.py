@@ -1,0 +1,190 @@
+"""Time and effective bandwidth of meshpar's Triton kernels vs the torch eager reference vs torch.compile of it.
+
+    python benchmarks/bench_kernels.py            # CUDA: all three columns; CPU: reference vs compiled only
+
+Each case is forward + backward. Ratios are measured in this one invocation, alternating the variants per round
+(A B C A B C ...) and taking the median, so machine noise hits all of them alike. Bandwidth counts the bytes each
+op must read and write at least once (inputs, outputs, grads), divided by the median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshpar import ops
+from meshpar.ops import softmax as softmax_ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], object]) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def _fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        out = fn(*inputs)
+        torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad)
+
+    return run
+
+
+def cases(scale: int) -> dict[str, tuple]:
+    bf16 = torch.bfloat16
+    rows, hidden = 4096 // scale, 4096 // scale
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=bf16, requires_grad=True)
+    w = torch.randn(hidden, device=DEVICE, dtype=bf16, requires_grad=True)
+    b = torch.randn(hidden, device=DEVICE, dtype=bf16, requires_grad=True)
+    norm_bytes = 4 * x.numel() * 2  # read x, dy; write y, dx
+    s = 2048 // scale
+    scores = torch.randn(8 // min(scale, 8), 32 // scale, s, s, device=DEVICE, dtype=bf16, requires_grad=True)
+    softmax_bytes = 4 * scores.numel() * 2  # read x, dy, y; write y, dx (y re-read counted once)
+    ffn = torch.randn(8192 // scale, 4096 // scale, device=DEVICE, dtype=bf16, requires_grad=True)
+    up = torch.randn_like(ffn, requires_grad=True)
+    fb = torch.randn(ffn.shape[-1], device=DEVICE, dtype=bf16, requires_grad=True)
+    q = torch.randn(4, 2048 // scale, 32, 128, device=DEVICE, dtype=bf16, requires_grad=True)
+    angles = torch.randn(q.shape[1], 64, device=DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    tokens, vocab = 4096 // scale, 131072 // scale
+    logits = torch.randn(tokens, vocab, device=DEVICE, dtype=bf16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+
+    def ce_fused(lg: torch.Tensor) -> torch.Tensor:
+        from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+
+        return _VocabParallelCrossEntropy.apply(lg, labels, None, 0, vocab, 0.0, -100)
+
+    def causal_ref(t: torch.Tensor) -> torch.Tensor:
+        return softmax_ops.scaled_upper_triang_masked_softmax_reference(t, 0.125)
+
+    def rotary_ref(t: torch.Tensor) -> torch.Tensor:
+        c, sn = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+        t1, t2 = t.float().chunk(2, -1)
+        return (t.float() * c + torch.cat([-t2, t1], -1) * sn).to(t.dtype)
+
+    return {
+        f"rms_norm {rows}x{hidden}": (
+            lambda t, ww: ops.rms_norm(t, ww),
+            lambda t, ww: (t.float() * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + 1e-6) * ww).to(t.dtype),
+            [x, w],
+            norm_bytes,
+        ),
+        f"layer_norm {rows}x{hidden}": (
+            lambda t, ww, bb: ops.layer_norm(t, ww, bb),
+            lambda t, ww, bb: F.layer_norm(t.float(), t.shape[-1:], ww.float(), bb.float()).to(t.dtype),
+            [x, w, b],
+            norm_bytes,
+        ),
+        f"causal softmax {tuple(scores.shape)}": (
+            lambda t: ops.scaled_upper_triang_masked_softmax(t, 0.125),
+            causal_ref,
+            [scores],
+            softmax_bytes,
+        ),
+        f"bias_gelu {tuple(ffn.shape)}": (
+            ops.bias_gelu,
+            lambda t, bb: F.gelu(t.float() + bb.float(), approximate="tanh").to(t.dtype),
+            [ffn, fb],
+            4 * ffn.numel() * 2,
+        ),
+        f"swiglu {tuple(ffn.shape)}": (
+            ops.swiglu,
+            lambda g, u: (F.silu(g.float()) * u.float()).to(g.dtype),
+            [ffn, up],
+            7 * ffn.numel() * 2,
+        ),
+        f"rotary {tuple(q.shape)}": (
+            lambda t: ops.rotary_embedding(t, cos, sin, seq_dim=1),
+            rotary_ref,
+            [q],
+            4 * q.numel() * 2,
+        ),
+        f"vocab CE {tokens}x{vocab}": (
+            ce_fused,
+            lambda lg: F.cross_entropy(lg.float(), labels, reduction="none"),
+            [logits],
+            3 * logits.numel() * 2,
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--scale", type=int, default=1 if DEVICE == "cuda" else 8, help="divide the shapes by this")
+    args = parser.parse_args()
+    print(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    header = f"{'op (fwd+bwd, bf16)':38s} {'eager ms':>9s} {'compile ms':>10s}"
+    if DEVICE == "cuda":
+        header += f" {'triton ms':>9s} {'GB/s':>7s} {'vs eager':>8s} {'vs compile':>10s}"
+    print(header)
+    for name, case in cases(args.scale).items():
+        fused, reference, inputs, nbytes = case
+        grad = torch.randn_like(reference(*inputs))
+        variants = {
+            "eager": _fwd_bwd(reference, inputs, grad),
+            "compile": _fwd_bwd(torch.compile(reference), inputs, grad),
+        }
+        if DEVICE == "cuda":
+            variants["triton"] = _fwd_bwd(fused, inputs, grad)
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for fn in variants.values():  # warm-up and compile
+            fn()
+            fn()
+        for _ in range(args.rounds):
+            for key, fn in variants.items():
+                times[key].append(_time(fn))
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        line = f"{name:38s} {med['eager']:9.3f} {med['compile']:10.3f}"
+        if DEVICE == "cuda":
+            gbps = nbytes / (med["triton"] / 1e3) / 1e9
+            speedup, speedup_compiled = med["eager"] / med["triton"], med["compile"] / med["triton"]
+            line += f" {med['triton']:9.3f} {gbps:7.0f} {speedup:7.2f}x {speedup_compiled:9.2f}x"
+        print(line)
+    if DEVICE == "cuda":
+        print_ce_memory()
+
+
+def print_ce_memory() -> None:
+    """Peak extra memory of the fused vocab CE (fwd+bwd) vs F.cross_entropy on the same bf16 logits."""
+    from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+
+    title = "vocab CE peak memory (fwd+bwd), 4096 tokens, bf16"
+    print(f"\n{title:52s} {'meshpar MiB':>11s} {'F.cross_entropy MiB':>20s} {'ratio':>6s}")
+    for vocab in (50304, 131072):
+        logits = torch.randn(4096, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, vocab, (4096,), device="cuda")
+        peaks = []
+        fused = _VocabParallelCrossEntropy.apply
+        for fn in (
+            lambda lg=logits, lb=labels, v=vocab: fused(lg, lb, None, 0, v, 0.0, -100),
+            lambda lg=logits, lb=labels: F.cross_entropy(lg.float(), lb, reduction="none"),
+        ):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = fn()
+            loss.sum().backward()
+            logits.grad = None
+            torch.cuda.synchronize()
+            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+        print(f"{'vocab ' + str(vocab):52s} {peaks[0]:11.0f} {peaks[1]:20.0f} {peaks[1] / peaks[0]:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

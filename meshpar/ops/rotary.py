@@ -1,0 +1,117 @@
+"""Rotary position embedding applied to q or k, rotate-half (GPT-NeoX / Llama) or interleaved (GPT-J) pairs.
+
+``cos`` / ``sin`` are ``[seq, head_dim/2]`` (one angle per pair); HF-style ``[seq, head_dim]`` tables (the half
+duplicated) are accepted for rotate-half. ``x`` is ``[..., seq, ..., head_dim]`` with the sequence at ``seq_dim``
+(``-3`` for ``[b, s, h, d]``, ``-2`` for ``[b, h, s, d]``). The backward is the inverse rotation, so one op
+``meshpar::rotary_embedding(x, cos, sin, interleaved, inner, inverse)`` serves both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from meshpar.ops._dispatch import block_size, run_triton
+from meshpar.ops._dtensor import on_local_shards
+
+
+@triton.jit
+def _rotary_kernel(
+    X, COS, SIN, Y, n_seq, inner, half, sign, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    pos = (row // inner) % n_seq
+    i = tl.arange(0, BLOCK)
+    mask = i < half
+    c = tl.load(COS + pos * half + i, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + pos * half + i, mask=mask, other=0.0).to(tl.float32) * sign
+    if INTERLEAVED:
+        first = 2 * i
+        second = 2 * i + 1
+    else:
+        first = i
+        second = i + half
+    base = row * 2 * half
+    x1 = tl.load(X + base + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + base + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + base + first, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + base + second, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+
+
+def rotary_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inner: int, inverse: bool
+) -> torch.Tensor:
+    n_seq = cos.shape[0]
+    rows = x.reshape(-1, inner, x.shape[-1]).float()  # [outer * seq, inner, d]
+    pos = torch.arange(rows.shape[0], device=x.device) % n_seq
+    c = cos.float()[pos].unsqueeze(1)
+    s = sin.float()[pos].unsqueeze(1) * (-1.0 if inverse else 1.0)
+    if interleaved:
+        x1, x2 = rows[..., 0::2], rows[..., 1::2]
+        y = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rows.chunk(2, dim=-1)
+        y = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return y.view_as(x).to(x.dtype)
+
+
+@triton_op("meshpar::rotary_embedding", mutates_args=())
+def rotary_embedding_op(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inner: int, inverse: bool
+) -> torch.Tensor:
+    if not run_triton(x):
+        return rotary_reference(x, cos, sin, interleaved, inner, inverse)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    half = x.shape[-1] // 2
+    wrap_triton(_rotary_kernel)[(x.numel() // x.shape[-1],)](
+        x, cos.contiguous(), sin.contiguous(), y, cos.shape[0], inner, half, -1.0 if inverse else 1.0,
+        INTERLEAVED=interleaved, BLOCK=block_size(half),
+    )  # fmt: skip
+    return y
+
+
+@rotary_embedding_op.register_fake
+def _(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inner: int, inverse: bool
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    _, cos, sin, ctx.interleaved, ctx.inner, ctx.inverse = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx: object, dy: torch.Tensor) -> tuple:
+    cos, sin = ctx.saved_tensors
+    dx = torch.ops.meshpar.rotary_embedding(dy, cos, sin, ctx.interleaved, ctx.inner, not ctx.inverse)
+    return dx, None, None, None, None, None
+
+
+rotary_embedding_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rotary_embedding(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False, seq_dim: int = -3
+) -> torch.Tensor:
+    """Rotate pairs of ``x``'s last dim by the angles of its sequence position (no grads for cos/sin)."""
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+    if cos.shape[-1] == head_dim and not interleaved:
+        cos, sin = cos[..., : head_dim // 2], sin[..., : head_dim // 2]
+    seq_dim = seq_dim % x.dim()
+    if seq_dim == x.dim() - 1 or cos.shape != (x.shape[seq_dim], head_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(
+            f"cos/sin must be [seq={x.shape[seq_dim]}, {head_dim // 2}] for x {tuple(x.shape)} with seq_dim={seq_dim}, "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    inner = 1
+    for size in x.shape[seq_dim + 1 : -1]:
+        inner *= size
+    return on_local_shards(
+        lambda t: torch.ops.meshpar.rotary_embedding(t, cos.detach(), sin.detach(), interleaved, inner, False), x
+    )

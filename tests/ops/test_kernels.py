@@ -1,0 +1,241 @@
+"""Every Triton kernel against its torch reference (forward and backward), opcheck, and torch.compile.
+
+Without CUDA the kernels run through the Triton interpreter on CPU tensors; with CUDA they run for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshpar import ops
+from meshpar.ops import cross_entropy, softmax
+from meshpar.ops._dispatch import interpreting, triton_available
+from meshpar.ops.layer_norm import layer_norm_fwd_reference
+from meshpar.ops.rms_norm import rms_norm_fwd_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.skipif(not triton_available(), reason="needs triton"),
+    pytest.mark.skipif(DEVICE == "cpu" and not interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"),
+    pytest.mark.triton_interpret if DEVICE == "cpu" else pytest.mark.gpu,
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype, loose: float = 1.0) -> dict:
+    base = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    return {k: v * loose for k, v in base.items()}
+
+
+def _compare(triton_fn, reference_fn, inputs: list[torch.Tensor], grad_out: torch.Tensor, tol: dict) -> None:
+    """Forward and every input grad of ``triton_fn`` (kernels forced on) vs ``reference_fn`` in fp32."""
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    expected = reference_fn(*ref_inputs)
+    expected_grads = torch.autograd.grad(expected, ref_inputs, grad_out.float())
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    with ops.triton_enabled(True):
+        actual = triton_fn(*leaves)
+        grads = torch.autograd.grad(actual, leaves, grad_out)
+    assert actual.dtype == inputs[0].dtype
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.float(), want.float(), **{k: v * 4 for k, v in tol.items()})
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+ROW_SHAPES = [(1, 64), (3, 5, 37), (2, 4099), (17, 96)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(shape: tuple, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], dtype=dtype)
+
+    def reference(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    _compare(lambda x, w: ops.rms_norm(x, w, 1e-6), reference, [x, w], _randn(*shape, dtype=dtype), _tol(dtype))
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm(shape: tuple, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, w, b = _randn(*shape, dtype=dtype) * 3 + 1, _randn(shape[-1], dtype=dtype), _randn(shape[-1], dtype=dtype)
+    _compare(
+        lambda x, w, b: ops.layer_norm(x, w, b, 1e-5),
+        lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
+        [x, w, b],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype, loose=2.0),
+    )
+
+
+MASKS = {
+    "none": lambda b, h, sq, sk: None,
+    "per_batch_padding": lambda b, h, sq, sk: torch.rand(b, 1, 1, sk, device=DEVICE) > 0.6,
+    "per_query": lambda b, h, sq, sk: torch.rand(b, 1, sq, sk, device=DEVICE) > 0.5,
+    "full_per_head": lambda b, h, sq, sk: torch.rand(b, h, sq, sk, device=DEVICE) > 0.5,
+    "all_masked": lambda b, h, sq, sk: torch.ones(1, 1, sq, sk, dtype=torch.bool, device=DEVICE),
+    "nothing_masked": lambda b, h, sq, sk: torch.zeros(1, 1, 1, sk, dtype=torch.bool, device=DEVICE),
+}
+
+
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 5, 37), (1, 1, 1, 1), (1, 2, 3, 1030)])
+def test_scaled_masked_softmax(mask_kind: str, dtype: torch.dtype, shape: tuple) -> None:
+    torch.manual_seed(0)
+    mask = MASKS[mask_kind](*shape)
+    scale = 0.37
+    _compare(
+        lambda x: ops.scaled_masked_softmax(x, mask, scale),
+        lambda x: softmax.scaled_masked_softmax_reference(x, mask, scale),
+        [_randn(*shape, dtype=dtype) * 3],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (1, 2, 1, 1), (1, 1, 33, 33), (1, 1, 4, 9)])
+def test_scaled_upper_triang_masked_softmax(dtype: torch.dtype, shape: tuple) -> None:
+    torch.manual_seed(0)
+
+    def reference(x):
+        causal = torch.ones(shape[-2:], dtype=torch.bool, device=DEVICE).triu(1)
+        return torch.softmax((x * 1.5).masked_fill(causal, float("-inf")), -1)
+
+    _compare(
+        lambda x: ops.scaled_upper_triang_masked_softmax(x, 1.5),
+        reference,
+        [_randn(*shape, dtype=dtype)],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype),
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5, 37), (2, 3000)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu(shape: tuple, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    _compare(
+        ops.bias_gelu,
+        lambda x, b: F.gelu(x + b, approximate="tanh"),
+        [_randn(*shape, dtype=dtype) * 2, _randn(shape[-1], dtype=dtype)],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype, loose=4.0),
+    )
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5, 37), (2, 3000)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(shape: tuple, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    _compare(
+        ops.swiglu,
+        lambda g, u: F.silu(g) * u,
+        [_randn(*shape, dtype=dtype) * 2, _randn(*shape, dtype=dtype)],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype),
+    )
+
+
+def _hf_rotate_half(x, cos, sin, seq_dim):
+    shape = [1] * x.dim()
+    shape[seq_dim], shape[-1] = x.shape[seq_dim], x.shape[-1]
+    c, s = torch.cat([cos, cos], -1).view(shape), torch.cat([sin, sin], -1).view(shape)
+    x1, x2 = x.chunk(2, -1)
+    return x * c + torch.cat([-x2, x1], -1) * s
+
+
+def _gptj_interleaved(x, cos, sin, seq_dim):
+    shape = [1] * x.dim()
+    shape[seq_dim], shape[-1] = x.shape[seq_dim], x.shape[-1] // 2
+    c, s = cos.view(shape), sin.view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("shape", "seq_dim"), [((2, 5, 3, 10), 1), ((2, 3, 5, 64), 2), ((1, 1, 1, 2), 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding(interleaved: bool, shape: tuple, seq_dim: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    angles = torch.randn(shape[seq_dim], shape[-1] // 2, device=DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    reference = _gptj_interleaved if interleaved else _hf_rotate_half
+    _compare(
+        lambda x: ops.rotary_embedding(x, cos, sin, interleaved=interleaved, seq_dim=seq_dim),
+        lambda x: reference(x, cos, sin, seq_dim),
+        [_randn(*shape, dtype=dtype)],
+        _randn(*shape, dtype=dtype),
+        _tol(dtype),
+    )
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (7, 37), (3, 5000), (4, 4096)])
+@pytest.mark.parametrize("vocab_start", [0, 11])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vocab_ce_stats_and_grad(rows: int, vocab: int, vocab_start: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    logits = (_randn(rows, vocab) * 5).to(dtype)
+    labels = torch.randint(0, vocab + 2 * vocab_start, (rows,), device=DEVICE)
+    labels[0] = vocab_start  # owned, first column
+    with ops.triton_enabled(True):
+        stats = ops.vocab_ce_stats(logits, labels, vocab_start)
+    expected = cross_entropy.vocab_ce_stats_reference(logits, labels, vocab_start)
+    torch.testing.assert_close(stats, expected, atol=1e-4, rtol=1e-5)
+    log_z = expected[:, 0] + expected[:, 1].log()
+    scale = torch.rand(rows, device=DEVICE)
+    args = (logits, labels, log_z, scale, vocab_start, vocab + 2 * vocab_start, 0.1)
+    with ops.triton_enabled(True):
+        grad = ops.vocab_ce_grad(*args)
+    torch.testing.assert_close(grad.float(), cross_entropy.vocab_ce_grad_reference(*args).float(), **_tol(dtype))
+
+
+def _opcheck_cases() -> list:
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    scores = torch.randn(2, 2, 3, 5)
+    mask = torch.rand(2, 1, 3, 5) > 0.5
+    angles = torch.randn(4, 3)
+    logits, labels = torch.randn(3, 7), torch.tensor([0, 3, 9])
+    m = torch.ops.meshpar
+    _, rstd = rms_norm_fwd_reference(x, w, 1e-6)
+    _, mean, lrstd = layer_norm_fwd_reference(x, w, b, 1e-5)
+    return [
+        (m.rms_norm_fwd, (x.requires_grad_(), w.requires_grad_(), 1e-6)),
+        (m.rms_norm_bwd, (torch.randn(3, 8), x.detach(), w.detach(), rstd)),
+        (
+            m.layer_norm_fwd,
+            (torch.randn(3, 8, requires_grad=True), w.detach().requires_grad_(), b.requires_grad_(), 1e-5),
+        ),
+        (m.layer_norm_bwd, (torch.randn(3, 8), x.detach(), w.detach(), mean, lrstd)),
+        (m.scaled_masked_softmax, (scores.clone().requires_grad_(), mask, 0.5)),
+        (m.scaled_masked_softmax, (scores.clone().requires_grad_(), None, 0.5)),
+        (m.scaled_upper_triang_masked_softmax, (torch.randn(2, 2, 4, 4, requires_grad=True), 0.5)),
+        (m.scaled_softmax_bwd, (torch.randn(2, 2, 3, 5), torch.rand(2, 2, 3, 5), 0.5)),
+        (m.bias_gelu_fwd, (torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True))),
+        (m.bias_gelu_bwd, (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8))),
+        (m.swiglu_fwd, (torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True))),
+        (m.swiglu_bwd, (torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8))),
+        (
+            m.rotary_embedding,
+            (torch.randn(2, 4, 2, 6, requires_grad=True), angles.cos(), angles.sin(), False, 2, False),
+        ),
+        (m.rotary_embedding, (torch.randn(2, 4, 2, 6, requires_grad=True), angles.cos(), angles.sin(), True, 2, True)),
+        (m.vocab_ce_stats, (logits, labels, 2)),
+        (m.vocab_ce_grad, (logits, labels, torch.randn(3), torch.rand(3), 2, 14, 0.1)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_opcheck(case: int) -> None:
+    op, args = _opcheck_cases()[case]
+    torch.library.opcheck(op, args)
