@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+
 from meshpar import ops
 from meshpar.ops import softmax as softmax_ops
 
@@ -162,17 +164,14 @@ def main() -> None:
 
 def print_ce_memory() -> None:
     """Peak extra memory of the fused vocab CE (fwd+bwd) vs F.cross_entropy on the same bf16 logits."""
-    from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
-
     title = "vocab CE peak memory (fwd+bwd), 4096 tokens, bf16"
     print(f"\n{title:52s} {'meshpar MiB':>11s} {'F.cross_entropy MiB':>20s} {'ratio':>6s}")
     for vocab in (50304, 131072):
         logits = torch.randn(4096, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         labels = torch.randint(0, vocab, (4096,), device="cuda")
         peaks = []
-        fused = _VocabParallelCrossEntropy.apply
         for fn in (
-            lambda lg=logits, lb=labels, v=vocab: fused(lg, lb, None, 0, v, 0.0, -100),
+            lambda lg=logits, lb=labels, v=vocab: _VocabParallelCrossEntropy.apply(lg, lb, None, 0, v, 0.0, -100),
             lambda lg=logits, lb=labels: F.cross_entropy(lg.float(), lb, reduction="none"),
         ):
             torch.cuda.synchronize()
