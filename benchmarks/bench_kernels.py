@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
-
 from meshpar import ops
 from meshpar.ops import softmax as softmax_ops
+from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
