@@ -48,9 +48,9 @@ class TinyTransformer(nn.Module):
         return x
 
 
-def block_plan(sequence_parallel: bool = False, prefix: str = "layers.*.") -> dict:
+def block_plan(sequence_parallel: bool = False, prefix: str = "layers.*.", heads: int = 4) -> dict:
     plan = {
-        f"{prefix}qkv": ColumnParallel(sequence_parallel=sequence_parallel),
+        f"{prefix}qkv": ColumnParallel(sequence_parallel=sequence_parallel, num_heads=heads),
         f"{prefix}out": RowParallel(sequence_parallel=sequence_parallel),
         f"{prefix}fc1": ColumnParallel(sequence_parallel=sequence_parallel),
         f"{prefix}fc2": RowParallel(sequence_parallel=sequence_parallel),

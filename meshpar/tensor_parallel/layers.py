@@ -78,9 +78,12 @@ class ColumnParallelLinear(nn.Linear):
         device: torch.device | str | None = None,
         *,
         tp_mesh: DeviceMesh | None = None,
+        num_heads: int | None = None,
     ) -> None:
         nn.Module.__init__(self)
         mesh = _resolve_tp_mesh(tp_mesh)
+        if num_heads is not None:
+            check_divisible(num_heads, mesh.size(), "the number of attention heads", type(self).__name__)
         check_divisible(output_size, mesh.size(), "output_size", type(self).__name__)
         self._configure(mesh, input_size, output_size, gather_output, sequence_parallel_enabled, init_method)
         self.weight = empty_dtensor((output_size, input_size), mesh, [Shard(0)], dtype=dtype, device=device)
@@ -113,8 +116,14 @@ class ColumnParallelLinear(nn.Linear):
         gather_output: bool = False,
         sequence_parallel_enabled: bool = False,
         src_data_rank: int | None = 0,
+        num_heads: int | None = None,
     ) -> ColumnParallelLinear:
-        """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
+        """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one).
+
+        ``num_heads`` (for q/k/v or fused QKV projections) checks that every rank gets whole heads.
+        """
+        if num_heads is not None:
+            check_divisible(num_heads, tp_mesh.size(), "the number of attention heads", cls.__name__)
         check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
         linear.weight = _distribute_param(linear.weight, tp_mesh, [Shard(0)], src_data_rank)
         if linear.bias is not None:

@@ -37,12 +37,19 @@ def _require(module: nn.Module, cls: type, style: str) -> None:
 
 
 class ColumnParallel(ParallelStyle):
-    """Shard an ``nn.Linear`` by output features; output is the local feature shard unless ``gather_output``."""
+    """Shard an ``nn.Linear`` by output features; output is the local feature shard unless ``gather_output``.
 
-    def __init__(self, *, gather_output: bool = False, sequence_parallel: bool = False) -> None:
+    Pass ``num_heads`` for attention projections so that a head count tp does not divide fails at sharding time
+    instead of silently splitting heads.
+    """
+
+    def __init__(
+        self, *, gather_output: bool = False, sequence_parallel: bool = False, num_heads: int | None = None
+    ) -> None:
         super().__init__()
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.num_heads = num_heads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
@@ -52,6 +59,7 @@ class ColumnParallel(ParallelStyle):
             gather_output=self.gather_output,
             sequence_parallel_enabled=self.sequence_parallel,
             src_data_rank=self.src_data_rank,
+            num_heads=self.num_heads,
         )
 
 

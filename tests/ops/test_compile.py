@@ -24,7 +24,9 @@ class FusedBlock(nn.Module):
         b, s, _ = x.shape
         h = ops.rms_norm(x, self.norm_w)
         q, k, v = self.qkv(h).view(b, s, 3, self.heads, self.head_dim).unbind(2)
-        angles = torch.arange(s, dtype=x.dtype).unsqueeze(-1) * torch.linspace(0.1, 1.0, self.head_dim // 2)
+        angles = torch.arange(s, dtype=x.dtype, device=x.device).unsqueeze(-1) * torch.linspace(
+            0.1, 1.0, self.head_dim // 2, device=x.device
+        )
         q = ops.rotary_embedding(q, angles.cos(), angles.sin())
         k = ops.rotary_embedding(k, angles.cos(), angles.sin(), interleaved=True)
         scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)
@@ -36,10 +38,14 @@ class FusedBlock(nn.Module):
         return ops.bias_gelu(self.fc(x), self.fc_bias)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_compiled_block_matches_eager() -> None:
+    """On CPU the ops run their torch references; on CUDA inductor sees the Triton kernels of the triton_ops."""
     torch.manual_seed(0)
-    block = FusedBlock()
-    x = torch.randn(2, 6, 32, requires_grad=True)
+    block = FusedBlock().to(DEVICE)
+    x = torch.randn(2, 6, 32, device=DEVICE, requires_grad=True)
     expected = block(x)
     expected.sum().backward()
     eager_grads = [p.grad.clone() for p in block.parameters()]

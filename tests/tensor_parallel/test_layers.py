@@ -164,6 +164,8 @@ def indivisible_case(kind: str) -> None:
         RowParallelLinear(30, 8)
     elif kind == "embedding":
         ParallelEmbedding(50257, 8)
+    elif kind == "heads":
+        ColumnParallelLinear(64 * 6, 3 * 64 * 6, num_heads=6)  # 1152 features split over 4; 6 heads do not
     elif kind == "row_sp_without_parallel_input":
         RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel_enabled=True)
 
@@ -175,6 +177,7 @@ def indivisible_case(kind: str) -> None:
         ("row", "input_size 30 is not divisible by tp=4"),
         ("embedding", "num_embeddings \\(vocab size\\) 50257 is not divisible by tp=4"),
         ("row_sp_without_parallel_input", "requires input_is_parallel=True"),
+        ("heads", "the number of attention heads 6 is not divisible by tp=4"),
     ],
 )
 def test_indivisible_sizes_raise_clear_errors(kind: str, message: str) -> None:
