@@ -59,7 +59,36 @@ def _distribute_param(
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
-class ColumnParallelLinear(nn.Linear):
+def _shard_linear_params_(
+    linear: nn.Linear, mesh: DeviceMesh, weight_placement: Shard, bias_placement: Shard | Replicate, src: int | None
+) -> None:
+    linear.weight = _distribute_param(linear.weight, mesh, [weight_placement], src)
+    if linear.bias is not None:
+        linear.bias = _distribute_param(linear.bias, mesh, [bias_placement], src)
+
+
+class _TensorParallelLinear(nn.Linear):
+    """What column and row layers share: global sizes, the tp mesh and shard-exact initialisation."""
+
+    def _set_sizes(self, mesh: DeviceMesh, input_size: int, output_size: int, init_method: InitMethod | None) -> None:
+        self.tp_mesh = mesh
+        self.in_features = self.input_size = input_size
+        self.out_features = self.output_size = output_size
+        self.init_method = init_method
+
+    def reset_parameters(self) -> None:
+        """Dense ``nn.Linear`` init by default; with ``init_method``, that for the weight and zeros for the bias."""
+        if self.init_method is None:
+            fill_from_full_(self.weight, linear_weight_init)
+            if self.bias is not None:
+                fill_from_full_(self.bias, linear_bias_init(self.input_size))
+        else:
+            fill_from_full_(self.weight, self.init_method)
+            if self.bias is not None:
+                fill_from_full_(self.bias, torch.nn.init.zeros_)
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """``Y = X A^T + b`` with ``A`` split by output features (weight ``Shard(0)``).
 
     Input: replicated ``[..., in]`` (or a sequence shard ``[b, s/tp, in]`` with ``sequence_parallel_enabled``).
@@ -100,12 +129,9 @@ class ColumnParallelLinear(nn.Linear):
         sequence_parallel_enabled: bool,
         init_method: InitMethod | None,
     ) -> None:
-        self.tp_mesh = mesh
-        self.in_features = self.input_size = input_size
-        self.out_features = self.output_size = output_size
+        self._set_sizes(mesh, input_size, output_size, init_method)
         self.gather_output = gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        self.init_method = init_method
 
     @classmethod
     def from_linear(
@@ -125,24 +151,12 @@ class ColumnParallelLinear(nn.Linear):
         if num_heads is not None:
             check_divisible(num_heads, tp_mesh.size(), "the number of attention heads", cls.__name__)
         check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
-        linear.weight = _distribute_param(linear.weight, tp_mesh, [Shard(0)], src_data_rank)
-        if linear.bias is not None:
-            linear.bias = _distribute_param(linear.bias, tp_mesh, [Shard(0)], src_data_rank)
+        _shard_linear_params_(linear, tp_mesh, Shard(0), Shard(0), src_data_rank)
         linear.__class__ = cls
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None
         )
         return linear
-
-    def reset_parameters(self) -> None:
-        if self.init_method is None:
-            fill_from_full_(self.weight, linear_weight_init)
-            if self.bias is not None:
-                fill_from_full_(self.bias, linear_bias_init(self.input_size))
-        else:
-            fill_from_full_(self.weight, self.init_method)
-            if self.bias is not None:
-                fill_from_full_(self.bias, torch.nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
@@ -158,7 +172,7 @@ class ColumnParallelLinear(nn.Linear):
         )
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_TensorParallelLinear):
     """``Y = X A^T + b`` with ``A`` split by input features (weight ``Shard(1)``, bias ``Replicate()``).
 
     Input: this rank's ``[..., in/tp]`` slice (``input_is_parallel=True``) or the full ``[..., in]``, which is then
@@ -199,12 +213,9 @@ class RowParallelLinear(nn.Linear):
     ) -> None:
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel_enabled=True requires input_is_parallel=True")
-        self.tp_mesh = mesh
-        self.in_features = self.input_size = input_size
-        self.out_features = self.output_size = output_size
+        self._set_sizes(mesh, input_size, output_size, init_method)
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        self.init_method = init_method
 
     @classmethod
     def from_linear(
@@ -218,16 +229,12 @@ class RowParallelLinear(nn.Linear):
     ) -> RowParallelLinear:
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
         check_divisible(linear.in_features, tp_mesh.size(), "in_features", cls.__name__)
-        linear.weight = _distribute_param(linear.weight, tp_mesh, [Shard(1)], src_data_rank)
-        if linear.bias is not None:
-            linear.bias = _distribute_param(linear.bias, tp_mesh, [Replicate()], src_data_rank)
+        _shard_linear_params_(linear, tp_mesh, Shard(1), Replicate(), src_data_rank)
         linear.__class__ = cls
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, input_is_parallel, sequence_parallel_enabled, None
         )
         return linear
-
-    reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
