@@ -30,3 +30,17 @@ __all__ = [
     "funcol",
     "init_device_mesh",
 ]
+
+# Pipelining runtime internals (schedules as action lists).
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
+from torch.distributed.pipelining.schedules import (  # noqa: E402
+    FORWARD as PP_FORWARD,
+    FULL_BACKWARD as PP_FULL_BACKWARD,
+    RECV_B as PP_RECV_B,
+    REDUCE_GRAD as PP_REDUCE_GRAD,
+    SEND_B as PP_SEND_B,
+    _Action as PPAction,
+    _PipelineScheduleRuntime as PipelineScheduleRuntime,
+)
+
+__all__ += ["PP_FORWARD", "PP_FULL_BACKWARD", "PP_RECV_B", "PP_REDUCE_GRAD", "PP_SEND_B", "PPAction", "PipelineScheduleRuntime", "PipelineStage"]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshpar.tensor_parallel import ColumnParallel, RowParallel, SequenceParallelNorm
+from meshpar.tensor_parallel import ColumnParallel, RowParallel, SequenceParallelNorm, VocabParallel
 
 
 class Block(nn.Module):
@@ -59,3 +59,36 @@ def block_plan(sequence_parallel: bool = False, prefix: str = "layers.*.", heads
         plan[f"{prefix}ln1"] = SequenceParallelNorm()
         plan[f"{prefix}ln2"] = SequenceParallelNorm()
     return plan
+
+
+class PipeGPT(nn.Module):
+    """A tiny GPT following the pipeline contract: top-level pieces may be ``None`` on a stage."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 16, heads: int = 4, layers: int = 4, seq: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads, 2 * hidden) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for layer in self.layers:
+            x = layer(x)
+        if self.ln_f is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def pipe_gpt_plan() -> dict:
+    return {
+        "tok": VocabParallel(),
+        **block_plan(),
+        "head": ColumnParallel(gather_output=True),
+    }
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -1,0 +1,129 @@
+"""Simulate a schedule's action lists: timeline, bubble fraction, in-flight microbatches, deadlocks.
+
+Unit-time model: a forward of one chunk takes ``1 / v`` and a backward ``2 / v`` (a chunk holds ``1 / v`` of a rank's
+layers); communication is free. Each rank runs its actions strictly in order, an action starting as soon as the rank
+is free and its inputs exist (forward of stage ``s`` needs forward ``s - 1`` of the same microbatch; backward of
+``s`` needs backward ``s + 1`` and its own forward). A schedule that stops making progress is a deadlock, reported
+with the step x rank grid. Bubble fraction: ``(makespan - busy) / busy`` with ``busy = 3 * m`` per rank, which for
+1F1B is ``(pp - 1) / m`` and for interleaved 1F1B ``(pp - 1) / (v * m)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from meshpar.pipeline.schedule_ir import Action, RankActions, build_actions
+
+
+@dataclass
+class Timeline:
+    pp: int
+    v: int
+    m: int
+    actions: RankActions
+    start: dict[tuple[int, Action], Fraction] = field(default_factory=dict)
+    makespan: Fraction = Fraction(0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        busy = 3 * self.m
+        return float((self.makespan - busy) / busy)
+
+    def peak_in_flight(self) -> dict[int, int]:
+        """Per rank: the most microbatch-chunks whose forward ran and whose backward has not (activations held)."""
+        peaks = {}
+        for rank, actions in self.actions.items():
+            live = peak = 0
+            for action in actions:
+                live += 1 if action.kind == "F" else -1
+                peak = max(peak, live)
+            peaks[rank] = peak
+        return peaks
+
+    def grid(self) -> str:
+        """Text chart: one row per rank, one column per unit of time (forward = chunk's F, backward = B)."""
+        scale = self.v  # columns per unit time
+        width = int(self.makespan * scale)
+        rows = []
+        for rank, actions in self.actions.items():
+            cells = ["."] * width
+            for action in actions:
+                begin = int(self.start[(rank, action)] * scale)
+                length = 1 if action.kind == "F" else 2
+                for col in range(begin, begin + length):
+                    cells[col] = action.kind if action.kind == "B" else "F"
+                cells[begin] = str(action.microbatch % 10)
+            rows.append(f"rank {rank}: " + "".join(cells))
+        return "\n".join(rows)
+
+    def plot(self, path: str) -> None:
+        """A Gantt chart PNG (needs matplotlib)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(max(6.0, float(self.makespan) * 0.4), 0.6 * self.pp + 1))
+        for rank, actions in self.actions.items():
+            for action in actions:
+                duration = Fraction(1 if action.kind == "F" else 2, self.v)
+                color = "tab:blue" if action.kind == "F" else "tab:orange"
+                begin = float(self.start[(rank, action)])
+                ax.barh(rank, float(duration), left=begin, color=color, edgecolor="black")
+                ax.text(begin + float(duration) / 2, rank, str(action), ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(self.pp), [f"rank {r}" for r in range(self.pp)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (forward of a whole rank's layers = 1)")
+        ax.set_title(f"pp={self.pp} v={self.v} m={self.m} bubble={self.bubble_fraction:.3f}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+class ScheduleDeadlock(RuntimeError):
+    pass
+
+
+def simulate(actions: RankActions, pp: int, v: int, m: int) -> Timeline:
+    """Run the action lists under the unit-time model; raises ``ScheduleDeadlock`` with the grid of what ran."""
+    num_stages = pp * v
+    done: dict[Action, Fraction] = {}
+    position = dict.fromkeys(actions, 0)
+    free_at = dict.fromkeys(actions, Fraction(0))
+    timeline = Timeline(pp, v, m, actions)
+    f_time, b_time = Fraction(1, v), Fraction(2, v)
+    remaining = sum(len(a) for a in actions.values())
+    while remaining:
+        progressed = False
+        for rank, rank_actions in actions.items():
+            if position[rank] == len(rank_actions):
+                continue
+            action = rank_actions[position[rank]]
+            if action.kind == "F":
+                deps = [Action("F", action.stage - 1, action.microbatch)] if action.stage > 0 else []
+            else:
+                deps = [Action("F", action.stage, action.microbatch)]
+                if action.stage < num_stages - 1:
+                    deps.append(Action("B", action.stage + 1, action.microbatch))
+            if any(dep not in done for dep in deps):
+                continue
+            begin = max([free_at[rank], *(done[dep] for dep in deps)])
+            end = begin + (f_time if action.kind == "F" else b_time)
+            timeline.start[(rank, action)] = begin
+            done[action] = end
+            free_at[rank] = end
+            position[rank] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            stuck = {r: str(a[position[r]]) for r, a in actions.items() if position[r] < len(a)}
+            ran = "\n".join(f"rank {r}: " + " ".join(str(x) for x in a[: position[r]]) for r, a in actions.items())
+            raise ScheduleDeadlock(f"schedule deadlocks; each rank waits on {stuck}. What ran:\n{ran}")
+    timeline.makespan = max(free_at.values())
+    return timeline
+
+
+def inspect_schedule(schedule: str, pp: int, v: int, m: int) -> Timeline:
+    """Build and simulate ``schedule`` (see :data:`meshpar.pipeline.schedule_ir.SCHEDULES`)."""
+    return simulate(build_actions(schedule, pp, v, m), pp, v, m)

@@ -1,0 +1,106 @@
+"""Pipeline schedules as data: per-rank lists of compute actions.
+
+An action is ``(kind, stage, microbatch)`` with kind ``"F"`` (forward) or ``"B"`` (full backward). Stage ``s`` of
+``pp * v`` stages lives on rank ``s % pp`` (rank ``r`` owns chunks ``r, r + pp, r + 2pp, ...``). These lists are
+what :mod:`meshpar.pipeline.inspector` simulates and what the runtime in :mod:`meshpar.pipeline.schedules` executes
+(after torch's pass adds the sends and receives).
+
+Each schedule is three small steps per rank: the forward order, the backward order, and how they interleave
+(warm-up forwards, steady one-forward-one-backward, cool-down backwards).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Action(NamedTuple):
+    kind: str  # "F" or "B"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+RankActions = dict[int, list[Action]]
+
+
+def check_schedule_args(pp: int, v: int, m: int) -> None:
+    if pp < 1 or v < 1 or m < 1:
+        raise ValueError(f"pp, virtual_pipeline_size and num_microbatches must be >= 1, got {pp}, {v}, {m}")
+    if v > 1 and pp == 1:
+        raise ValueError(f"virtual_pipeline_size={v} needs pp > 1")
+    if pp > 1 and m < pp:
+        raise ValueError(
+            f"num_microbatches={m} is smaller than pp={pp}: every stage would idle; use at least {pp} microbatches"
+        )
+
+
+def _rounds(m: int, pp: int) -> list[range]:
+    """Microbatches in ``m // pp`` consecutive rounds of at least ``pp`` each, sizes differing by at most one
+    (larger rounds first). With ``m % pp == 0`` these are Megatron's rounds of exactly ``pp``; otherwise every
+    round is still wide enough to keep all ranks busy, so any ``m >= pp`` works (apex and NxD require a multiple).
+    """
+    n_rounds = max(1, m // pp)
+    base, extra = divmod(m, n_rounds)
+    rounds, start = [], 0
+    for index in range(n_rounds):
+        size = base + (1 if index < extra else 0)
+        rounds.append(range(start, start + size))
+        start += size
+    return rounds
+
+
+def forward_order(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    """Depth-first per round: chunk 0 for the round's microbatches, then chunk 1, ... (Megatron's order)."""
+    return [Action("F", chunk * pp + rank, mb) for group in _rounds(m, pp) for chunk in range(v) for mb in group]
+
+
+def backward_order(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    return [
+        Action("B", chunk * pp + rank, mb) for group in _rounds(m, pp) for chunk in reversed(range(v)) for mb in group
+    ]
+
+
+def warmup_forwards(rank: int, pp: int, v: int, m: int) -> int:
+    """Forwards before the first backward: ``pp - rank - 1`` for 1F1B; for interleaved 1F1B Megatron's
+    ``(pp - rank - 1) * 2 + (v - 1) * R`` with ``R`` the first round's size (``pp`` when ``m % pp == 0``), capped at
+    all ``v * m`` forwards."""
+    total = v * m
+    if v == 1:
+        return min(pp - rank - 1, total)
+    return min((pp - rank - 1) * 2 + (v - 1) * len(_rounds(m, pp)[0]), total)
+
+
+def one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
+    forwards, backwards = forward_order(rank, pp, v, m), backward_order(rank, pp, v, m)
+    warmup = warmup_forwards(rank, pp, v, m)
+    actions = forwards[:warmup]
+    for fwd, bwd in zip(forwards[warmup:], backwards, strict=False):
+        actions += [fwd, bwd]
+    actions += backwards[len(forwards) - warmup :]
+    return actions
+
+
+def gpipe(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    """All forwards, then all backwards (in reverse microbatch order per stage)."""
+    return forward_order(rank, pp, v, m) + list(reversed(backward_order(rank, pp, v, m)))
+
+
+def forward_only(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    return forward_order(rank, pp, v, m)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": one_f_one_b, "forward_only": forward_only}
+
+
+def build_actions(schedule: str, pp: int, v: int, m: int) -> RankActions:
+    """The action list of every rank for ``schedule`` in ``SCHEDULES``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if schedule == "1f1b" and v != 1:
+        raise ValueError("1f1b runs one stage per rank; use interleaved_1f1b for virtual_pipeline_size > 1")
+    check_schedule_args(pp, v, m)
+    return {rank: SCHEDULES[schedule](rank, pp, v, m) for rank in range(pp)}

@@ -1,0 +1,100 @@
+"""Pipeline schedules executed by torch's ``torch.distributed.pipelining`` runtime.
+
+meshpar builds each rank's compute actions (:mod:`meshpar.pipeline.schedule_ir`: GPipe, 1F1B, and its own
+interleaved 1F1B that accepts any ``num_microbatches >= pp``); torch's runtime adds the sends/receives and runs
+them on ``PipelineStage``s. ``build_schedule`` is the one factory; torch's own schedule classes are available under
+``"torch_*"`` names for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from meshpar._compat import (
+    PP_FORWARD,
+    PP_FULL_BACKWARD,
+    PP_RECV_B,
+    PP_REDUCE_GRAD,
+    PP_SEND_B,
+    DeviceMesh,
+    PipelineScheduleRuntime,
+    PipelineStage,
+    PPAction,
+)
+
+_BACKWARD_ACTIONS = (PP_FULL_BACKWARD, PP_RECV_B, PP_SEND_B, PP_REDUCE_GRAD)
+from meshpar.pipeline.schedule_ir import build_actions
+
+
+class MeshparSchedule(PipelineScheduleRuntime):
+    """torch's pipelining runtime driven by meshpar's action lists."""
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        schedule: str = "interleaved_1f1b",
+        forward_only: bool = False,
+        scale_grads: bool = True,
+    ) -> None:
+        super().__init__(stages=list(stages), n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        pp = stages[0].group_size
+        self.schedule_name = schedule
+        self.actions = build_actions(schedule, pp, len(stages), n_microbatches)
+        kinds = {"F": PP_FORWARD, "B": PP_FULL_BACKWARD}
+        self.pipeline_order = {
+            rank: [PPAction(a.stage, kinds[a.kind], a.microbatch) for a in actions]
+            for rank, actions in self.actions.items()
+        }
+        self._prepare_schedule_with_comms(self.pipeline_order)
+        if forward_only:
+            # torch validates complete schedules only; evaluation runs the same order without the backward half.
+            self.pipeline_order_with_comms = {
+                rank: [a for a in actions if a.computation_type not in _BACKWARD_ACTIONS]
+                for rank, actions in self.pipeline_order_with_comms.items()
+            }
+
+
+_TORCH_SCHEDULES = {
+    "torch_gpipe": ScheduleGPipe,
+    "torch_1f1b": Schedule1F1B,
+    "torch_interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", *_TORCH_SCHEDULES)
+
+
+def make_pipeline_stages(
+    stage_modules: Sequence[tuple[int, nn.Module]], num_stages: int, pp_mesh: DeviceMesh, device: torch.device
+) -> list[PipelineStage]:
+    return [
+        PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group()) for index, module in stage_modules
+    ]
+
+
+def build_schedule(
+    name: str,
+    stages: Sequence[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    forward_only: bool = False,
+    scale_grads: bool = True,
+) -> PipelineScheduleRuntime:
+    """One factory for every schedule; ``forward_only`` builds the evaluation order (call ``.eval(...)`` on it)."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULE_NAMES}")
+    if name in _TORCH_SCHEDULES:
+        cls = _TORCH_SCHEDULES[name]
+        if cls is not ScheduleInterleaved1F1B and len(stages) != 1:
+            raise ValueError(f"{name} runs one stage per rank, got {len(stages)}")
+        arg = list(stages) if cls is ScheduleInterleaved1F1B else stages[0]
+        return cls(arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return MeshparSchedule(
+        stages, n_microbatches, loss_fn, schedule=name, forward_only=forward_only, scale_grads=scale_grads
+    )

@@ -1,0 +1,237 @@
+"""Split a model into pipeline stages that keep the original parameter names (FQNs).
+
+Contract (torchtitan's): the model keeps its transformer layers in one ``nn.ModuleList`` / ``nn.Sequential``; the
+modules registered *before* that container (on the path from the root to it) run on the first stage, those
+registered *after* it on the last stage, and the model's ``forward`` skips a top-level piece that is ``None`` (e.g.
+``x = self.tok_emb(ids) if self.tok_emb is not None else ids``). A stage is a copy of the model in which the pieces it
+does not own are ``None`` and the layer container keeps only its own layers under their original indices, so
+``layers.7.attn.q.weight`` keeps that name and a stage's state dict is a slice of the full one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class PipelineLayers(nn.ModuleDict):
+    """The layers one stage owns, keyed by their index in the full model; iterates over modules like a ModuleList."""
+
+    def __iter__(self):  # noqa: ANN204 - same as ModuleList.__iter__
+        return iter(self.values())
+
+
+@dataclass
+class StagePlan:
+    """Which modules each of ``num_stages`` stages owns."""
+
+    container: str  # FQN of the layer container, e.g. "layers" or "transformer.h"
+    first_stage_modules: list[str]
+    last_stage_modules: list[str]
+    stage_layers: list[list[str]]  # per stage: the container keys it owns
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def describe(self) -> str:
+        lines = []
+        for stage, layers in enumerate(self.stage_layers):
+            extra = []
+            if stage == 0 and self.first_stage_modules:
+                extra.append("+ " + ", ".join(self.first_stage_modules))
+            if stage == self.num_stages - 1 and self.last_stage_modules:
+                extra.append("+ " + ", ".join(self.last_stage_modules))
+            span = f"{self.container}.{layers[0]}..{layers[-1]}" if layers else "no layers"
+            lines.append(f"stage {stage}: {len(layers)} layers ({span}) {' '.join(extra)}".rstrip())
+        return "\n".join(lines)
+
+
+def _find_container(model: nn.Module, layer_cls: type | tuple[type, ...] | None, cuts: Sequence[str] | None) -> str:
+    if cuts:
+        parents = {cut.rsplit(".", 1)[0] if "." in cut else "" for cut in cuts}
+        if len(parents) != 1:
+            raise ValueError(f"pipeline_cuts must name layers of one container, got parents {sorted(parents)}")
+        return parents.pop()
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0:
+            children = list(module.children())
+            if layer_cls is None or all(isinstance(c, layer_cls) for c in children):
+                candidates.append((len(children), name))
+    if layer_cls is not None and not candidates:
+        raise ValueError(f"no nn.ModuleList or nn.Sequential of {layer_cls} found in {type(model).__name__}")
+    if not candidates:
+        raise ValueError("give transformer_layer_cls or pipeline_cuts so that meshpar can find the layers")
+    return max(candidates)[1]
+
+
+def _outside_modules(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Modules on the path to ``container``: (registered before the path, registered after it)."""
+    before, after = [], []
+    module, prefix = model, ""
+    for part in container.split(".") if container else []:
+        seen = False
+        for name, _child in module.named_children():
+            if name == part:
+                seen = True
+            elif not seen:
+                before.append(prefix + name)
+            else:
+                after.append(prefix + name)
+        module = getattr(module, part)
+        prefix += part + "."
+    return before, after
+
+
+def _balanced_split(costs: Sequence[float], num_stages: int, head: float, tail: float) -> list[int]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the most expensive stage
+    (stage 0 also pays ``head``, the last ``tail``). Returns the part sizes."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for end in range(s, n - (num_stages - s) + 1):
+            for start in range(s - 1, end):
+                cost = prefix[end] - prefix[start] + (head if s == 1 else 0.0) + (tail if s == num_stages else 0.0)
+                value = max(best[s - 1][start], cost)
+                if value < best[s][end]:
+                    best[s][end], choice[s][end] = value, start
+    sizes, end = [], n
+    for s in range(num_stages, 0, -1):
+        start = choice[s][end]
+        sizes.append(end - start)
+        end = start
+    return sizes[::-1]
+
+
+def _numel(model: nn.Module, names: Sequence[str]) -> float:
+    return float(sum(p.numel() for name in names for p in model.get_submodule(name).parameters()))
+
+
+def plan_stages(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    transformer_layer_cls: type | tuple[type, ...] | None = None,
+    pipeline_cuts: Sequence[str] | None = None,
+    auto_partition: bool = False,
+) -> StagePlan:
+    """Decide the layers of each stage: explicit cuts (a new stage starts *after* each named layer), parameter-count
+    balancing (``auto_partition``), or equal layer counts (the first stages take the remainder)."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    container = _find_container(model, transformer_layer_cls, pipeline_cuts)
+    keys = list(model.get_submodule(container)._modules.keys()) if container else list(model._modules.keys())
+    first, last = _outside_modules(model, container)
+    if len(keys) < num_stages:
+        raise ValueError(f"{len(keys)} layers cannot fill {num_stages} pipeline stages; use at most {len(keys)} stages")
+    if pipeline_cuts:
+        prefix = container + "." if container else ""
+        unknown = [c for c in pipeline_cuts if not c.startswith(prefix) or c[len(prefix) :] not in keys]
+        if unknown:
+            raise ValueError(f"pipeline_cuts name unknown layers {unknown}; layers are {prefix}{{{keys[0]}..{keys[-1]}}}")
+        if len(pipeline_cuts) != num_stages - 1:
+            raise ValueError(f"{len(pipeline_cuts)} pipeline_cuts make {len(pipeline_cuts) + 1} stages, need {num_stages}")
+        positions = sorted(keys.index(c[len(prefix) :]) + 1 for c in pipeline_cuts)
+        if positions[-1] == len(keys) or len(set(positions)) != len(positions):
+            raise ValueError(f"pipeline_cuts {list(pipeline_cuts)} leave a stage without layers")
+        bounds = [0, *positions, len(keys)]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    elif auto_partition:
+        costs = [_numel(model, [f"{container}.{k}" if container else k]) for k in keys]
+        sizes = _balanced_split(costs, num_stages, _numel(model, first), _numel(model, last))
+    else:
+        base, extra = divmod(len(keys), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    stage_layers, start = [], 0
+    for size in sizes:
+        stage_layers.append(keys[start : start + size])
+        start += size
+    return StagePlan(container, first, last, stage_layers)
+
+
+def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+    """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``."""
+    owned = set(plan.stage_layers[stage])
+    container = model.get_submodule(plan.container) if plan.container else model
+    dropped = [m for k, m in container._modules.items() if k not in owned]
+    if stage != 0:
+        dropped += [model.get_submodule(n) for n in plan.first_stage_modules]
+    if stage != plan.num_stages - 1:
+        dropped += [model.get_submodule(n) for n in plan.last_stage_modules]
+    memo: dict[int, object] = {id(m): None for m in dropped}
+    stage_model = copy.deepcopy(model, memo)
+    new_container = stage_model.get_submodule(plan.container) if plan.container else stage_model
+    kept = {k: m for k, m in new_container._modules.items() if m is not None}
+    if isinstance(new_container, nn.ModuleList):
+        layers = PipelineLayers(kept)
+        if plan.container:
+            parent, _, name = plan.container.rpartition(".")
+            setattr(stage_model.get_submodule(parent) if parent else stage_model, name, layers)
+        else:
+            raise ValueError("the model itself cannot be a ModuleList; wrap it in nn.Sequential")
+    else:
+        new_container._modules.clear()
+        new_container._modules.update(kept)
+    stage_model.meshpar_stage_index = stage
+    return stage_model
+
+
+def _materialize(module: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    module.to_empty(device=device)
+    if param_init_fn is not None:
+        param_init_fn(module)
+        return
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters") and sub is not module:
+            sub.reset_parameters()
+
+
+def split_model(
+    model: nn.Module,
+    pp_rank: int,
+    pp: int,
+    *,
+    transformer_layer_cls: type | tuple[type, ...] | None = None,
+    pipeline_cuts: Sequence[str] | None = None,
+    auto_partition: bool = False,
+    virtual_pipeline_size: int = 1,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
+    """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
+
+    A model built on ``meta`` is materialised stage by stage on ``device`` (``param_init_fn(stage)`` or every
+    submodule's ``reset_parameters()``), so a rank only ever allocates its own stages.
+    """
+    if virtual_pipeline_size > 1 and pp == 1:
+        raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank {pp_rank} is out of range for pp={pp}")
+    plan = plan_stages(
+        model,
+        pp * virtual_pipeline_size,
+        transformer_layer_cls=transformer_layer_cls,
+        pipeline_cuts=pipeline_cuts,
+        auto_partition=auto_partition,
+    )
+    is_meta = any(p.is_meta for p in model.parameters())
+    stages = []
+    for stage in range(pp_rank, plan.num_stages, pp):
+        module = build_stage(model, plan, stage)
+        if is_meta:
+            _materialize(module, torch.device(device or "cpu"), param_init_fn)
+        elif device is not None:
+            module.to(device)
+        stages.append((stage, module))
+    return stages, plan
