@@ -5,6 +5,8 @@ A torch upgrade that moves one of these names should only need a change in this 
 
 from __future__ import annotations
 
+import torch
+
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -44,3 +46,17 @@ from torch.distributed.pipelining.schedules import (  # noqa: E402
 )
 
 __all__ += ["PP_FORWARD", "PP_FULL_BACKWARD", "PP_RECV_B", "PP_REDUCE_GRAD", "PP_SEND_B", "PPAction", "PipelineScheduleRuntime", "PipelineStage"]
+
+
+def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from ``output`` without the shape check, for outputs whose data was freed after sending
+    (Megatron's ``custom_backward``)."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )

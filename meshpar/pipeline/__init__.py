@@ -1,0 +1,36 @@
+"""Pipeline parallelism: FQN-preserving splitting, schedules as data, torch's runtime and meshpar's executor."""
+
+from meshpar.pipeline.apex import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+)
+from meshpar.pipeline.inspector import ScheduleDeadlock, Timeline, inspect_schedule, simulate
+from meshpar.pipeline.model import PipelineModel, StageChunk
+from meshpar.pipeline.schedule_ir import Action, build_actions
+from meshpar.pipeline.schedules import MeshparSchedule, build_schedule, make_pipeline_stages
+from meshpar.pipeline.split import PipelineLayers, StagePlan, build_stage, plan_stages, split_model
+
+__all__ = [
+    "Action",
+    "MeshparSchedule",
+    "PipelineLayers",
+    "PipelineModel",
+    "ScheduleDeadlock",
+    "StageChunk",
+    "StagePlan",
+    "Timeline",
+    "build_actions",
+    "build_schedule",
+    "build_stage",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+    "inspect_schedule",
+    "make_pipeline_stages",
+    "plan_stages",
+    "simulate",
+    "split_model",
+]

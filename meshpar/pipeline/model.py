@@ -1,0 +1,170 @@
+"""neuronx-distributed's ``NxDPPModel`` API: ``PipelineModel(module, ...)`` with ``run_train`` / ``run_eval``.
+
+The module is split by :func:`meshpar.pipeline.split.split_model` (FQNs kept) and run by meshpar's executor with
+the interleaved 1F1B schedule (plain 1F1B for ``virtual_pipeline_size=1``). Every stage receives the microbatch's
+keyword inputs; the first stage calls the module with the ``input_names`` inputs, later stages with the received
+activation, and the last stage computes the loss with ``loss_fn(output, **microbatch)`` or, NxD-style, picks it from
+the module's output with ``output_loss_value_spec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshpar.parallel_dims import get_parallel
+from meshpar.pipeline._p2p import P2P
+from meshpar.pipeline.apex import _neighbours, split_microbatches
+from meshpar.pipeline.executor import PipelineExecutor
+from meshpar.pipeline.schedule_ir import build_actions
+from meshpar.pipeline.split import split_model
+
+
+class StageChunk(nn.Module):
+    """One stage with apex's ``set_input_tensor`` contract: the received activation replaces the model inputs."""
+
+    def __init__(self, stage: nn.Module, stage_index: int, input_names: Sequence[str] | None) -> None:
+        super().__init__()
+        self.stage = stage
+        self.stage_index = stage_index
+        self.input_names = input_names
+        self._input: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self._input = tensor
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        if self._input is not None:
+            return self.stage(self._input)
+        names = self.input_names or [n for n in inputs if n != "labels"]
+        return self.stage(*(inputs[n] for n in names))
+
+
+def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
+    if spec is None:
+        return output
+    if isinstance(spec, str):
+        return output[spec]
+    picked = [o for o, take in zip(output, spec, strict=True) if take]
+    if len(picked) != 1:
+        raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
+    return picked[0]
+
+
+class PipelineModel(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        transformer_layer_cls: type | None = None,
+        num_microbatches: int = 1,
+        virtual_pipeline_size: int = 1,
+        output_loss_value_spec: Any = None,
+        return_mb_loss: bool = False,
+        broadcast_and_average_loss: bool = False,
+        pipeline_cuts: Sequence[str] | None = None,
+        input_names: Sequence[str] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        auto_partition: bool = False,
+        deallocate_pipeline_outputs: bool = False,
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        dims = get_parallel()
+        if num_microbatches < dims.pp:
+            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
+        if dims.pp == 1 and virtual_pipeline_size > 1:
+            raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
+        stages, self.plan = split_model(
+            module,
+            dims.pp_rank,
+            dims.pp,
+            transformer_layer_cls=transformer_layer_cls,
+            pipeline_cuts=pipeline_cuts,
+            auto_partition=auto_partition,
+            virtual_pipeline_size=virtual_pipeline_size,
+            param_init_fn=param_init_fn,
+            device=dims.device,
+        )
+        self.chunks = nn.ModuleList(StageChunk(stage, index, input_names) for index, stage in stages)
+        self.num_microbatches = num_microbatches
+        self.output_loss_value_spec = output_loss_value_spec
+        self.return_mb_loss = return_mb_loss
+        self.broadcast_and_average_loss = broadcast_and_average_loss
+        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self.loss_fn = loss_fn
+
+    # -- NxD accessors: names are the original model's FQNs ------------------------------------------------
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for chunk in self.chunks:
+            yield from chunk.stage.named_parameters()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, param in self.local_named_parameters():
+            yield param
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        for chunk in self.chunks:
+            yield from chunk.stage.named_modules()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            state.update(chunk.stage.state_dict())
+        return state
+
+    @property
+    def is_last_stage_rank(self) -> bool:
+        return any(c.stage_index == self.plan.num_stages - 1 for c in self.chunks)
+
+    def _forward_step(self, microbatch: dict[str, torch.Tensor], chunk: StageChunk) -> tuple[Any, Callable]:
+        output = chunk(**microbatch)
+
+        def loss_func(out: Any) -> torch.Tensor:
+            if self.loss_fn is not None:
+                return self.loss_fn(out, **microbatch)
+            return _pick_loss(out, self.output_loss_value_spec)
+
+        return output, loss_func
+
+    def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor]) -> Any:
+        dims = get_parallel()
+        microbatches = split_microbatches(inputs, self.num_microbatches)
+        schedule = "interleaved_1f1b" if dims.pp > 1 else "1f1b"
+        actions = build_actions(schedule, dims.pp, len(self.chunks), len(microbatches))[dims.pp_rank]
+        prev_rank, next_rank = _neighbours()
+        executor = PipelineExecutor(
+            chunks=list(self.chunks),
+            pp_rank=dims.pp_rank,
+            pp=dims.pp,
+            p2p=P2P(prev_rank, next_rank, dims.device),
+            deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+            loss_scale=1.0 / len(microbatches),
+        )
+        losses = executor.run(actions, microbatches, self._forward_step, forward_only)
+        if self.return_mb_loss:
+            return losses
+        loss = torch.stack(losses).mean() if losses else None
+        if self.broadcast_and_average_loss:
+            loss = self._broadcast_loss(loss)
+        return loss
+
+    def _broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """Send the last stage's mean loss to every rank of the pipeline group."""
+        dims = get_parallel()
+        group = next(g for g in dims.group_ranks("pp") if dist.get_rank() in g)
+        value = loss.detach().clone() if loss is not None else torch.zeros((), device=dims.device)
+        dist.broadcast(value, src=group[-1], group=dims.pp_mesh.get_group())
+        return value
+
+    def run_train(self, **inputs: torch.Tensor) -> Any:
+        """Forward and backward over ``num_microbatches`` microbatches; grads are those of the mean loss."""
+        return self._run(forward_only=False, inputs=inputs)
+
+    def run_eval(self, **inputs: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return self._run(forward_only=True, inputs=inputs)

@@ -1,0 +1,130 @@
+"""apex get_forward_backward_func and NxD PipelineModel on meshpar's executor vs the dense model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshpar import parallel_state
+from meshpar.pipeline import PipelineModel, StageChunk, get_forward_backward_func, split_model
+from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
+from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
+
+
+def _batch(m: int, seq: int = 8, per_mb: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {"ids": torch.randint(0, 32, (m * per_mb, seq)), "labels": torch.randint(0, 32, (m * per_mb, seq))}
+
+
+def _dense(layers: int, microbatches: list[dict]) -> tuple[PipeGPT, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    dense = PipeGPT(layers=layers)
+    losses = [lm_loss(dense(mb["ids"]), mb["labels"]) for mb in microbatches]
+    torch.stack(losses).mean().backward()
+    return dense, [loss.detach() for loss in losses]
+
+
+def _check_grads(modules, dense: PipeGPT) -> None:
+    dense_params = dict(dense.named_parameters())
+    for module in modules:
+        for name, param in module.named_parameters():
+            assert_matches_dense(param.grad, dense_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def forward_step(microbatch: dict, model: StageChunk):
+    out = model(ids=microbatch["ids"])
+    return out, lambda logits: lm_loss(logits, microbatch["labels"])
+
+
+def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool, deallocate: bool) -> None:
+    dims = setup_parallel(tp=tp, pp=pp)
+    if v > 1:
+        dims.virtual_pipeline_size, dims.virtual_pipeline_rank = v, 0
+    microbatches = (
+        [_batch(1, seq=4 + 2 * (i % 3)) for i in range(m)]
+        if variable_seq
+        else [{k: t.chunk(m)[i] for k, t in _batch(m).items()} for i in range(m)]
+    )
+    dense, expected = _dense(layers, microbatches)
+    torch.manual_seed(0)
+    stages, _ = split_model(PipeGPT(layers=layers), dims.pp_rank, pp, transformer_layer_cls=Block, virtual_pipeline_size=v)
+    if tp > 1:
+        stages = [(i, parallelize_module(s, dims.tp_mesh, pipe_gpt_plan())) for i, s in stages]
+    chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]
+    fn = get_forward_backward_func(v if v > 1 else None, pp)
+    model = chunks if v > 1 else chunks[0]
+    losses = fn(forward_step, microbatches, model, forward_only=False, deallocate_pipeline_outputs=deallocate)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), atol=1e-5, rtol=1e-5)
+    else:
+        assert losses == []
+    _check_grads([c.stage for c in chunks], dense)
+
+
+@pytest.mark.parametrize(
+    ("pp", "tp", "v", "m", "layers", "variable_seq", "deallocate"),
+    [
+        (1, 1, 1, 3, 2, False, False),  # no pipelining
+        (2, 1, 1, 4, 3, False, False),
+        (4, 1, 1, 4, 4, False, True),
+        (2, 1, 2, 4, 4, False, False),
+        (2, 1, 2, 3, 4, False, True),  # interleaved with m % pp != 0
+        (4, 1, 2, 6, 8, False, False),
+        (2, 2, 2, 4, 4, False, False),  # pp x tp
+        (2, 1, 2, 5, 4, True, False),  # variable sequence lengths, no tensor_shape
+        (4, 1, 1, 6, 4, True, True),
+    ],
+)
+def test_apex_schedules_match_dense(pp, tp, v, m, layers, variable_seq, deallocate) -> None:
+    run_distributed(apex_case, 4, pp, tp, v, m, layers, variable_seq, deallocate)
+
+
+def apex_forward_only_case() -> None:
+    dims = setup_parallel(pp=2)
+    microbatches = [{k: t.chunk(2)[i] for k, t in _batch(2).items()} for i in range(2)]
+    torch.manual_seed(0)
+    dense = PipeGPT(layers=2)
+    with torch.no_grad():
+        expected = [lm_loss(dense(mb["ids"]), mb["labels"]) for mb in microbatches]
+    (stage,), _ = split_model(dense, dims.pp_rank, 2, transformer_layer_cls=Block)
+    fn = get_forward_backward_func(None, 2)
+    losses = fn(forward_step, microbatches, StageChunk(stage[1], stage[0], ["ids"]), forward_only=True)
+    if dims.pp_rank == 1:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert all(p.grad is None for p in stage[1].parameters())
+
+
+def test_apex_forward_only() -> None:
+    run_distributed(apex_forward_only_case, 2)
+
+
+def nxd_case(pp: int, v: int, m: int, broadcast: bool) -> None:
+    dims = setup_parallel(pp=pp)
+    batch = _batch(m)
+    microbatches = [{k: t.chunk(m)[i] for k, t in batch.items()} for i in range(m)]
+    dense, expected = _dense(5, microbatches)
+    torch.manual_seed(0)
+    model = PipelineModel(
+        PipeGPT(layers=5),
+        transformer_layer_cls=Block,
+        num_microbatches=m,
+        virtual_pipeline_size=v,
+        input_names=["ids"],
+        broadcast_and_average_loss=broadcast,
+        loss_fn=lambda logits, ids, labels: lm_loss(logits, labels),
+    )
+    loss = model.run_train(**batch)
+    if broadcast or model.is_last_stage_rank:
+        torch.testing.assert_close(loss, torch.stack(expected).mean(), atol=1e-5, rtol=1e-5)
+    _check_grads([c.stage for c in model.chunks], dense)
+    names = [n for n, _ in model.local_named_parameters()]
+    assert set(names) <= set(dict(dense.named_parameters())) and names
+    eval_loss = model.run_eval(**batch)
+    if broadcast or model.is_last_stage_rank:
+        torch.testing.assert_close(eval_loss, torch.stack(expected).mean(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("pp", "v", "m", "broadcast"), [(2, 1, 2, False), (2, 2, 4, True), (4, 1, 5, True)])
+def test_nxd_pipeline_model_matches_dense(pp: int, v: int, m: int, broadcast: bool) -> None:
+    run_distributed(nxd_case, 4, pp, v, m, broadcast)
