@@ -6,9 +6,30 @@ A torch upgrade that moves one of these names should only need a change in this 
 from __future__ import annotations
 
 import torch
-
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    FORWARD as PP_FORWARD,
+)
+from torch.distributed.pipelining.schedules import (
+    FULL_BACKWARD as PP_FULL_BACKWARD,
+)
+from torch.distributed.pipelining.schedules import (
+    RECV_B as PP_RECV_B,
+)
+from torch.distributed.pipelining.schedules import (
+    REDUCE_GRAD as PP_REDUCE_GRAD,
+)
+from torch.distributed.pipelining.schedules import (
+    SEND_B as PP_SEND_B,
+)
+from torch.distributed.pipelining.schedules import (
+    _Action as PPAction,
+)
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime as PipelineScheduleRuntime,
+)
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -16,36 +37,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 # torch >= 2.13 renamed the dim-aware functional collectives; same signatures.
 all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
-
-__all__ = [
-    "all_gather_single",
-    "reduce_scatter_single",
-    "CommDebugMode",
-    "DTensor",
-    "DeviceMesh",
-    "ParallelStyle",
-    "Partial",
-    "Placement",
-    "Replicate",
-    "Shard",
-    "distribute_tensor",
-    "funcol",
-    "init_device_mesh",
-]
-
-# Pipelining runtime internals (schedules as action lists).
-from torch.distributed.pipelining import PipelineStage  # noqa: E402
-from torch.distributed.pipelining.schedules import (  # noqa: E402
-    FORWARD as PP_FORWARD,
-    FULL_BACKWARD as PP_FULL_BACKWARD,
-    RECV_B as PP_RECV_B,
-    REDUCE_GRAD as PP_REDUCE_GRAD,
-    SEND_B as PP_SEND_B,
-    _Action as PPAction,
-    _PipelineScheduleRuntime as PipelineScheduleRuntime,
-)
-
-__all__ += ["PP_FORWARD", "PP_FULL_BACKWARD", "PP_RECV_B", "PP_REDUCE_GRAD", "PP_SEND_B", "PPAction", "PipelineScheduleRuntime", "PipelineStage"]
 
 
 def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
@@ -60,3 +51,29 @@ def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
         allow_unreachable=True,
         accumulate_grad=True,
     )
+
+
+__all__ = [
+    "PP_FORWARD",
+    "PP_FULL_BACKWARD",
+    "PP_RECV_B",
+    "PP_REDUCE_GRAD",
+    "PP_SEND_B",
+    "CommDebugMode",
+    "DTensor",
+    "DeviceMesh",
+    "PPAction",
+    "ParallelStyle",
+    "Partial",
+    "PipelineScheduleRuntime",
+    "PipelineStage",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "all_gather_single",
+    "distribute_tensor",
+    "funcol",
+    "init_device_mesh",
+    "reduce_scatter_single",
+    "run_backward_unchecked",
+]

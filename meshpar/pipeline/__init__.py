@@ -6,7 +6,7 @@ from meshpar.pipeline.apex import (
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
 )
-from meshpar.pipeline.inspector import ScheduleDeadlock, Timeline, inspect_schedule, simulate
+from meshpar.pipeline.inspector import ScheduleDeadlockError, Timeline, inspect_schedule, simulate
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.schedule_ir import Action, build_actions
 from meshpar.pipeline.schedules import MeshparSchedule, build_schedule, make_pipeline_stages
@@ -17,7 +17,7 @@ __all__ = [
     "MeshparSchedule",
     "PipelineLayers",
     "PipelineModel",
-    "ScheduleDeadlock",
+    "ScheduleDeadlockError",
     "StageChunk",
     "StagePlan",
     "Timeline",

@@ -81,12 +81,12 @@ class Timeline:
         plt.close(fig)
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlockError(RuntimeError):
     pass
 
 
 def simulate(actions: RankActions, pp: int, v: int, m: int) -> Timeline:
-    """Run the action lists under the unit-time model; raises ``ScheduleDeadlock`` with the grid of what ran."""
+    """Run the action lists under the unit-time model; raises ``ScheduleDeadlockError`` with the grid of what ran."""
     num_stages = pp * v
     done: dict[Action, Fraction] = {}
     position = dict.fromkeys(actions, 0)
@@ -119,7 +119,7 @@ def simulate(actions: RankActions, pp: int, v: int, m: int) -> Timeline:
         if not progressed:
             stuck = {r: str(a[position[r]]) for r, a in actions.items() if position[r] < len(a)}
             ran = "\n".join(f"rank {r}: " + " ".join(str(x) for x in a[: position[r]]) for r, a in actions.items())
-            raise ScheduleDeadlock(f"schedule deadlocks; each rank waits on {stuck}. What ran:\n{ran}")
+            raise ScheduleDeadlockError(f"schedule deadlocks; each rank waits on {stuck}. What ran:\n{ran}")
     timeline.makespan = max(free_at.values())
     return timeline
 

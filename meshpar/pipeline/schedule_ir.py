@@ -41,6 +41,7 @@ def _rounds(m: int, pp: int) -> list[range]:
     """Microbatches in ``m // pp`` consecutive rounds of at least ``pp`` each, sizes differing by at most one
     (larger rounds first). With ``m % pp == 0`` these are Megatron's rounds of exactly ``pp``; otherwise every
     round is still wide enough to keep all ranks busy, so any ``m >= pp`` works (apex and NxD require a multiple).
+    The price of a wider first round ``R`` is ``v * (R - pp)`` more chunk activations in flight during warm-up.
     """
     n_rounds = max(1, m // pp)
     base, extra = divmod(m, n_rounds)

@@ -25,9 +25,9 @@ from meshpar._compat import (
     PipelineStage,
     PPAction,
 )
+from meshpar.pipeline.schedule_ir import build_actions
 
 _BACKWARD_ACTIONS = (PP_FULL_BACKWARD, PP_RECV_B, PP_SEND_B, PP_REDUCE_GRAD)
-from meshpar.pipeline.schedule_ir import build_actions
 
 
 class MeshparSchedule(PipelineScheduleRuntime):

@@ -11,6 +11,7 @@ does not own are ``None`` and the layer container keeps only its own layers unde
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from torch import nn
 class PipelineLayers(nn.ModuleDict):
     """The layers one stage owns, keyed by their index in the full model; iterates over modules like a ModuleList."""
 
-    def __iter__(self):  # noqa: ANN204 - same as ModuleList.__iter__
+    def __iter__(self):
         return iter(self.values())
 
 
@@ -139,14 +140,18 @@ def plan_stages(
         prefix = container + "." if container else ""
         unknown = [c for c in pipeline_cuts if not c.startswith(prefix) or c[len(prefix) :] not in keys]
         if unknown:
-            raise ValueError(f"pipeline_cuts name unknown layers {unknown}; layers are {prefix}{{{keys[0]}..{keys[-1]}}}")
+            raise ValueError(
+                f"pipeline_cuts name unknown layers {unknown}; layers are {prefix}{{{keys[0]}..{keys[-1]}}}"
+            )
         if len(pipeline_cuts) != num_stages - 1:
-            raise ValueError(f"{len(pipeline_cuts)} pipeline_cuts make {len(pipeline_cuts) + 1} stages, need {num_stages}")
+            raise ValueError(
+                f"{len(pipeline_cuts)} pipeline_cuts make {len(pipeline_cuts) + 1} stages, need {num_stages}"
+            )
         positions = sorted(keys.index(c[len(prefix) :]) + 1 for c in pipeline_cuts)
         if positions[-1] == len(keys) or len(set(positions)) != len(positions):
             raise ValueError(f"pipeline_cuts {list(pipeline_cuts)} leave a stage without layers")
         bounds = [0, *positions, len(keys)]
-        sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
     elif auto_partition:
         costs = [_numel(model, [f"{container}.{k}" if container else k]) for k in keys]
         sizes = _balanced_split(costs, num_stages, _numel(model, first), _numel(model, last))

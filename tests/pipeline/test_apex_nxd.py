@@ -48,7 +48,9 @@ def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool,
     )
     dense, expected = _dense(layers, microbatches)
     torch.manual_seed(0)
-    stages, _ = split_model(PipeGPT(layers=layers), dims.pp_rank, pp, transformer_layer_cls=Block, virtual_pipeline_size=v)
+    stages, _ = split_model(
+        PipeGPT(layers=layers), dims.pp_rank, pp, transformer_layer_cls=Block, virtual_pipeline_size=v
+    )
     if tp > 1:
         stages = [(i, parallelize_module(s, dims.tp_mesh, pipe_gpt_plan())) for i, s in stages]
     chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]
@@ -100,7 +102,7 @@ def test_apex_forward_only() -> None:
 
 
 def nxd_case(pp: int, v: int, m: int, broadcast: bool) -> None:
-    dims = setup_parallel(pp=pp)
+    setup_parallel(pp=pp)
     batch = _batch(m)
     microbatches = [{k: t.chunk(m)[i] for k, t in batch.items()} for i in range(m)]
     dense, expected = _dense(5, microbatches)
@@ -128,3 +130,28 @@ def nxd_case(pp: int, v: int, m: int, broadcast: bool) -> None:
 @pytest.mark.parametrize(("pp", "v", "m", "broadcast"), [(2, 1, 2, False), (2, 2, 4, True), (4, 1, 5, True)])
 def test_nxd_pipeline_model_matches_dense(pp: int, v: int, m: int, broadcast: bool) -> None:
     run_distributed(nxd_case, 4, pp, v, m, broadcast)
+
+
+def bad_inputs_case(kind: str) -> None:
+    setup_parallel(pp=2)
+    model = PipeGPT(layers=2)
+    if kind == "few_microbatches":
+        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=1)
+    elif kind == "indivisible_batch":
+        pm = PipelineModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"])
+        pm.run_train(ids=torch.zeros(4, 8, dtype=torch.long), labels=torch.zeros(4, 8, dtype=torch.long))
+    elif kind == "too_many_stages":
+        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
+        ("indivisible_batch", "batch size 4 of ids is not divisible into 3 microbatches"),
+        ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
+    ],
+)
+def test_bad_pipeline_inputs_raise_on_every_rank_without_hanging(kind: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(bad_inputs_case, 2, kind)

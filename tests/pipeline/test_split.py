@@ -1,0 +1,87 @@
+"""split_model: FQNs kept, uneven and balanced splits, virtual chunks, meta-device materialisation, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshpar.pipeline import plan_stages, split_model
+from tests._models import Block, PipeGPT
+
+
+def test_stage_state_dicts_are_slices_of_the_full_state_dict() -> None:
+    torch.manual_seed(0)
+    model = PipeGPT(layers=5)
+    full = model.state_dict()
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        stages, plan = split_model(model, rank, 2, transformer_layer_cls=Block)
+        for _, stage in stages:
+            for name, tensor in stage.state_dict().items():
+                assert torch.equal(tensor, full[name]), name
+                seen[name] = tensor
+    assert set(seen) == set(full)
+    assert [len(layers) for layers in plan.stage_layers] == [3, 2]
+    assert "layers.4.qkv.weight" in dict(
+        split_model(model, 1, 2, transformer_layer_cls=Block)[0][0][1].named_parameters()
+    )
+
+
+def test_thirty_layers_on_four_stages_and_virtual_chunks() -> None:
+    class Deep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(30))
+
+    plan = plan_stages(Deep(), 4, transformer_layer_cls=nn.Linear)
+    assert [len(s) for s in plan.stage_layers] == [8, 8, 7, 7]
+    stages, plan = split_model(Deep(), 1, 4, transformer_layer_cls=nn.Linear, virtual_pipeline_size=2)
+    assert [index for index, _ in stages] == [1, 5]  # rank r owns chunks r, r + pp
+    assert plan.num_stages == 8
+
+
+def test_auto_partition_balances_parameters_with_embedding_and_head() -> None:
+    model = PipeGPT(vocab=512, hidden=16, layers=8)  # big embedding (first) and head (last)
+    balanced = plan_stages(model, 4, transformer_layer_cls=Block, auto_partition=True)
+    even = plan_stages(model, 4, transformer_layer_cls=Block)
+    sizes = [len(s) for s in balanced.stage_layers]
+    assert sum(sizes) == 8 and sizes[0] < sizes[1] and sizes[-1] < sizes[1]
+    assert [len(s) for s in even.stage_layers] == [2, 2, 2, 2]
+    assert "stage 0" in balanced.describe() and "tok" in balanced.describe()
+
+
+def test_explicit_cuts() -> None:
+    plan = plan_stages(PipeGPT(layers=6), 3, pipeline_cuts=["layers.0", "layers.3"])
+    assert plan.stage_layers == [["0"], ["1", "2", "3"], ["4", "5"]]
+
+
+def test_meta_model_materialises_only_the_local_stage() -> None:
+    with torch.device("meta"):
+        model = PipeGPT(vocab=64, hidden=16, layers=8)
+    total = sum(p.numel() for p in model.parameters())
+    stages, _ = split_model(model, 0, 4, transformer_layer_cls=Block, device="cpu")
+    ((_, stage),) = stages
+    params = list(stage.parameters())
+    assert all(not p.is_meta for p in params)
+    assert all(torch.isfinite(p).all() for p in params)
+    assert sum(p.numel() for p in params) < total / 2
+    assert stage.ln_f is None and stage.head is None and len(stage.layers) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pp": 8}, "5 layers cannot fill 8 pipeline stages"),
+        ({"pp": 2, "pipeline_cuts": ["layers.9"]}, "pipeline_cuts name unknown layers"),
+        ({"pp": 3, "pipeline_cuts": ["layers.1"]}, "1 pipeline_cuts make 2 stages, need 3"),
+        ({"pp": 2, "pipeline_cuts": ["layers.4"]}, "leave a stage without layers"),
+        ({"pp": 1, "virtual_pipeline_size": 2}, "needs pp > 1"),
+        ({"pp": 2, "transformer_layer_cls": nn.GRU}, "no nn.ModuleList or nn.Sequential"),
+    ],
+)
+def test_bad_splits_raise(kwargs: dict, message: str) -> None:
+    pp = kwargs.pop("pp")
+    kwargs.setdefault("transformer_layer_cls", None if "pipeline_cuts" in kwargs else Block)
+    with pytest.raises(ValueError, match=message):
+        split_model(PipeGPT(layers=5), 0, pp, **kwargs)
