@@ -1,6 +1,8 @@
 """meshpar: tensor, pipeline and data parallelism on one ``DeviceMesh`` with dims ``("dp", "pp", "tp")``."""
 
 from meshpar import parallel_state
+from meshpar.grad_clip import clip_grad_norm
+from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
 from meshpar.random import checkpoint, get_rng_tracker, model_parallel_manual_seed
 from meshpar.tensor_parallel import (
@@ -19,6 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColumnParallel",
+    "DistributedOptimizer",
+    "clip_grad_norm",
     "ColumnParallelLinear",
     "ParallelDims",
     "ParallelEmbedding",

@@ -32,3 +32,30 @@ def allreduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_mesh: Devic
         for grad in bucket:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh | None = None,
+    *,
+    block_cls: type | tuple[type, ...] | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: object | None = None,
+) -> torch.nn.Module:
+    """FSDP2 ``fully_shard`` over ``mesh["dp"]`` (per block, then the root), on top of tensor parallelism.
+
+    Apply after TP (and activation checkpointing): parameters that are DTensors on the tp mesh become 2-D
+    ``(dp, tp)`` DTensors, sharded over dp between steps and gathered for each block's forward and backward.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if block_cls is not None:
+        for module in model.modules():
+            if isinstance(module, block_cls):
+                fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
