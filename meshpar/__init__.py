@@ -4,7 +4,8 @@ from meshpar import parallel_state
 from meshpar.grad_clip import clip_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
-from meshpar.random import checkpoint, get_rng_tracker, model_parallel_manual_seed
+from meshpar import checkpoint
+from meshpar.random import activation_checkpoint, get_rng_tracker, model_parallel_manual_seed
 from meshpar.tensor_parallel import (
     ColumnParallel,
     ColumnParallelLinear,
@@ -31,6 +32,7 @@ __all__ = [
     "SequenceParallelNorm",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "activation_checkpoint",
     "checkpoint",
     "destroy_parallel",
     "get_parallel",

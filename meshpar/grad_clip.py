@@ -39,7 +39,10 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
                 placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
                 grad = grad.redistribute(grad.device_mesh, placements)
             # any non-replicated placement (Shard, FSDP's _StridedShard) holds a disjoint part of the grad
-            key = (id(grad.device_mesh), tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)))
+            key = (
+                id(grad.device_mesh),
+                tuple(i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)),
+            )
             meshes[key] = grad.device_mesh
             groups.setdefault(key, []).append(grad.to_local())
         else:

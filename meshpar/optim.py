@@ -127,6 +127,26 @@ class DistributedOptimizer:
             )
         return total
 
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the inner optimizer's state (a zero-lr step on zero grads) so a checkpoint can be loaded into it."""
+        if self.optimizer.state:
+            return
+        saved = [(group["lr"], group.get("weight_decay", 0.0)) for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+        for leaf in self._leaves.values():
+            leaf.grad = torch.zeros_like(leaf)
+        self.optimizer.step()
+        for leaf in self._leaves.values():
+            leaf.grad = None
+        for group, (lr, decay) in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
+
     # -- FQN-keyed state for DCP -------------------------------------------------------------------------------
     def _wrap_like(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         if isinstance(param, DTensor) and value.dim() > 0 and value.shape == param._local_tensor.shape:
@@ -158,5 +178,8 @@ class DistributedOptimizer:
                 self._leaves[i].copy_(local_tensor(master))
             inner_state[position] = {k: local_tensor(v) for k, v in entry.items()}
         current = self.optimizer.state_dict()
-        groups = [{**saved, "params": group["params"]} for saved, group in zip(state_dict["param_groups"], current["param_groups"], strict=True)]
+        groups = [
+            {**saved, "params": group["params"]}
+            for saved, group in zip(state_dict["param_groups"], current["param_groups"], strict=True)
+        ]
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})

@@ -6,7 +6,7 @@ dropout over a head shard) must draw *different* numbers per tp rank; they run u
 ``get_rng_tracker().fork()``, which swaps in a generator state seeded with ``seed + 2718 + tp_rank`` (Megatron's
 convention) and swaps the default state back afterwards.
 
-:func:`checkpoint` is ``torch.utils.checkpoint`` that also restores the tracker's states on recompute, so the
+:func:`activation_checkpoint` is ``torch.utils.checkpoint`` that also restores the tracker's states on recompute, so the
 recomputed forward draws the same dropout masks in sharded regions as the original forward.
 """
 
@@ -92,7 +92,7 @@ def model_parallel_manual_seed(seed: int, dims: Any = None) -> None:
     _TRACKER.add(TP_RNG_STATE, seed + _TP_SEED_OFFSET + dims.tp_rank)
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def activation_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Activation checkpointing that replays the tensor-parallel RNG state on recompute (non-reentrant)."""
     saved = _TRACKER.get_states()
 

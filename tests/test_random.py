@@ -55,7 +55,7 @@ def checkpoint_case() -> bool:
     w.grad = None
     get_rng_tracker().set_states(states)
     torch.set_rng_state(cpu_state)
-    meshpar.checkpoint(block, x).sum().backward()
+    meshpar.activation_checkpoint(block, x).sum().backward()
     return torch.equal(plain, w.grad)
 
 

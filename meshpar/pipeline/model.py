@@ -99,6 +99,10 @@ class PipelineModel(nn.Module):
         self.loss_fn = loss_fn
 
     # -- NxD accessors: names are the original model's FQNs ------------------------------------------------
+    def local_modules(self) -> list[nn.Module]:
+        """This rank's stage modules (what :mod:`meshpar.checkpoint` saves and loads)."""
+        return [chunk.stage for chunk in self.chunks]
+
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for chunk in self.chunks:
             yield from chunk.stage.named_parameters()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from meshpar._compat import DeviceMesh, DTensor, Shard
+from meshpar._compat import DeviceMesh, DTensor
+from meshpar._shards import local_slice
 from meshpar.parallel_dims import ParallelDims, _set_parallel, get_parallel
 
 _MESH_CACHE: dict[tuple[int, int, int], ParallelDims] = {}
@@ -38,14 +39,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def expected_local(dense: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The slice of ``dense`` that a DTensor ``like`` (param or grad) holds on this rank."""
-    if not isinstance(like, DTensor):
-        return dense
-    out = dense
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            mesh = like.device_mesh
-            out = out.chunk(mesh.size(mesh_dim), placement.dim)[mesh.get_local_rank(mesh_dim)]
-    return out
+    return local_slice(dense, like)
 
 
 def assert_matches_dense(

@@ -1,0 +1,329 @@
+"""Crash-safe distributed checkpoints with DCP, keyed by the original model FQNs, resharding across layouts.
+
+Layout of a checkpoint root::
+
+    root/step_00000010/        a complete checkpoint: DCP files + MANIFEST.json (file sizes and CRCs)
+    root/latest                the name of the newest complete checkpoint (replaced atomically)
+    root/.tmp-step_...-<id>/   a save in progress (ignored by load; left behind by a crash)
+
+A save writes into a temporary directory, then rank 0 writes the manifest, renames the directory into place and
+only then points ``latest`` at it, so a crash (even ``kill -9`` of a rank mid-write) never harms the previous
+checkpoint. ``load`` checks the manifest (every file present, sizes and CRCs equal) on rank 0 and checks the
+model's keys and shapes against the checkpoint's metadata on every rank *before* DCP runs, so a corrupt, incomplete
+or mismatched checkpoint raises the same clear error on all ranks instead of hanging.
+
+Model tensors are saved as ``model.<fqn>``: DTensors keep their placements, so a checkpoint written at
+(tp=2, pp=2) loads at (tp=4, pp=1), (tp=1, pp=2, dp=2) or on one process. Optimizer state comes from
+:class:`meshpar.DistributedOptimizer` (FQN-keyed, resharding too). RNG states are per rank and restored only when the
+world size is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from meshpar._compat import DTensor
+from meshpar._shards import local_slice
+from meshpar.optim import DistributedOptimizer
+from meshpar.random import get_rng_tracker
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def model_state_dict(model: nn.Module | Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """FQN -> tensor over all local modules (pipeline stages hold disjoint FQNs)."""
+    state: dict[str, torch.Tensor] = {}
+    for module in _modules(model):
+        state.update(module.state_dict())
+    return state
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with tmp.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    for name, value in get_rng_tracker().get_states().items():
+        state[f"tracker.{name}"] = value
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = {k.removeprefix("tracker."): v for k, v in state.items() if k.startswith("tracker.")}
+    if tracker:
+        get_rng_tracker().set_states(tracker)
+
+
+def _full_state(
+    model: nn.Module | Sequence[nn.Module], optimizer: DistributedOptimizer | None, scheduler: Any
+) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state[f"rng_rank{_rank()}_of{_world()}"] = _rng_state()
+    return state
+
+
+def save(
+    directory: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: DistributedOptimizer | None = None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    scheduler: Any = None,
+) -> Path:
+    """Save a complete checkpoint ``directory/step_<step>`` and point ``latest`` at it; collective.
+
+    ``extra`` must be JSON-serialisable (data-loader position, config, ...).
+    """
+    root = Path(directory)
+    final = root / _step_name(step)
+    tmp_name = _broadcast(f".tmp-{_step_name(step)}-{uuid.uuid4().hex[:8]}")
+    tmp = root / tmp_name
+    if _rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    state = _full_state(model, optimizer, scheduler)
+    # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
+    state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
+        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    root = Path(directory)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    return root / pointer.read_text().strip()
+
+
+def _verify_manifest(path: Path) -> str | None:
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        return f"checkpoint {path} does not exist"
+    if not manifest_path.exists():
+        return f"checkpoint {path} is incomplete (no {MANIFEST}); it was not finished"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as error:
+        return f"checkpoint {path} has a corrupt {MANIFEST}: {error}"
+    for name, info in manifest["files"].items():
+        file = path / name
+        if not file.exists():
+            return f"checkpoint {path} is missing file {name}"
+        if file.stat().st_size != info["size"] or _crc(file) != info["crc32"]:
+            return f"checkpoint {path} is corrupt: {name} does not match its recorded size/CRC"
+    return None
+
+
+def _check_keys(path: Path, requested: dict[str, torch.Tensor]) -> None:
+    """Compare the model tensors this rank asks for (and all ranks together) with the checkpoint's."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
+    problems = []
+    missing = sorted(k for k in requested if k not in saved)
+    if missing:
+        problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    wrong = [
+        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(t.shape)}"
+        for k, t in requested.items()
+        if k in saved and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(t.shape)
+    ]
+    if wrong:
+        problems.append(f"shape mismatches {wrong[:10]}")
+    everyone: list[set[str]] = [set(requested)]
+    if dist.is_initialized():
+        everyone = [set()] * _world()
+        dist.all_gather_object(everyone, set(requested))
+    unexpected = sorted(set(saved) - set().union(*everyone))
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(problems))
+
+
+def load(
+    directory: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: DistributedOptimizer | None = None,
+    *,
+    step: int | None = None,
+    scheduler: Any = None,
+) -> dict[str, Any]:
+    """Load the checkpoint of ``step`` (default: ``latest``) into ``model`` / ``optimizer`` in any layout; returns
+    ``{"step": ..., "extra": ...}``. Collective."""
+    path = Path(directory) / _step_name(step) if step is not None else latest_checkpoint(directory)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint in {directory} (no '{LATEST}' pointer)")
+    problem = _broadcast(_verify_manifest(path) if _rank() == 0 else None)
+    if problem:
+        raise CheckpointError(problem)
+    _check_keys(path, model_state_dict(model))
+    if optimizer is not None:
+        optimizer.init_state()
+    state = _full_state(model, optimizer, scheduler)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    rng_key = next(k for k in state if k.startswith("rng_rank"))
+    if not any(k.startswith(rng_key + ".") for k in metadata):
+        del state[rng_key]  # a different world size: RNG streams cannot be mapped
+    state["meta"] = {"step": 0, "extra": "{}", "world_size": 0}
+    dcp.load(state, checkpoint_id=str(path))
+    for module in _modules(model):
+        module.load_state_dict({k: v for k, v in state["model"].items() if k in module.state_dict()})
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optim"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if rng_key in state:
+        _set_rng_state(state[rng_key])
+    return {"step": state["meta"]["step"], "extra": json.loads(state["meta"]["extra"])}
+
+
+def export_consolidated(
+    checkpoint: str | os.PathLike, output_dir: str | os.PathLike, config: dict[str, Any] | None = None
+) -> Path:
+    """Merge a checkpoint into ``output_dir/model.safetensors`` (+ ``config.json``), on one process, no mesh."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source = Path(checkpoint)
+    problem = _verify_manifest(source)
+    if problem:
+        raise CheckpointError(problem)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_file = out / ".consolidated.pt"
+    dcp_to_torch_save(str(source), str(torch_file))
+    full = torch.load(torch_file, weights_only=False)
+    torch_file.unlink()
+    tensors = {k: v.contiguous() for k, v in full["model"].items()}
+    _save_untied(save_file, tensors, out / "model.safetensors")
+    if config is not None:
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _save_untied(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    seen: dict[int, str] = {}
+    unique = {}
+    for name, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        unique[name] = tensor.clone() if ptr in seen else tensor
+        seen[ptr] = name
+    save_file(unique, str(path))
+
+
+@torch.no_grad()
+def load_consolidated(path: str | os.PathLike, model: nn.Module | Sequence[nn.Module], strict: bool = True) -> None:
+    """Load ``model.safetensors`` (a file or a directory holding it) into any layout: each rank keeps its slice."""
+    from safetensors.torch import load_file
+
+    file = Path(path)
+    file = file / "model.safetensors" if file.is_dir() else file
+    full = load_file(str(file))
+    state = model_state_dict(model)
+    missing = sorted(set(state) - set(full))
+    if strict and missing:
+        raise CheckpointError(f"{file} lacks keys {missing[:10]}")
+    for name, target in state.items():
+        if name not in full:
+            continue
+        source = full[name]
+        if tuple(source.shape) != tuple(target.shape):
+            raise CheckpointError(f"{name}: file has shape {tuple(source.shape)}, model {tuple(target.shape)}")
+        if isinstance(target, DTensor):
+            target._local_tensor.copy_(local_slice(source, target))
+        else:
+            target.copy_(source)
