@@ -1,10 +1,9 @@
 """meshpar: tensor, pipeline and data parallelism on one ``DeviceMesh`` with dims ``("dp", "pp", "tp")``."""
 
-from meshpar import parallel_state
+from meshpar import checkpoint, parallel_state
 from meshpar.grad_clip import clip_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
-from meshpar import checkpoint
 from meshpar.random import activation_checkpoint, get_rng_tracker, model_parallel_manual_seed
 from meshpar.tensor_parallel import (
     ColumnParallel,

@@ -15,8 +15,14 @@ from meshpar._compat import DeviceMesh, DTensor
 from meshpar.parallel_dims import get_parallel
 
 
-def allreduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_mesh: DeviceMesh | None = None) -> None:
-    """Average the grads of ``parameters`` over the dp group, flattened into one bucket per dtype."""
+def allreduce_gradients(
+    parameters: Iterable[torch.nn.Parameter],
+    dp_mesh: DeviceMesh | None = None,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+) -> None:
+    """Average the grads of ``parameters`` over the dp group, flattened into one bucket per dtype
+    (``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32)."""
     mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
     if mesh.size() == 1:
         return
@@ -26,6 +32,8 @@ def allreduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_mesh: Devic
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for bucket in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in bucket])
+        if reduce_dtype is not None:
+            flat = flat.to(reduce_dtype)
         dist.all_reduce(flat, group=mesh.get_group())
         flat /= mesh.size()
         offset = 0
@@ -58,4 +66,21 @@ def apply_fsdp(
             if isinstance(module, block_cls):
                 fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    return model
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, block_cls: type | tuple[type, ...]) -> torch.nn.Module:
+    """Recompute every ``block_cls`` module in backward, replaying the tensor-parallel RNG state (dropout masks in
+    sharded regions come out the same). Apply after TP, before compile and FSDP."""
+    from meshpar.random import activation_checkpoint
+
+    for module in model.modules():
+        if isinstance(module, block_cls) and not getattr(module, "_meshpar_checkpointed", False):
+            forward = module.forward
+
+            def checkpointed(*args: object, _forward=forward, **kwargs: object) -> object:  # noqa: ANN001
+                return activation_checkpoint(_forward, *args, **kwargs)
+
+            module.forward = checkpointed
+            module._meshpar_checkpointed = True
     return model

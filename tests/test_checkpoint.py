@@ -18,8 +18,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar import checkpoint
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.optim import DistributedOptimizer
-from meshpar.pipeline import PipelineModel
 from meshpar.parallel_dims import get_parallel
+from meshpar.pipeline import PipelineModel
 from meshpar.testing import DistributedPool, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 
