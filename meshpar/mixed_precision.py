@@ -1,7 +1,7 @@
 """Mixed precision pieces that need the mesh.
 
 - bf16 training: keep parameters in bf16, let :class:`meshpar.DistributedOptimizer` hold fp32 master weights
-- bf16 training: keep parameters in bf16, let :class:`meshpar.DistributedOptimizer` hold fp32 master weights
+  (``master_weights=True``) and average grads over dp in fp32 (``allreduce_gradients(reduce_dtype=torch.float32)``).
 - fp16 training: :class:`GradScaler` scales the loss dynamically; whether any grad overflowed is agreed over the whole
   world (all tp, pp and dp ranks), so every rank skips or takes the same step.
 """
