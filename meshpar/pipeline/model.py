@@ -72,6 +72,8 @@ class PipelineModel(nn.Module):
         deallocate_pipeline_outputs: bool = False,
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        keep_modules: Sequence[str] = (),
+        stage_transform: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         dims = get_parallel()
@@ -89,7 +91,10 @@ class PipelineModel(nn.Module):
             virtual_pipeline_size=virtual_pipeline_size,
             param_init_fn=param_init_fn,
             device=dims.device,
+            keep_modules=keep_modules,
         )
+        if stage_transform is not None:
+            stages = [(index, stage_transform(stage)) for index, stage in stages]
         self.chunks = nn.ModuleList(StageChunk(stage, index, input_names) for index, stage in stages)
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec

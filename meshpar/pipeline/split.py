@@ -165,15 +165,16 @@ def plan_stages(
     return StagePlan(container, first, last, stage_layers)
 
 
-def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
-    """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``."""
+def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Sequence[str] = ()) -> nn.Module:
+    """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``.
+    ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage."""
     owned = set(plan.stage_layers[stage])
     container = model.get_submodule(plan.container) if plan.container else model
     dropped = [m for k, m in container._modules.items() if k not in owned]
     if stage != 0:
-        dropped += [model.get_submodule(n) for n in plan.first_stage_modules]
+        dropped += [model.get_submodule(n) for n in plan.first_stage_modules if n not in keep_modules]
     if stage != plan.num_stages - 1:
-        dropped += [model.get_submodule(n) for n in plan.last_stage_modules]
+        dropped += [model.get_submodule(n) for n in plan.last_stage_modules if n not in keep_modules]
     memo: dict[int, object] = {id(m): None for m in dropped}
     stage_model = copy.deepcopy(model, memo)
     new_container = stage_model.get_submodule(plan.container) if plan.container else stage_model
@@ -213,6 +214,7 @@ def split_model(
     virtual_pipeline_size: int = 1,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    keep_modules: Sequence[str] = (),
 ) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
     """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
 
@@ -233,7 +235,7 @@ def split_model(
     is_meta = any(p.is_meta for p in model.parameters())
     stages = []
     for stage in range(pp_rank, plan.num_stages, pp):
-        module = build_stage(model, plan, stage)
+        module = build_stage(model, plan, stage, keep_modules)
         if is_meta:
             _materialize(module, torch.device(device or "cpu"), param_init_fn)
         elif device is not None:

@@ -1,0 +1,75 @@
+"""The configuration of :func:`meshpar.parallelize`: a dict, a dataclass or a JSON file, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = -1  # -1: the rest of the world
+    virtual_pipeline_size: int = 1
+    num_microbatches: int = 1
+    sequence_parallel: bool = False
+    compile: bool = False
+    activation_checkpointing: bool = False
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config key {name!r} must be a positive int, got {value!r}")
+        if self.data_parallel_size != -1 and (
+            not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1
+        ):
+            raise ValueError(
+                f"config key 'data_parallel_size' must be -1 or a positive int, got {self.data_parallel_size!r}"
+            )
+        if self.virtual_pipeline_size > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError("config key 'virtual_pipeline_size' > 1 needs 'pipeline_parallel_size' > 1")
+        if self.pipeline_parallel_size > 1 and self.num_microbatches < self.pipeline_parallel_size:
+            raise ValueError(
+                f"config key 'num_microbatches' ({self.num_microbatches}) must be >= 'pipeline_parallel_size' "
+                f"({self.pipeline_parallel_size})"
+            )
+        for name in ("sequence_parallel", "compile", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
+
+
+_OSLO_KEYS = {"pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size", "enable"}
+
+
+def load_config(config: ParallelConfig | dict[str, Any] | str | os.PathLike | None) -> ParallelConfig:
+    """Accepts meshpar's keys and OSLO's ``{"model_parallelism": {"enable": true, "pipeline_parallel_size": N}}``."""
+    if config is None:
+        return ParallelConfig()
+    if isinstance(config, ParallelConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as handle:
+            config = json.load(handle)
+    if not isinstance(config, dict):
+        raise TypeError(
+            f"config must be a dict, a ParallelConfig or a path to a JSON file, got {type(config).__name__}"
+        )
+    values = dict(config)
+    oslo = values.pop("model_parallelism", None)
+    if oslo is not None:
+        unknown = set(oslo) - _OSLO_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in 'model_parallelism'; allowed: {sorted(_OSLO_KEYS)}")
+        if oslo.get("enable", True):
+            values.update({k: v for k, v in oslo.items() if k != "enable"})
+    allowed = {f.name for f in dataclasses.fields(ParallelConfig)}
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; allowed keys: {sorted(allowed)}")
+    return ParallelConfig(**values)

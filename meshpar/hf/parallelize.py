@@ -1,0 +1,281 @@
+"""``meshpar.parallelize(model, config)``: one call to shard a HuggingFace model with TP, PP and DP (OSLO's promise).
+
+With ``pipeline_parallel_size == 1`` the result trains as usual: ``out = model(**batch, labels=labels)``,
+``out.loss.backward()``, ``optimizer.step()`` (call ``model.allreduce_gradients()`` when dp > 1, or use
+``model.train_step``). With ``pipeline_parallel_size > 1`` the forward and backward of all microbatches run inside
+``loss = model.train_step(**batch, labels=labels)``, which returns the mean loss on every rank. LM losses are
+computed from vocab-sharded logits with :func:`meshpar.parallel_cross_entropy`; the logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers.modeling_outputs import ModelOutput
+
+from meshpar import checkpoint
+from meshpar._compat import DTensor
+from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing
+from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
+from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
+from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
+from meshpar.pipeline.model import PipelineModel
+from meshpar.tensor_parallel import parallel_cross_entropy
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = parallel_cross_entropy(logits[:, :-1], labels[:, 1:].contiguous())
+    counted = (labels[:, 1:] != -100).sum().clamp(min=1)
+    return loss.sum() / counted
+
+
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = parallel_cross_entropy(logits, labels)
+    return loss.sum() / (labels != -100).sum().clamp(min=1)
+
+
+_LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
+
+
+def _init_mesh(config: ParallelConfig) -> ParallelDims:
+    if is_initialized():
+        dims = get_parallel()
+        if (dims.tp, dims.pp) != (config.tensor_parallel_size, config.pipeline_parallel_size):
+            raise ValueError(f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, which the config contradicts")
+        return dims
+    return init_parallel(
+        tp=config.tensor_parallel_size,
+        pp=config.pipeline_parallel_size,
+        dp=config.data_parallel_size,
+        virtual_pipeline_size=config.virtual_pipeline_size if config.pipeline_parallel_size > 1 else None,
+        seed=config.seed,
+    )
+
+
+class ParallelizedModel(nn.Module):
+    def __init__(self, model: nn.Module, config: ParallelConfig, plan: dict | None = None) -> None:
+        super().__init__()
+        self.parallel_config = config
+        self.dims = _init_mesh(config)
+        self.hf_config = model.config
+        self.model_class = type(model)
+        self.plan: HFPlan = plan_for(model, self.dims.tp)
+        if plan is not None:
+            self.plan.styles = dict(plan)
+        if config.sequence_parallel:
+            raise ValueError("config key 'sequence_parallel': not supported for HuggingFace models yet; set it false")
+        self.loss_fn = _LOSSES.get(self.plan.task)
+        if self.dims.pp == 1:
+            self.module = self._shard(model)
+            self.pipeline = None
+        else:
+            if self.loss_fn is None or self.plan.family not in STAGE_FORWARDS:
+                raise ValueError(
+                    f"pipeline parallelism supports causal LMs of the families {sorted(STAGE_FORWARDS)}, "
+                    f"not {type(model).__name__}"
+                )
+            self.pipeline = self._split(model)
+            self.module = None
+            self._tied_group = self._tied_embedding_group()
+
+    # -- building ------------------------------------------------------------------------------------------------
+    def _shard(self, module: nn.Module) -> nn.Module:
+        if self.dims.tp > 1:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Parallelize plan key")
+                parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
+            for fixup in self.plan.fixups:
+                fixup(module, self.dims.tp)
+            present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
+            apply_ties(module, present)
+        if self.parallel_config.activation_checkpointing:
+            layers = module.get_submodule(self.plan.layers) if self.plan.layers else None
+            if layers is not None and len(layers):
+                apply_activation_checkpointing(module, type(next(iter(layers))))
+        if self.parallel_config.compile:
+            layers = module.get_submodule(self.plan.layers) if self.plan.layers else []
+            for layer in layers:
+                layer.compile(fullgraph=False)
+        return module
+
+    def _split(self, model: nn.Module) -> PipelineModel:
+        family = self.plan.family
+        keep = STAGE_FORWARDS[family][1]
+        loss_fn = self.loss_fn
+
+        def transform(stage: nn.Module) -> nn.Module:
+            return self._shard(install_stage_forward(stage, family))
+
+        container = model.get_submodule(self.plan.layers)
+        return PipelineModel(
+            model,
+            transformer_layer_cls=type(container[0]),
+            num_microbatches=self.parallel_config.num_microbatches,
+            virtual_pipeline_size=self.parallel_config.virtual_pipeline_size,
+            input_names=["input_ids"],
+            broadcast_and_average_loss=True,
+            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels),
+            keep_modules=keep,
+            stage_transform=transform,
+        )
+
+    def _tied_embedding_group(self) -> dist.ProcessGroup | None:
+        """Megatron's embedding group: first and last pipeline rank of each (dp, tp) position, for tied weights."""
+        if not self.plan.ties or not any("lm_head" in t for t, _ in self.plan.ties):
+            return None
+        mine = None
+        for ranks in self.dims.group_ranks("pp"):
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if dist.get_rank() in (ranks[0], ranks[-1]):
+                mine = group
+        return mine
+
+    # -- running -------------------------------------------------------------------------------------------------
+    def local_modules(self) -> list[nn.Module]:
+        """The HF modules (or pipeline stages) this rank holds, with the original parameter names."""
+        return [self.module] if self.module is not None else self.pipeline.local_modules()
+
+    def forward(self, labels: torch.Tensor | None = None, **inputs: Any) -> Any:
+        if self.pipeline is not None:
+            raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
+        if labels is None or self.loss_fn is None:
+            return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
+        out = self.module(**inputs)
+        out["loss"] = self.loss_fn(out.logits, labels)
+        return out
+
+    def train_step(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """Forward and backward of one batch (all microbatches under pp), tied-weight and dp grad sync; returns the
+        mean loss. The optimizer step is yours."""
+        if self.pipeline is None:
+            loss = self(labels=labels, **inputs).loss
+            loss.backward()
+            loss = loss.detach()
+        else:
+            loss = self.pipeline.run_train(labels=labels, **inputs)
+            self._sync_tied_grads()
+        self.allreduce_gradients()
+        if self.dims.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
+            loss /= self.dims.dp
+        return loss
+
+    def allreduce_gradients(self) -> None:
+        allreduce_gradients(self.parameters())
+
+    def _sync_tied_grads(self) -> None:
+        if self._tied_group is None:
+            return
+        for module in self.local_modules():
+            for name in ("transformer.wte.weight", "lm_head.weight", "model.embed_tokens.weight"):
+                if _has_param(module, name):
+                    param = module.get_parameter(name)
+                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    dist.all_reduce(local, group=self._tied_group)
+                    param.grad = grad
+
+    @torch.no_grad()
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """HF ``generate`` under tensor parallelism (full logits gathered for sampling); not available under pp."""
+        if self.pipeline is not None:
+            raise RuntimeError("generate() is not supported with pipeline_parallel_size > 1; use pp=1 for generation")
+        head = getattr(self.module, "lm_head", None)
+        previous = getattr(head, "gather_output", None)
+        if previous is not None:
+            head.gather_output = True
+        try:
+            return self.module.generate(*args, **kwargs)
+        finally:
+            if previous is not None:
+                head.gather_output = previous
+
+    def plan_summary(self) -> str:
+        return "\n\n".join(plan_summary(m, self.plan.styles) for m in self.local_modules())
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save_parallelized(self, directory: str | Path, merge_checkpoints: bool = False, step: int = 0) -> Path:
+        """A DCP checkpoint (any layout can load it), or with ``merge_checkpoints`` a plain HF directory
+        (``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads on one process."""
+        directory = Path(directory)
+        if not merge_checkpoints:
+            return checkpoint.save(directory, self.local_modules(), step=step)
+        full = self._gather_full_state()
+        if dist.get_rank() == 0:
+            dense = self.model_class(self.hf_config)
+            dense.load_state_dict(full, strict=False)
+            dense.save_pretrained(directory)
+        dist.barrier()
+        return directory
+
+    def _gather_full_state(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for module in self.local_modules():
+            for name, tensor in module.state_dict().items():
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                param = _find_param(module, name)
+                hf_shape = getattr(param, "hf_shape", None)
+                state[name] = (full.reshape(hf_shape) if hf_shape else full).detach().cpu()
+        if self.dims.pp > 1:
+            parts: list[dict] = [{}] * dist.get_world_size()
+            dist.all_gather_object(parts, state)
+            for part in parts:
+                state.update(part)
+        return state
+
+    def from_parallelized(self, directory: str | Path) -> ParallelizedModel:
+        """Load a checkpoint written by :meth:`save_parallelized` (DCP or merged HF directory) into this layout."""
+        directory = Path(directory)
+        if (directory / "model.safetensors").exists():
+            from safetensors.torch import load_file
+
+            full = load_file(str(directory / "model.safetensors"))
+            with torch.no_grad():
+                for module in self.local_modules():
+                    for name, target in module.state_dict().items():
+                        if name not in full:
+                            continue
+                        source = full[name].reshape(target.shape)
+                        if isinstance(target, DTensor):
+                            from meshpar._shards import local_slice
+
+                            target._local_tensor.copy_(local_slice(source, target))
+                        else:
+                            target.copy_(source)
+        else:
+            checkpoint.load(directory, self.local_modules())
+        return self
+
+
+def _has_param(module: nn.Module, name: str) -> bool:
+    with contextlib.suppress(AttributeError):
+        module.get_parameter(name)
+        return True
+    return False
+
+
+def _find_param(module: nn.Module, name: str) -> torch.Tensor | None:
+    with contextlib.suppress(AttributeError):
+        return module.get_parameter(name)
+    return None
+
+
+def parallelize(
+    model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | None = None
+) -> ParallelizedModel:
+    """Shard a HuggingFace model (GPT-2, BERT, Llama families; others by an automatic or user ``plan``)."""
+    return ParallelizedModel(model, load_config(config), plan)
+
+
+def write_config(path: str | Path, config: ParallelConfig) -> None:
+    Path(path).write_text(json.dumps(config.__dict__, indent=2))

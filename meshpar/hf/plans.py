@@ -1,0 +1,206 @@
+"""Tensor-parallel plans for HuggingFace models: GPT-2, BERT and Llama families, user plans and an automatic plan.
+
+A plan is a dict ``module FQN pattern -> style`` for ``parallelize_module``, plus the attribute fix-ups the model's
+attention needs afterwards (GPT-2 splits its fused QKV output by ``split_size``, which becomes per rank). Embedding
+and LM head are vocab-parallel; the head emits vocab-sharded logits for :func:`meshpar.parallel_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
+from meshpar.hf.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from meshpar.tensor_parallel import ColumnParallel, RowParallel, VocabParallel
+from meshpar.tensor_parallel._init import check_divisible
+
+
+class Conv1DColumn(ParallelStyle):
+    def __init__(self, *, fused: int = 1, gather_output: bool = False, num_heads: int | None = None) -> None:
+        super().__init__()
+        self.fused, self.gather_output, self.num_heads = fused, gather_output, num_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not Conv1D:
+            raise TypeError(f"Conv1DColumn applies to transformers Conv1D, got {type(module).__name__}")
+        if self.num_heads is not None:
+            check_divisible(self.num_heads, device_mesh.size(), "the number of attention heads", "Conv1DColumn")
+        return ColumnParallelConv1D.from_conv1d(module, device_mesh, fused=self.fused, gather_output=self.gather_output)
+
+
+class Conv1DRow(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not Conv1D:
+            raise TypeError(f"Conv1DRow applies to transformers Conv1D, got {type(module).__name__}")
+        return RowParallelConv1D.from_conv1d(module, device_mesh)
+
+
+@dataclass
+class HFPlan:
+    """What ``parallelize`` needs to know about one model family."""
+
+    family: str
+    task: str  # "causal_lm", "masked_lm", "sequence_classification" or "base"
+    styles: dict[str, ParallelStyle]
+    fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
+    ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
+    layers: str = ""  # FQN of the transformer layer container (pipeline splitting)
+
+
+def _gpt2_fix_attention(model: nn.Module, tp: int) -> None:
+    for module in model.modules():
+        if type(module).__name__ == "GPT2Attention":
+            module.split_size //= tp
+            module.num_heads //= tp
+
+
+def gpt2_plan(model: nn.Module, tp: int) -> HFPlan:
+    config = model.config
+    check_divisible(config.n_head, tp, "the number of attention heads (n_head)", "GPT-2 plan")
+    prefix = "transformer." if hasattr(model, "transformer") else ""
+    styles: dict[str, ParallelStyle] = {
+        f"{prefix}wte": VocabParallel(),
+        f"{prefix}h.*.attn.c_attn": Conv1DColumn(fused=3, num_heads=config.n_head),
+        f"{prefix}h.*.attn.c_proj": Conv1DRow(),
+        f"{prefix}h.*.mlp.c_fc": Conv1DColumn(),
+        f"{prefix}h.*.mlp.c_proj": Conv1DRow(),
+    }
+    task, ties = "base", []
+    if hasattr(model, "lm_head"):
+        styles["lm_head"] = ColumnParallel()
+        task = "causal_lm"
+        if model.lm_head.weight is model.transformer.wte.weight:
+            ties.append(("lm_head.weight", "transformer.wte.weight"))
+    return HFPlan("gpt2", task, styles, [_gpt2_fix_attention], ties, f"{prefix}h")
+
+
+def llama_plan(model: nn.Module, tp: int) -> HFPlan:
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    check_divisible(heads, tp, "the number of attention heads", "Llama plan")
+    if kv_heads % tp != 0:
+        raise ValueError(
+            f"Llama plan: {kv_heads} key/value heads cannot be split over tp={tp} (grouped-query attention needs "
+            f"num_key_value_heads divisible by tp); use tp in {[d for d in range(1, kv_heads + 1) if kv_heads % d == 0]}"
+        )
+    prefix = "model." if hasattr(model, "model") else ""
+    styles: dict[str, ParallelStyle] = {
+        f"{prefix}embed_tokens": VocabParallel(),
+        f"{prefix}layers.*.self_attn.q_proj": ColumnParallel(num_heads=heads),
+        f"{prefix}layers.*.self_attn.k_proj": ColumnParallel(num_heads=kv_heads),
+        f"{prefix}layers.*.self_attn.v_proj": ColumnParallel(num_heads=kv_heads),
+        f"{prefix}layers.*.self_attn.o_proj": RowParallel(),
+        f"{prefix}layers.*.mlp.gate_proj": ColumnParallel(),
+        f"{prefix}layers.*.mlp.up_proj": ColumnParallel(),
+        f"{prefix}layers.*.mlp.down_proj": RowParallel(),
+    }
+    task, ties = "base", []
+    if hasattr(model, "lm_head"):
+        styles["lm_head"] = ColumnParallel()
+        task = "causal_lm"
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            ties.append(("lm_head.weight", "model.embed_tokens.weight"))
+    return HFPlan("llama", task, styles, [], ties, f"{prefix}layers")
+
+
+def bert_plan(model: nn.Module, tp: int) -> HFPlan:
+    config = model.config
+    heads = config.num_attention_heads
+    check_divisible(heads, tp, "the number of attention heads", "BERT plan")
+    prefix = "bert." if hasattr(model, "bert") else ""
+    layer = f"{prefix}encoder.layer.*."
+    styles: dict[str, ParallelStyle] = {
+        f"{prefix}embeddings.word_embeddings": VocabParallel(),
+        f"{layer}attention.self.query": ColumnParallel(num_heads=heads),
+        f"{layer}attention.self.key": ColumnParallel(num_heads=heads),
+        f"{layer}attention.self.value": ColumnParallel(num_heads=heads),
+        f"{layer}attention.output.dense": RowParallel(),
+        f"{layer}intermediate.dense": ColumnParallel(),
+        f"{layer}output.dense": RowParallel(),
+    }
+    task, ties = "base", []
+    name = type(model).__name__
+    if name == "BertForMaskedLM":
+        styles["cls.predictions.decoder"] = ColumnParallel()
+        task = "masked_lm"
+        ties.append(("cls.predictions.bias", "cls.predictions.decoder.bias"))
+        if model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight:
+            ties.append(("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"))
+    elif name == "BertForSequenceClassification":
+        task = "sequence_classification"
+    return HFPlan("bert", task, styles, [], ties, f"{prefix}encoder.layer")
+
+
+_FAMILIES = {"gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
+
+_COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "gate_proj", "up_proj", "fc1", "c_fc", "wi")
+_ROW_NAMES = ("o_proj", "out_proj", "down_proj", "fc2", "wo", "c_proj")
+
+
+def automatic_plan(model: nn.Module, tp: int) -> HFPlan:
+    """Guess a plan from module names: attention q/k/v and MLP up projections are column-parallel, attention output
+    and MLP down projections row-parallel, everything else replicated. Raises where a layer cannot be classified."""
+    styles: dict[str, ParallelStyle] = {}
+    undecided = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, (nn.Linear, Conv1D)) or "lm_head" in name or "classifier" in name:
+            continue
+        if leaf in _COLUMN_NAMES:
+            styles[name] = ColumnParallel() if isinstance(module, nn.Linear) else Conv1DColumn()
+        elif leaf in _ROW_NAMES:
+            styles[name] = RowParallel() if isinstance(module, nn.Linear) else Conv1DRow()
+        elif leaf == "dense":
+            parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            styles[name] = RowParallel() if parent == "output" else ColumnParallel()
+        elif isinstance(module, Conv1D) and leaf == "c_attn":
+            undecided.append(f"{name} (fused QKV: register a family plan)")
+        else:
+            undecided.append(name)
+    if undecided:
+        raise ValueError(
+            f"automatic plan cannot decide how to shard {undecided[:8]} of {type(model).__name__}; pass plan={{...}}"
+        )
+    if not styles:
+        raise ValueError(f"automatic plan found no attention or MLP projections in {type(model).__name__}")
+    return HFPlan("auto", "base", styles)
+
+
+def plan_for(model: nn.Module, tp: int) -> HFPlan:
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family in _FAMILIES:
+        return _FAMILIES[family](model, tp)
+    return automatic_plan(model, tp)
+
+
+def apply_ties(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Point tied parameters at the one sharded parameter (sharding each copy separately would untie them)."""
+    for target, source in ties:
+        owner_name, _, attr = target.rpartition(".")
+        src_owner, _, src_attr = source.rpartition(".")
+        setattr(model.get_submodule(owner_name), attr, getattr(model.get_submodule(src_owner), src_attr))
+
+
+def plan_summary(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
+    """Which module got which style and placements, and parameters held per rank vs the dense model."""
+    lines, local_total, global_total = [], 0, 0
+    seen = set()
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in styles.items() if fnmatch.fnmatch(name, pattern)), None)
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        for _, p in params:
+            seen.add(id(p))
+            local_total += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+            global_total += p.numel()
+        if style is not None:
+            placements = ", ".join(
+                f"{n}={tuple(repr(x) for x in p.placements)}" for n, p in params if isinstance(p, DTensor)
+            )
+            lines.append(f"{name}: {type(style).__name__} [{placements}]")
+    lines.append(f"parameters per rank: {local_total:,} of {global_total:,} ({local_total / max(global_total, 1):.1%})")
+    return "\n".join(lines)

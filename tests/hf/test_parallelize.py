@@ -1,0 +1,159 @@
+"""meshpar.parallelize on GPT-2, Llama and BERT vs the original model: logits, loss, one optimizer step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import meshpar
+from meshpar._compat import DTensor
+from meshpar._shards import local_slice
+from meshpar.hf import load_config
+from meshpar.optim import DistributedOptimizer
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import build, batch
+
+
+def _expected_param(dense: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    full = dense.get_parameter(name).detach()
+    return local_slice(full.reshape(param.shape), param) if isinstance(param, DTensor) else full
+
+
+def equivalence_case(family: str, tp: int, pp: int) -> None:
+    setup_parallel(tp=tp, pp=pp)
+    dense = build(family)
+    model = meshpar.parallelize(
+        copy.deepcopy(dense), {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2}
+    )
+    data = batch(family)
+    expected = dense(**data)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+    if pp == 1:
+        out = model(**data)
+        torch.testing.assert_close(out.loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+        logits = expected.logits.detach()
+        if family != "bert_cls" and tp > 1:
+            logits = logits.chunk(tp, -1)[model.dims.tp_rank]
+        torch.testing.assert_close(out.logits, logits, atol=1e-5, rtol=1e-5)
+        out.loss.backward()
+    else:
+        loss = model.train_step(**data)
+        torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    optimizer.step()
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            got = param.to_local() if isinstance(param, DTensor) else param
+            torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "bert_cls"])
+def test_tensor_parallel_matches_dense(family: str) -> None:
+    run_distributed(equivalence_case, 2, family, 2, 1)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(("world", "tp", "pp"), [(2, 1, 2), (4, 2, 2)])
+def test_pipeline_and_tp_x_pp_match_dense(family: str, world: int, tp: int, pp: int) -> None:
+    run_distributed(equivalence_case, world, family, tp, pp)
+
+
+def generation_case() -> bool:
+    setup_parallel(tp=2)
+    dense = build("gpt2")
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2})
+    prompt = batch("gpt2", rows=2, seq=5)["input_ids"]
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    return torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
+
+
+def test_tp_greedy_generation_matches_dense() -> None:
+    assert run_distributed(generation_case, 2) == [True, True]
+
+
+def roundtrip_case(directory: str, merged: bool) -> None:
+    setup_parallel(tp=2)
+    dense = build("gpt2")
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2})
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).add_(0.01)  # make it differ from the seed init
+    model.save_parallelized(directory, merge_checkpoints=merged)
+    fresh = meshpar.parallelize(build("gpt2"), {"tensor_parallel_size": 2}).from_parallelized(
+        directory if merged else directory
+    )
+    data = batch("gpt2")
+    torch.testing.assert_close(fresh(**data).loss, model(**data).loss)
+
+
+def test_save_and_load_parallelized_round_trip(tmp_path) -> None:
+    run_distributed(roundtrip_case, 2, str(tmp_path / "dcp"), False)
+
+
+def test_merged_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    run_distributed(roundtrip_case, 2, str(tmp_path / "merged"), True)
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
+    reference = build("gpt2")
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01)
+    data = batch("gpt2")
+    torch.testing.assert_close(plain(**data).loss, reference(**data).loss, atol=1e-5, rtol=1e-5)
+
+
+def summary_case() -> str:
+    setup_parallel(tp=2)
+    return meshpar.parallelize(build("llama"), {"tensor_parallel_size": 2}).plan_summary()
+
+
+def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
+    text = run_distributed(summary_case, 2)[0]
+    assert "model.layers.0.self_attn.q_proj: ColumnParallel [weight=('Shard(dim=0)',)]" in text
+    assert "model.layers.0.self_attn.o_proj: RowParallel [weight=('Shard(dim=1)',)]" in text
+    assert "parameters per rank:" in text
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"tensor_parallel_size": 2, "pipline_parallel_size": 2}, r"unknown config keys \['pipline_parallel_size'\]"),
+        ({"tensor_parallel_size": 0}, "'tensor_parallel_size' must be a positive int"),
+        ({"pipeline_parallel_size": 2, "num_microbatches": 1}, "'num_microbatches' \\(1\\) must be >= 'pipeline_par"),
+        ({"virtual_pipeline_size": 2}, "needs 'pipeline_parallel_size' > 1"),
+        ({"model_parallelism": {"enable": True, "pipeline_size": 2}}, r"unknown keys \['pipeline_size'\]"),
+        ({"compile": "yes"}, "'compile' must be true or false"),
+    ],
+)
+def test_bad_configs_name_the_key_and_the_rule(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(config)
+
+
+def test_oslo_config_and_json_file(tmp_path) -> None:
+    config = load_config({"model_parallelism": {"enable": True, "pipeline_parallel_size": 2}, "num_microbatches": 4})
+    assert config.pipeline_parallel_size == 2
+    path = tmp_path / "c.json"
+    path.write_text('{"tensor_parallel_size": 2}')
+    assert load_config(str(path)).tensor_parallel_size == 2
+
+
+def indivisible_heads_case(family: str) -> None:
+    setup_parallel(tp=4)
+    meshpar.parallelize(build(family, heads=6), {"tensor_parallel_size": 4})
+
+
+@pytest.mark.parametrize(
+    ("family", "message"),
+    [
+        ("gpt2", "the number of attention heads \\(n_head\\) 6 is not divisible by tp=4"),
+        ("llama", "6 is not divisible"),
+    ],
+)
+def test_heads_not_divisible_by_tp_raise(family: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(indivisible_heads_case, 4, family)
