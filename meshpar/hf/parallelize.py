@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers.modeling_outputs import ModelOutput
@@ -32,15 +33,19 @@ from meshpar.pipeline.model import PipelineModel
 from meshpar.tensor_parallel import parallel_cross_entropy
 
 
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    loss = parallel_cross_entropy(logits[:, :-1], labels[:, 1:].contiguous())
-    counted = (labels[:, 1:] != -100).sum().clamp(min=1)
-    return loss.sum() / counted
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+    if vocab_sharded:
+        return parallel_cross_entropy(logits, labels)
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    loss = parallel_cross_entropy(logits, labels)
-    return loss.sum() / (labels != -100).sum().clamp(min=1)
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+    loss = _token_losses(logits[:, :-1], labels[:, 1:].contiguous(), vocab_sharded)
+    return loss.sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
+
+
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+    return _token_losses(logits, labels, vocab_sharded).sum() / (labels != -100).sum().clamp(min=1)
 
 
 _LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
@@ -74,6 +79,9 @@ class ParallelizedModel(nn.Module):
         if config.sequence_parallel:
             raise ValueError("config key 'sequence_parallel': not supported for HuggingFace models yet; set it false")
         self.loss_fn = _LOSSES.get(self.plan.task)
+        head_name = next((n for n in ("lm_head", "cls.predictions.decoder") if n in self.plan.styles), None)
+        # the loss reads vocab-sharded logits only where the plan really shards the LM head
+        self.vocab_sharded = self.dims.tp > 1 and head_name is not None
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -110,7 +118,7 @@ class ParallelizedModel(nn.Module):
     def _split(self, model: nn.Module) -> PipelineModel:
         family = self.plan.family
         keep = STAGE_FORWARDS[family][1]
-        loss_fn = self.loss_fn
+        loss_fn, sharded = self.loss_fn, self.vocab_sharded
 
         def transform(stage: nn.Module) -> nn.Module:
             return self._shard(install_stage_forward(stage, family))
@@ -123,7 +131,7 @@ class ParallelizedModel(nn.Module):
             virtual_pipeline_size=self.parallel_config.virtual_pipeline_size,
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
-            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels),
+            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded),
             keep_modules=keep,
             stage_transform=transform,
         )
@@ -150,7 +158,7 @@ class ParallelizedModel(nn.Module):
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
-        out["loss"] = self.loss_fn(out.logits, labels)
+        out["loss"] = self.loss_fn(out.logits, labels, self.vocab_sharded)
         return out
 
     def train_step(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:

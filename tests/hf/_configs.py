@@ -16,7 +16,7 @@ from transformers import (
 VOCAB = 64
 
 
-def build(family: str, *, heads: int = 4, layers: int = 2) -> torch.nn.Module:
+def build(family: str, *, heads: int = 4, layers: int = 2, kv_heads: int | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "gpt2":
         config = GPT2Config(
@@ -27,7 +27,7 @@ def build(family: str, *, heads: int = 4, layers: int = 2) -> torch.nn.Module:
     if family == "llama":
         config = LlamaConfig(
             vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=heads if heads % 2 else heads // 2, max_position_embeddings=32, attn_implementation="sdpa",
+            num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=32, attn_implementation="sdpa",
         )  # fmt: skip
         return LlamaForCausalLM(config).eval()
     if family in ("bert", "bert_cls"):

@@ -1,0 +1,91 @@
+"""pad_model keeps outputs exact and makes tp divide the heads; automatic and user plans."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import meshpar
+from meshpar.hf import automatic_plan
+from meshpar.tensor_parallel import ColumnParallel, RowParallel
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import batch, build
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_padding_heads_keeps_outputs(family: str) -> None:
+    dense = build(family, heads=6, kv_heads=6)
+    padded = meshpar.pad_model(copy.deepcopy(dense), tp_degree=4, n_heads=6)
+    data = batch(family)
+    torch.testing.assert_close(padded(**data).logits, dense(**data).logits, atol=1e-6, rtol=1e-6)
+
+
+def padded_tp_case(family: str) -> None:
+    setup_parallel(tp=4)
+    dense = build(family, heads=6)
+    padded = meshpar.pad_model(copy.deepcopy(dense), tp_degree=4, n_heads=6)
+    model = meshpar.parallelize(padded, {"tensor_parallel_size": 4})
+    data = batch(family)
+    torch.testing.assert_close(model(**data).loss, dense(**data).loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_six_heads_at_tp4_after_padding_match_dense(family: str) -> None:
+    run_distributed(padded_tp_case, 4, family)
+
+
+def test_pad_model_rejects_gqa_and_unknown_models() -> None:
+    with pytest.raises(NotImplementedError, match="grouped-query"):
+        meshpar.pad_model(build("llama", heads=4, kv_heads=2), tp_degree=3, n_heads=4)
+    with pytest.raises(ValueError, match="found no attention module"):
+        meshpar.pad_model(nn.Sequential(nn.Linear(4, 4)), tp_degree=4, n_heads=6)
+
+
+class ToyAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.o_proj = nn.Linear(16, 16)
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = ToyAttention()
+        self.mlp = nn.ModuleDict({"up_proj": nn.Linear(16, 32), "down_proj": nn.Linear(32, 16)})
+
+
+def test_automatic_plan_from_module_names() -> None:
+    plan = automatic_plan(ToyModel(), 2)
+    kinds = {name: type(style).__name__ for name, style in plan.styles.items()}
+    assert kinds == {
+        "attn.q_proj": "ColumnParallel",
+        "attn.k_proj": "ColumnParallel",
+        "attn.v_proj": "ColumnParallel",
+        "attn.o_proj": "RowParallel",
+        "mlp.up_proj": "ColumnParallel",
+        "mlp.down_proj": "RowParallel",
+    }
+    odd = ToyModel()
+    odd.attn.mystery = nn.Linear(16, 16)
+    with pytest.raises(ValueError, match=r"cannot decide how to shard \['attn.mystery'\]"):
+        automatic_plan(odd, 2)
+
+
+def user_plan_case() -> bool:
+    setup_parallel(tp=2)
+    dense = build("llama")
+    plan = {"model.layers.*.mlp.gate_proj": ColumnParallel(), "model.layers.*.mlp.up_proj": ColumnParallel(),
+            "model.layers.*.mlp.down_proj": RowParallel()}  # fmt: skip
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2}, plan=plan)
+    data = batch("llama")
+    torch.testing.assert_close(model(**data).loss, dense(**data).loss, atol=1e-5, rtol=1e-5)
+    summary = model.plan_summary()
+    return "mlp.down_proj: RowParallel" in summary and "self_attn" not in summary
+
+
+def test_user_plan_shards_only_what_it_names() -> None:
+    assert run_distributed(user_plan_case, 2) == [True, True]
