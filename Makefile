@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup_env.sh
 
 train: setup
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/train_tp.py $(ARGS)
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/train_gpt.py $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check meshpar tests examples benchmarks

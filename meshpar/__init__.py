@@ -20,14 +20,14 @@ from meshpar.tensor_parallel import (
 __version__ = "0.1.0"
 
 
-def parallelize(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - lazy: transformers is optional
+def parallelize(*args, **kwargs):  # noqa: ANN201 - lazy: transformers is optional
     """``meshpar.hf.parallelize``: shard a HuggingFace model with one call (see :mod:`meshpar.hf`)."""
     from meshpar.hf import parallelize as _parallelize
 
     return _parallelize(*args, **kwargs)
 
 
-def pad_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+def pad_model(*args, **kwargs):  # noqa: ANN201
     """``meshpar.hf.padding.pad_model`` (NxD): pad attention heads so that tp divides them."""
     from meshpar.hf.padding import pad_model as _pad_model
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
-from transformers.modeling_outputs import ModelOutput
 
 from meshpar import checkpoint
 from meshpar._compat import DTensor
@@ -172,6 +171,19 @@ class ParallelizedModel(nn.Module):
             loss = self.pipeline.run_train(labels=labels, **inputs)
             self._sync_tied_grads()
         self.allreduce_gradients()
+        if self.dims.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
+            loss /= self.dims.dp
+        return loss
+
+    @torch.no_grad()
+    def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """The mean loss of one batch without gradients, on every rank (pipeline: forward-only schedule)."""
+        if self.pipeline is None:
+            loss = self(labels=labels, **inputs).loss
+        else:
+            loss = self.pipeline.run_eval(labels=labels, **inputs)
         if self.dims.dp > 1:
             loss = loss.clone()
             dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())

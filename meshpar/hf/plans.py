@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
 from meshpar.hf.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from meshpar.tensor_parallel import ColumnParallel, RowParallel, VocabParallel
+from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
 from meshpar.tensor_parallel._init import check_divisible
 
 
@@ -83,17 +83,19 @@ def llama_plan(model: nn.Module, tp: int) -> HFPlan:
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     check_divisible(heads, tp, "the number of attention heads", "Llama plan")
-    if kv_heads % tp != 0:
+    replicate_kv = kv_heads % tp != 0
+    if replicate_kv and tp % kv_heads != 0:
         raise ValueError(
-            f"Llama plan: {kv_heads} key/value heads cannot be split over tp={tp} (grouped-query attention needs "
-            f"num_key_value_heads divisible by tp); use tp in {[d for d in range(1, kv_heads + 1) if kv_heads % d == 0]}"
+            f"Llama plan: {kv_heads} key/value heads can neither be split over tp={tp} nor replicated evenly; "
+            f"use a tp that divides {kv_heads} or is a multiple of it"
         )
     prefix = "model." if hasattr(model, "model") else ""
+    kv_style = ReplicatedKV(num_kv_heads=kv_heads) if replicate_kv else ColumnParallel(num_heads=kv_heads)
     styles: dict[str, ParallelStyle] = {
         f"{prefix}embed_tokens": VocabParallel(),
         f"{prefix}layers.*.self_attn.q_proj": ColumnParallel(num_heads=heads),
-        f"{prefix}layers.*.self_attn.k_proj": ColumnParallel(num_heads=kv_heads),
-        f"{prefix}layers.*.self_attn.v_proj": ColumnParallel(num_heads=kv_heads),
+        f"{prefix}layers.*.self_attn.k_proj": kv_style,
+        f"{prefix}layers.*.self_attn.v_proj": kv_style,
         f"{prefix}layers.*.self_attn.o_proj": RowParallel(),
         f"{prefix}layers.*.mlp.gate_proj": ColumnParallel(),
         f"{prefix}layers.*.mlp.up_proj": ColumnParallel(),
@@ -105,7 +107,15 @@ def llama_plan(model: nn.Module, tp: int) -> HFPlan:
         task = "causal_lm"
         if model.lm_head.weight is model.model.embed_tokens.weight:
             ties.append(("lm_head.weight", "model.embed_tokens.weight"))
-    return HFPlan("llama", task, styles, [], ties, f"{prefix}layers")
+    fixups = [_llama_fix_kv_groups] if replicate_kv else []
+    return HFPlan("llama", task, styles, fixups, ties, f"{prefix}layers")
+
+
+def _llama_fix_kv_groups(model: nn.Module, tp: int) -> None:
+    """With replicated KV heads each rank holds one KV head for all its query heads."""
+    for module in model.modules():
+        if type(module).__name__ == "LlamaAttention":
+            module.num_key_value_groups = module.config.num_attention_heads // tp
 
 
 def bert_plan(model: nn.Module, tp: int) -> HFPlan:

@@ -16,12 +16,19 @@ from meshpar.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from meshpar.tensor_parallel.style import ColumnParallel, RowParallel, SequenceParallelNorm, VocabParallel
+from meshpar.tensor_parallel.style import (
+    ColumnParallel,
+    ReplicatedKV,
+    RowParallel,
+    SequenceParallelNorm,
+    VocabParallel,
+)
 
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "ParallelEmbedding",
+    "ReplicatedKV",
     "RowParallel",
     "RowParallelLinear",
     "SequenceParallelNorm",

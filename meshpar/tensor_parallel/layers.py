@@ -430,3 +430,32 @@ def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_d
     module.__class__ = _SP_CLASSES[cls]
     module._sp_tp_mesh = tp_mesh
     return module
+
+
+class ReplicatedKVLinear(nn.Linear):
+    """Key or value projection of grouped-query attention when there are fewer KV heads than tp ranks.
+
+    The weight stays whole (``Replicate()``); each rank computes all KV heads and keeps the one its query heads
+    attend with (head ``tp_rank * num_kv_heads // tp``), so each KV head is replicated ``tp / num_kv_heads`` times.
+    Input and weight go through ``copy_to_tp``: every rank's grads are partial (only its own query heads used the
+    head), and their sum over tp is the dense grad.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp_mesh: DeviceMesh, *, num_kv_heads: int) -> ReplicatedKVLinear:
+        tp = tp_mesh.size()
+        if tp % num_kv_heads != 0:
+            raise ValueError(f"{num_kv_heads} key/value heads cannot be replicated evenly over tp={tp}")
+        _shard_linear_params_(linear, tp_mesh, Replicate(), Replicate(), 0)
+        linear.__class__ = cls
+        linear.tp_mesh, linear.num_kv_heads = tp_mesh, num_kv_heads
+        linear.head_dim = linear.out_features // num_kv_heads
+        linear.kv_head = tp_mesh.get_local_rank() * num_kv_heads // tp
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(_local_input(x, type(self).__name__), self.tp_mesh)
+        rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
+        weight = copy_to_tp(self.weight.to_local(), self.tp_mesh)[rows]
+        bias = copy_to_tp(self.bias.to_local(), self.tp_mesh)[rows] if self.bias is not None else None
+        return F.linear(x, weight, bias)

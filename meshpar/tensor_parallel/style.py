@@ -26,6 +26,7 @@ from meshpar._compat import DeviceMesh, ParallelStyle
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
+    ReplicatedKVLinear,
     RowParallelLinear,
     make_sequence_parallel_norm,
 )
@@ -80,6 +81,18 @@ class RowParallel(ParallelStyle):
             sequence_parallel_enabled=self.sequence_parallel,
             src_data_rank=self.src_data_rank,
         )
+
+
+class ReplicatedKV(ParallelStyle):
+    """Grouped-query K/V projection with fewer heads than tp ranks: replicate heads instead of splitting them."""
+
+    def __init__(self, *, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _require(module, nn.Linear, type(self).__name__)
+        return ReplicatedKVLinear.from_linear(module, device_mesh, num_kv_heads=self.num_kv_heads)
 
 
 class VocabParallel(ParallelStyle):

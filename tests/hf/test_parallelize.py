@@ -13,7 +13,7 @@ from meshpar._shards import local_slice
 from meshpar.hf import load_config
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
-from tests.hf._configs import build, batch
+from tests.hf._configs import batch, build
 
 
 def _expected_param(dense: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -157,3 +157,28 @@ def indivisible_heads_case(family: str) -> None:
 def test_heads_not_divisible_by_tp_raise(family: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         run_distributed(indivisible_heads_case, 4, family)
+
+
+def gqa_case(tp: int) -> None:
+    setup_parallel(tp=tp)
+    dense = build("llama", heads=8, kv_heads=2)  # 2 KV heads at tp=4: each replicated twice
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp})
+    data = batch("llama")
+    expected = dense(**data)
+    expected.loss.backward()
+    out = model(**data)
+    torch.testing.assert_close(out.loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    for name, param in model.module.named_parameters():
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        want = _expected_param_grad(dense, name, param)
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _expected_param_grad(dense: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    full = dense.get_parameter(name).grad
+    return local_slice(full.reshape(param.shape), param) if isinstance(param, DTensor) else full
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_replicates_kv_heads() -> None:
+    run_distributed(gqa_case, 4, 4)
