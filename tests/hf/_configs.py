@@ -26,8 +26,9 @@ def build(family: str, *, heads: int = 4, layers: int = 2, kv_heads: int | None 
         return GPT2LMHeadModel(config).eval()
     if family == "llama":
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=32, attn_implementation="sdpa",
+            vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=32,
+            attn_implementation="sdpa",
         )  # fmt: skip
         return LlamaForCausalLM(config).eval()
     if family in ("bert", "bert_cls"):
