@@ -54,11 +54,22 @@ def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def model_state_dict(model: nn.Module | Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """FQN -> tensor over all local modules (pipeline stages hold disjoint FQNs)."""
+def model_state_dict(
+    model: nn.Module | Sequence[nn.Module], tied: dict[str, str] | None = None, *, for_load: bool = False
+) -> dict[str, torch.Tensor]:
+    """FQN -> tensor over all local modules (pipeline stages hold disjoint FQNs).
+
+    ``tied`` maps a tied parameter to the one it shares values with (``{"lm_head.weight": "transformer.wte.weight"}``):
+    only the source is saved, and on load a stage holding just the alias (the last pipeline stage) reads the source.
+    """
     state: dict[str, torch.Tensor] = {}
     for module in _modules(model):
         state.update(module.state_dict())
+    for alias, source in (tied or {}).items():
+        if alias in state:
+            tensor = state.pop(alias)
+            if for_load and source not in state:
+                state[source] = tensor
     return state
 
 
@@ -132,9 +143,13 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 
 def _full_state(
-    model: nn.Module | Sequence[nn.Module], optimizer: DistributedOptimizer | None, scheduler: Any
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: DistributedOptimizer | None,
+    scheduler: Any,
+    tied: dict[str, str] | None = None,
+    for_load: bool = False,
 ) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": model_state_dict(model)}
+    state: dict[str, Any] = {"model": model_state_dict(model, tied, for_load=for_load)}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
     if scheduler is not None:
@@ -151,6 +166,7 @@ def save(
     step: int,
     extra: dict[str, Any] | None = None,
     scheduler: Any = None,
+    tied: dict[str, str] | None = None,
 ) -> Path:
     """Save a complete checkpoint ``directory/step_<step>`` and point ``latest`` at it; collective.
 
@@ -163,7 +179,7 @@ def save(
     if _rank() == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    state = _full_state(model, optimizer, scheduler)
+    state = _full_state(model, optimizer, scheduler, tied)
     # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
     state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
     dcp.save(state, checkpoint_id=str(tmp))
@@ -241,6 +257,7 @@ def load(
     *,
     step: int | None = None,
     scheduler: Any = None,
+    tied: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint of ``step`` (default: ``latest``) into ``model`` / ``optimizer`` in any layout; returns
     ``{"step": ..., "extra": ...}``. Collective."""
@@ -250,18 +267,16 @@ def load(
     problem = _broadcast(_verify_manifest(path) if _rank() == 0 else None)
     if problem:
         raise CheckpointError(problem)
-    _check_keys(path, model_state_dict(model))
+    _check_keys(path, model_state_dict(model, tied, for_load=True))
     if optimizer is not None:
         optimizer.init_state()
-    state = _full_state(model, optimizer, scheduler)
+    state = _full_state(model, optimizer, scheduler, tied, for_load=True)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     rng_key = next(k for k in state if k.startswith("rng_rank"))
     if not any(k.startswith(rng_key + ".") for k in metadata):
         del state[rng_key]  # a different world size: RNG streams cannot be mapped
     state["meta"] = {"step": 0, "extra": "{}", "world_size": 0}
-    dcp.load(state, checkpoint_id=str(path))
-    for module in _modules(model):
-        module.load_state_dict({k: v for k, v in state["model"].items() if k in module.state_dict()})
+    dcp.load(state, checkpoint_id=str(path))  # in place: the state dict's tensors share storage with the params
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
     if scheduler is not None:

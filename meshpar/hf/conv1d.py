@@ -49,8 +49,12 @@ class ColumnParallelConv1D(Conv1D):
     ) -> ColumnParallelConv1D:
         n_in, n_out = conv.weight.shape
         check_divisible(n_out // fused, mesh.size(), "output features per fused block", cls.__name__)
-        conv.weight = _param(conv.weight.view(n_in, fused, n_out // fused), mesh, Shard(2), (n_in, n_out))
-        conv.bias = _param(conv.bias.view(fused, n_out // fused), mesh, Shard(1), (n_out,))
+        if fused == 1:
+            conv.weight = _param(conv.weight, mesh, Shard(1), (n_in, n_out))
+            conv.bias = _param(conv.bias, mesh, Shard(0), (n_out,))
+        else:
+            conv.weight = _param(conv.weight.view(n_in, fused, n_out // fused), mesh, Shard(2), (n_in, n_out))
+            conv.bias = _param(conv.bias.view(fused, n_out // fused), mesh, Shard(1), (n_out,))
         conv.__class__ = cls
         conv.tp_mesh, conv.fused = mesh, fused
         conv.gather_output, conv.sequence_parallel = gather_output, sequence_parallel

@@ -96,14 +96,15 @@ class ParallelizedModel(nn.Module):
 
     # -- building ------------------------------------------------------------------------------------------------
     def _shard(self, module: nn.Module) -> nn.Module:
-        if self.dims.tp > 1:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Parallelize plan key")
-                parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
-            for fixup in self.plan.fixups:
-                fixup(module, self.dims.tp)
-            present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
-            apply_ties(module, present)
+        # The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is [in, 3, hidden])
+        # in every layout and checkpoints load across any change of tp.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Parallelize plan key")
+            parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
+        for fixup in self.plan.fixups:
+            fixup(module, self.dims.tp)
+        present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
+        apply_ties(module, present)
         if self.parallel_config.activation_checkpointing:
             layers = module.get_submodule(self.plan.layers) if self.plan.layers else None
             if layers is not None and len(layers):
@@ -229,7 +230,7 @@ class ParallelizedModel(nn.Module):
         (``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads on one process."""
         directory = Path(directory)
         if not merge_checkpoints:
-            return checkpoint.save(directory, self.local_modules(), step=step)
+            return checkpoint.save(directory, self.local_modules(), step=step, tied=self.tied_parameters)
         full = self._gather_full_state()
         if dist.get_rank() == 0:
             dense = self.model_class(self.hf_config)
@@ -273,8 +274,13 @@ class ParallelizedModel(nn.Module):
                         else:
                             target.copy_(source)
         else:
-            checkpoint.load(directory, self.local_modules())
+            checkpoint.load(directory, self.local_modules(), tied=self.tied_parameters)
         return self
+
+    @property
+    def tied_parameters(self) -> dict[str, str]:
+        """Tied LM head -> embedding: saved once, restored into both (also across pipeline stages)."""
+        return {target: source for target, source in self.plan.ties if "lm_head" in target}
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

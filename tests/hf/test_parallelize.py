@@ -180,3 +180,32 @@ def _expected_param_grad(dense: torch.nn.Module, name: str, param: torch.Tensor)
 
 def test_gqa_with_fewer_kv_heads_than_tp_replicates_kv_heads() -> None:
     run_distributed(gqa_case, 4, 4)
+
+
+def tied_save_case(directory: str, tp: int, pp: int, save: bool) -> float:
+    setup_parallel(tp=tp, pp=pp)
+    dense = build("gpt2", layers=4)
+    model = meshpar.parallelize(
+        dense, {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2}
+    )
+    data = batch("gpt2")
+    if save:
+        optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model.train_step(**data)
+            optimizer.step()
+        model.save_parallelized(directory)
+    else:
+        model.from_parallelized(directory)
+    return model.eval_loss(**data).item()
+
+
+def test_tied_embeddings_across_stages_are_saved_once_and_reload_anywhere(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    saved = run_distributed(tied_save_case, 4, str(tmp_path), 2, 2, True)[0]
+    keys = dcp.FileSystemReader(str(tmp_path / "step_00000000")).read_metadata().state_dict_metadata
+    assert "model.transformer.wte.weight" in keys and "model.lm_head.weight" not in keys
+    for world, tp, pp in [(4, 2, 2), (2, 1, 2), (2, 2, 1), (1, 1, 1)]:
+        assert run_distributed(tied_save_case, world, str(tmp_path), tp, pp, False)[0] == pytest.approx(saved, abs=1e-5)
