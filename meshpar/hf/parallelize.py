@@ -32,18 +32,19 @@ from meshpar.pipeline.model import PipelineModel
 from meshpar.tensor_parallel import parallel_cross_entropy
 
 
-def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
+    """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded, else 0."""
     if vocab_sharded:
-        return parallel_cross_entropy(logits, labels)
+        return parallel_cross_entropy(logits, labels, vocab_size=vocab_sharded)
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
     loss = _token_losses(logits[:, :-1], labels[:, 1:].contiguous(), vocab_sharded)
     return loss.sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: bool) -> torch.Tensor:
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
     return _token_losses(logits, labels, vocab_sharded).sum() / (labels != -100).sum().clamp(min=1)
 
 
@@ -80,7 +81,7 @@ class ParallelizedModel(nn.Module):
         self.loss_fn = _LOSSES.get(self.plan.task)
         head_name = next((n for n in ("lm_head", "cls.predictions.decoder") if n in self.plan.styles), None)
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
-        self.vocab_sharded = self.dims.tp > 1 and head_name is not None
+        self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None

@@ -72,7 +72,7 @@ def gpt2_plan(model: nn.Module, tp: int) -> HFPlan:
     }
     task, ties = "base", []
     if hasattr(model, "lm_head"):
-        styles["lm_head"] = ColumnParallel()
+        styles["lm_head"] = ColumnParallel(allow_uneven=True)
         task = "causal_lm"
         if model.lm_head.weight is model.transformer.wte.weight:
             ties.append(("lm_head.weight", "transformer.wte.weight"))
@@ -103,7 +103,7 @@ def llama_plan(model: nn.Module, tp: int) -> HFPlan:
     }
     task, ties = "base", []
     if hasattr(model, "lm_head"):
-        styles["lm_head"] = ColumnParallel()
+        styles["lm_head"] = ColumnParallel(allow_uneven=True)
         task = "causal_lm"
         if model.lm_head.weight is model.model.embed_tokens.weight:
             ties.append(("lm_head.weight", "model.embed_tokens.weight"))
@@ -136,7 +136,7 @@ def bert_plan(model: nn.Module, tp: int) -> HFPlan:
     task, ties = "base", []
     name = type(model).__name__
     if name == "BertForMaskedLM":
-        styles["cls.predictions.decoder"] = ColumnParallel()
+        styles["cls.predictions.decoder"] = ColumnParallel(allow_uneven=True)
         task = "masked_lm"
         ties.append(("cls.predictions.bias", "cls.predictions.decoder.bias"))
         if model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight:

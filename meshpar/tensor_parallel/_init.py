@@ -37,13 +37,23 @@ def empty_dtensor(
     dtype: torch.dtype | None,
     device: torch.device | str | None,
 ) -> nn.Parameter:
-    """An uninitialised parameter holding this rank's shard of ``global_shape``."""
+    """An uninitialised parameter holding this rank's shard of ``global_shape`` (uneven shards follow
+    ``torch.chunk``: every rank but the last holds ``ceil(n / tp)``)."""
     local_shape = list(global_shape)
     for placement in placements:
         if isinstance(placement, Shard):
-            local_shape[placement.dim] //= mesh.size()
+            local_shape[placement.dim] = shard_range(global_shape[placement.dim], mesh)[1]
     local = torch.empty(local_shape, dtype=dtype, device=device)
-    return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
+    stride = torch.empty(global_shape, device="meta").stride()
+    shape = torch.Size(global_shape)
+    return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride))
+
+
+def shard_range(size: int, mesh: DeviceMesh) -> tuple[int, int]:
+    """(start, length) of this rank's ``torch.chunk`` slice of a dim of ``size`` split over ``mesh``."""
+    chunk = math.ceil(size / mesh.size())
+    start = min(size, mesh.get_local_rank() * chunk)
+    return start, min(chunk, size - start)
 
 
 def fill_from_full_(param: torch.Tensor, init_full: InitMethod) -> None:

@@ -19,6 +19,7 @@ import torch
 import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
 from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, funcol
 from meshpar.parallel_dims import get_parallel
+from meshpar.tensor_parallel._init import shard_range
 
 
 def _merge_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,10 +76,14 @@ def parallel_cross_entropy(
     ignore_index: int = -100,
     *,
     tp_mesh: DeviceMesh | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token loss from vocab-sharded logits ``[..., V/tp]`` (a local shard or a ``Shard(-1)`` DTensor).
 
-    Returns a replicated ``[...]`` tensor; the gradient w.r.t. the logits stays sharded.
+    A vocabulary tp does not divide is split like ``torch.chunk`` (ranks hold ``ceil(V / tp)`` columns, the last
+    fewer): DTensor logits know ``V``; for local shards pass ``vocab_size``. No padded columns ever exist, so losses
+    are exactly those of the unsharded vocabulary. Returns a replicated ``[...]`` tensor; the gradient w.r.t. the
+    logits stays sharded.
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
@@ -92,20 +97,27 @@ def parallel_cross_entropy(
                 f"parallel_cross_entropy expects logits sharded on the last dim, got {parallel_logits.placements}"
             )
         local = parallel_logits.to_local()
+        vocab_size = parallel_logits.shape[-1]
     else:
         mesh = tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
         local = parallel_logits
     if local.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(local.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
-    tp = mesh.size()
     vocab_local = local.shape[-1]
-    vocab_start = mesh.get_local_rank() * vocab_local
+    if vocab_size is None:
+        vocab_size = vocab_local * mesh.size()
+    vocab_start, expected_local = shard_range(vocab_size, mesh)
+    if expected_local != vocab_local:
+        raise ValueError(
+            f"logits shard of width {vocab_local} on tp rank {mesh.get_local_rank()} does not match vocab_size "
+            f"{vocab_size} split over tp={mesh.size()} (expected {expected_local})"
+        )
     loss = _VocabParallelCrossEntropy.apply(
         local.reshape(-1, vocab_local),
         labels.reshape(-1),
         mesh,
         vocab_start,
-        vocab_local * tp,
+        vocab_size,
         float(label_smoothing),
         ignore_index,
     )

@@ -33,6 +33,7 @@ from meshpar.tensor_parallel._init import (
     fill_from_full_,
     linear_bias_init,
     linear_weight_init,
+    shard_range,
 )
 
 
@@ -108,12 +109,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
         *,
         tp_mesh: DeviceMesh | None = None,
         num_heads: int | None = None,
+        allow_uneven: bool = False,
     ) -> None:
         nn.Module.__init__(self)
         mesh = _resolve_tp_mesh(tp_mesh)
         if num_heads is not None:
             check_divisible(num_heads, mesh.size(), "the number of attention heads", type(self).__name__)
-        check_divisible(output_size, mesh.size(), "output_size", type(self).__name__)
+        if not allow_uneven:
+            check_divisible(output_size, mesh.size(), "output_size", type(self).__name__)
         self._configure(mesh, input_size, output_size, gather_output, sequence_parallel_enabled, init_method)
         self.weight = empty_dtensor((output_size, input_size), mesh, [Shard(0)], dtype=dtype, device=device)
         self.bias = empty_dtensor((output_size,), mesh, [Shard(0)], dtype=dtype, device=device) if bias else None
@@ -143,6 +146,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         sequence_parallel_enabled: bool = False,
         src_data_rank: int | None = 0,
         num_heads: int | None = None,
+        allow_uneven: bool = False,
     ) -> ColumnParallelLinear:
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one).
 
@@ -150,7 +154,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         """
         if num_heads is not None:
             check_divisible(num_heads, tp_mesh.size(), "the number of attention heads", cls.__name__)
-        check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
+        if not allow_uneven:
+            check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
         _shard_linear_params_(linear, tp_mesh, Shard(0), Shard(0), src_data_rank)
         linear.__class__ = cls
         linear._configure(
@@ -163,7 +168,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
         x = gather_from_sp(x, self.tp_mesh, dim=1) if self.sequence_parallel_enabled else copy_to_tp(x, self.tp_mesh)
         bias = self.bias.to_local() if self.bias is not None else None
         y = F.linear(x, self.weight.to_local(), bias)
-        return gather_from_tp(y, self.tp_mesh, dim=-1) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        chunk = -(-self.output_size // self.tp_mesh.size())
+        if chunk * self.tp_mesh.size() == self.output_size:
+            return gather_from_tp(y, self.tp_mesh, dim=-1)
+        # uneven shards (a vocab tp does not divide): pad to equal chunks, gather, drop the padding
+        padded = F.pad(y, (0, chunk - y.shape[-1]))
+        return gather_from_tp(padded, self.tp_mesh, dim=-1)[..., : self.output_size]
 
     def extra_repr(self) -> str:
         return (
@@ -285,8 +297,6 @@ class ParallelEmbedding(nn.Embedding):
         mesh = _resolve_tp_mesh(tp_mesh)
         if shard_across_embedding:
             check_divisible(embedding_dim, mesh.size(), "embedding_dim", type(self).__name__)
-        else:
-            check_divisible(num_embeddings, mesh.size(), "num_embeddings (vocab size)", type(self).__name__)
         self._configure(
             mesh,
             num_embeddings,
@@ -322,10 +332,9 @@ class ParallelEmbedding(nn.Embedding):
         self.init_method = init_method
         self.max_norm = None
         self.sparse = False
-        tp, rank = mesh.size(), mesh.get_local_rank()
-        per_rank = num_embeddings if shard_across_embedding else num_embeddings // tp
-        self.vocab_start_index = 0 if shard_across_embedding else rank * per_rank
-        self.vocab_end_index = self.vocab_start_index + per_rank
+        # a vocab tp does not divide is split like torch.chunk: the last rank holds fewer rows (no padding rows)
+        start, length = (0, num_embeddings) if shard_across_embedding else shard_range(num_embeddings, mesh)
+        self.vocab_start_index, self.vocab_end_index = start, start + length
 
     @classmethod
     def from_embedding(
@@ -340,9 +349,8 @@ class ParallelEmbedding(nn.Embedding):
         """Shard an existing ``nn.Embedding`` in place."""
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("ParallelEmbedding does not support max_norm or sparse embeddings")
-        dim_size = embedding.embedding_dim if shard_across_embedding else embedding.num_embeddings
-        what = "embedding_dim" if shard_across_embedding else "num_embeddings (vocab size)"
-        check_divisible(dim_size, tp_mesh.size(), what, cls.__name__)
+        if shard_across_embedding:
+            check_divisible(embedding.embedding_dim, tp_mesh.size(), "embedding_dim", cls.__name__)
         placement = Shard(1) if shard_across_embedding else Shard(0)
         embedding.weight = _distribute_param(embedding.weight, tp_mesh, [placement], src_data_rank)
         embedding.__class__ = cls

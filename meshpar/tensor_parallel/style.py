@@ -41,16 +41,23 @@ class ColumnParallel(ParallelStyle):
     """Shard an ``nn.Linear`` by output features; output is the local feature shard unless ``gather_output``.
 
     Pass ``num_heads`` for attention projections so that a head count tp does not divide fails at sharding time
-    instead of silently splitting heads.
+    instead of silently splitting heads. ``allow_uneven`` (LM heads over a vocab tp does not divide) splits the
+    output like ``torch.chunk``; pass the true ``vocab_size`` to :func:`meshpar.parallel_cross_entropy`.
     """
 
     def __init__(
-        self, *, gather_output: bool = False, sequence_parallel: bool = False, num_heads: int | None = None
+        self,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        num_heads: int | None = None,
+        allow_uneven: bool = False,
     ) -> None:
         super().__init__()
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.num_heads = num_heads
+        self.allow_uneven = allow_uneven
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
@@ -61,6 +68,7 @@ class ColumnParallel(ParallelStyle):
             sequence_parallel_enabled=self.sequence_parallel,
             src_data_rank=self.src_data_rank,
             num_heads=self.num_heads,
+            allow_uneven=self.allow_uneven,
         )
 
 

@@ -209,3 +209,21 @@ def test_tied_embeddings_across_stages_are_saved_once_and_reload_anywhere(tmp_pa
     assert "model.transformer.wte.weight" in keys and "model.lm_head.weight" not in keys
     for world, tp, pp in [(4, 2, 2), (2, 1, 2), (2, 2, 1), (1, 1, 1)]:
         assert run_distributed(tied_save_case, world, str(tmp_path), tp, pp, False)[0] == pytest.approx(saved, abs=1e-5)
+
+
+def uneven_vocab_case() -> tuple[bool, float, float]:
+    """vocab 61 at tp=4: shards of 16, 16, 16, 13; no padded logits exist, so everything equals the dense model."""
+    setup_parallel(tp=4)
+    dense = build("gpt2", vocab=61)
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 4})
+    data = batch("gpt2", vocab=61)
+    prompt = data["input_ids"][:2, :5]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    same_tokens = torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
+    return same_tokens, model(**data).loss.item(), dense(**data).loss.item()
+
+
+def test_vocab_not_divisible_by_tp_is_exact() -> None:
+    for same_tokens, loss, dense_loss in run_distributed(uneven_vocab_case, 4):
+        assert same_tokens
+        assert loss == pytest.approx(dense_loss, abs=1e-5)

@@ -33,8 +33,13 @@ def cross_entropy_case(tp: int, vocab: int, label_smoothing: float, as_dtensor: 
     expected.backward(grad_out)
 
     local = shard_of(logits, dims.tp_mesh, -1).clone().requires_grad_()
-    inp = DTensor.from_local(local, dims.tp_mesh, [Shard(2)]) if as_dtensor else local
-    loss = parallel_cross_entropy(inp, labels, label_smoothing=label_smoothing)
+    if as_dtensor:
+        inp = DTensor.from_local(
+            local, dims.tp_mesh, [Shard(2)], shape=logits.shape, stride=logits.stride(), run_check=False
+        )
+    else:
+        inp = local
+    loss = parallel_cross_entropy(inp, labels, label_smoothing=label_smoothing, vocab_size=vocab)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(loss, expected.detach(), **tol)
     loss.backward(grad_out)
@@ -47,6 +52,11 @@ def cross_entropy_case(tp: int, vocab: int, label_smoothing: float, as_dtensor: 
 @pytest.mark.parametrize("as_dtensor", [False, True])
 def test_parallel_cross_entropy_matches_dense(tp: int, label_smoothing: float, as_dtensor: bool) -> None:
     run_distributed(cross_entropy_case, 4, tp, 36, label_smoothing, as_dtensor, torch.float32)
+
+
+@pytest.mark.parametrize("as_dtensor", [False, True])
+def test_vocab_not_divisible_by_tp(as_dtensor: bool) -> None:
+    run_distributed(cross_entropy_case, 4, 4, 38, 0.1, as_dtensor, torch.float32)  # shards of 10, 10, 10, 8
 
 
 def test_parallel_cross_entropy_bf16_logits() -> None:
@@ -68,11 +78,19 @@ def test_all_ignored_gives_zero_loss_and_grad() -> None:
     run_distributed(ignore_all_case, 2)
 
 
-def bad_shapes_case() -> None:
+def bad_shapes_case(kind: str) -> None:
     setup_parallel(tp=2)
-    parallel_cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long))
+    if kind == "labels":
+        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long))
+    else:
+        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), vocab_size=12)
 
 
 def test_mismatched_label_shape_raises() -> None:
     with pytest.raises(AssertionError, match="disagree on the token dims"):
-        run_distributed(bad_shapes_case, 2)
+        run_distributed(bad_shapes_case, 2, "labels")
+
+
+def test_shard_width_not_matching_vocab_size_raises() -> None:
+    with pytest.raises(AssertionError, match="does not match vocab_size 12 split over tp=2"):
+        run_distributed(bad_shapes_case, 2, "vocab")

@@ -162,8 +162,6 @@ def indivisible_case(kind: str) -> None:
         ColumnParallelLinear(8, 30)
     elif kind == "row":
         RowParallelLinear(30, 8)
-    elif kind == "embedding":
-        ParallelEmbedding(50257, 8)
     elif kind == "heads":
         ColumnParallelLinear(64 * 6, 3 * 64 * 6, num_heads=6)  # 1152 features split over 4; 6 heads do not
     elif kind == "row_sp_without_parallel_input":
@@ -175,7 +173,6 @@ def indivisible_case(kind: str) -> None:
     [
         ("column", "output_size 30 is not divisible by tp=4"),
         ("row", "input_size 30 is not divisible by tp=4"),
-        ("embedding", "num_embeddings \\(vocab size\\) 50257 is not divisible by tp=4"),
         ("row_sp_without_parallel_input", "requires input_is_parallel=True"),
         ("heads", "the number of attention heads 6 is not divisible by tp=4"),
     ],
@@ -194,3 +191,26 @@ def sp_bad_seq_case() -> None:
 def test_sequence_length_not_divisible_raises() -> None:
     with pytest.raises(AssertionError, match="sequence length must be divisible by tp"):
         run_distributed(sp_bad_seq_case, 4)
+
+
+def uneven_vocab_case(tp: int) -> None:
+    """A vocabulary tp does not divide (22 at tp=4: 6, 6, 6, 4 rows) embeds and projects exactly like dense."""
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense_emb, dense_head = nn.Embedding(22, 12), nn.Linear(12, 22, bias=False)
+    torch.manual_seed(0)
+    emb = ParallelEmbedding(22, 12)
+    head = ColumnParallelLinear(12, 22, bias=False, gather_output=True, allow_uneven=True)
+    assert emb.weight.to_local().shape[0] == (4 if dims.tp_rank == tp - 1 else 6) if tp == 4 else True
+    ids = torch.tensor([[0, 5, 6, 11, 12, 17, 18, 21]])
+    torch.testing.assert_close(emb(ids), dense_emb(ids))
+    x = torch.randn(2, 12)
+    torch.testing.assert_close(head(x), dense_head(x))
+    emb(ids).sum().backward()
+    dense_emb(ids).sum().backward()
+    assert_matches_dense(emb.weight.grad, dense_emb.weight.grad)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_uneven_vocab_embedding_and_gathered_head_match_dense(tp: int) -> None:
+    run_distributed(uneven_vocab_case, 4, tp)
