@@ -14,6 +14,7 @@ from meshpar.tensor_parallel import (
     SequenceParallelNorm,
     VocabParallel,
     VocabParallelEmbedding,
+    fused_linear_cross_entropy,
     parallel_cross_entropy,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "activation_checkpoint",
     "checkpoint",
     "destroy_parallel",
+    "fused_linear_cross_entropy",
     "get_parallel",
     "get_rng_tracker",
     "init_parallel",

@@ -10,6 +10,7 @@ from meshpar.tensor_parallel._collectives import (
     scatter_to_tp,
 )
 from meshpar.tensor_parallel.cross_entropy import parallel_cross_entropy
+from meshpar.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -36,6 +37,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "copy_to_tp",
     "gather_from_sp",
+    "fused_linear_cross_entropy",
     "gather_from_tp",
     "parallel_cross_entropy",
     "reduce_from_tp",
