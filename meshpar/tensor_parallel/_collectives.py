@@ -1,8 +1,8 @@
 """Differentiable tensor-parallel collectives on local tensors (Megatron's mappings, picotron-style).
 
-Each function is an ``autograd.Function`` whose forward and backward are one functional collective
-(``torch.distributed._functional_collectives``), so eager mode issues exactly the collectives Megatron issues and
-``torch.compile`` can trace them. All take the 1-D tp ``DeviceMesh``; with a mesh of size 1 they are the identity.
+Each function is an ``autograd.Function`` whose forward and backward are one collective: the in-place c10d
+collective in eager mode (no extra allocation, like Megatron) and the functional collective
+(``torch.distributed._functional_collectives``) under ``torch.compile``, which traces it. All take the 1-D tp ``DeviceMesh``; with a mesh of size 1 they are the identity.
 
 =========================  ===========================  ===========================
 function                   forward                      backward
@@ -21,12 +21,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, all_gather_single, funcol, reduce_scatter_single
 
 
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
 def _all_reduce(x: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, mesh))
+    """In eager mode an in-place c10d all-reduce on a tensor nobody else holds (a matmul output or an incoming
+    grad, as Megatron does); under ``torch.compile`` the functional collective the compiler can trace."""
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, mesh))
+    x = x.contiguous()
+    dist.all_reduce(x, op=_C10D_OPS[op], group=mesh.get_group())
+    return x
 
 
 def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:

@@ -14,8 +14,16 @@ from meshpar.testing import assert_matches_dense, run_distributed, setup_paralle
 from tests._models import TinyTransformer, block_plan
 
 
+_NAMES = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor"}
+
+
 def _comm_counts(mode: CommDebugMode) -> Counter:
-    return Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
+    """Collective name -> count; eager c10d ops (``allreduce_``) and functional ones (``all_reduce``) alike."""
+    counts: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        counts[_NAMES.get(name, name)] += n
+    return counts
 
 
 def block_case(tp: int, sp: bool, bias: bool) -> None:
