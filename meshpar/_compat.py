@@ -39,6 +39,16 @@ all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tenso
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
 
 
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local`` (no checks, no autograd): the
+    cheap way to hand a local grad back for a DTensor parameter."""
+    try:
+        return DTensor(local, like._spec, requires_grad=False)
+    except (TypeError, AttributeError):  # constructor changed: the public (slower) route
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())  # fmt: skip
+
+
 def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward from ``output`` without the shape check, for outputs whose data was freed after sending
     (Megatron's ``custom_backward``)."""
@@ -72,6 +82,7 @@ __all__ = [
     "Shard",
     "all_gather_single",
     "distribute_tensor",
+    "dtensor_like",
     "funcol",
     "init_device_mesh",
     "reduce_scatter_single",

@@ -2,7 +2,7 @@
 
 Each function is an ``autograd.Function`` whose forward and backward are one collective: the in-place c10d
 collective in eager mode (no extra allocation, like Megatron) and the functional collective
-(``torch.distributed._functional_collectives``) under ``torch.compile``, which traces it. All take the 1-D tp ``DeviceMesh``; with a mesh of size 1 they are the identity.
+(``torch.distributed._functional_collectives``) under ``torch.compile``, which traces it.
 
 =========================  ===========================  ===========================
 function                   forward                      backward
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, all_gather_single, funcol, reduce_scatter_single
-
 
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 

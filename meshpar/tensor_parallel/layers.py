@@ -35,6 +35,7 @@ from meshpar.tensor_parallel._init import (
     linear_weight_init,
     shard_range,
 )
+from meshpar.tensor_parallel._linear_functions import ColumnLinearFunction, RowLinearFunction
 
 
 def _resolve_tp_mesh(tp_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -47,6 +48,11 @@ def _local_input(x: torch.Tensor, owner: str) -> torch.Tensor:
             return x.to_local()
         raise TypeError(f"{owner} got a DTensor input with placements {x.placements}; pass a local tensor")
     return x
+
+
+def _fused_eager_path(sequence_parallel: bool) -> bool:
+    """One autograd node per layer in eager mode; the composed path under compile and sequence parallelism."""
+    return not sequence_parallel and not torch.compiler.is_compiling()
 
 
 def _is_meta(device: torch.device | str | None) -> bool:
@@ -165,9 +171,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        x = gather_from_sp(x, self.tp_mesh, dim=1) if self.sequence_parallel_enabled else copy_to_tp(x, self.tp_mesh)
-        bias = self.bias.to_local() if self.bias is not None else None
-        y = F.linear(x, self.weight.to_local(), bias)
+        if _fused_eager_path(self.sequence_parallel_enabled):
+            y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        else:
+            x = gather_from_sp(x, self.tp_mesh, 1) if self.sequence_parallel_enabled else copy_to_tp(x, self.tp_mesh)
+            bias = self.bias.to_local() if self.bias is not None else None
+            y = F.linear(x, self.weight.to_local(), bias)
         if not self.gather_output:
             return y
         chunk = -(-self.output_size // self.tp_mesh.size())
@@ -252,11 +261,12 @@ class RowParallelLinear(_TensorParallelLinear):
         x = _local_input(x, type(self).__name__)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_mesh, dim=-1)
-        y = F.linear(x, self.weight.to_local())
-        if self.sequence_parallel_enabled:
-            y = reduce_scatter_to_sp(y, self.tp_mesh, dim=1)
+        if _fused_eager_path(self.sequence_parallel_enabled):
+            y = RowLinearFunction.apply(x, self.weight, self.tp_mesh)
+        elif self.sequence_parallel_enabled:
+            y = reduce_scatter_to_sp(F.linear(x, self.weight.to_local()), self.tp_mesh, dim=1)
         else:
-            y = reduce_from_tp(y, self.tp_mesh)
+            y = reduce_from_tp(F.linear(x, self.weight.to_local()), self.tp_mesh)
         if self.bias is None:
             return y
         bias = self.bias.to_local()

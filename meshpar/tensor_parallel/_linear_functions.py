@@ -1,0 +1,70 @@
+"""One autograd node per tensor-parallel linear layer on the eager hot path (Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication``).
+
+The composed path (``copy_to_tp`` -> ``weight.to_local()`` -> ``F.linear``) records four autograd nodes per layer and
+builds DTensor grads through DTensor's autograd. These functions take the DTensor parameters as inputs, compute on
+their local shards, and in backward start the all-reduce of the input grad asynchronously, compute the weight grad
+while it is in flight, and hand back DTensor grads with the parameters' own placements. ``torch.compile`` keeps the
+composed path (the compiler fuses it itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh, DTensor, dtensor_like
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class ColumnLinearFunction(torch.autograd.Function):
+    """``y = x W_r^T + b_r`` for a replicated ``x``; backward all-reduces ``dx`` over tp, overlapped with ``dW``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
+        w = weight._local_tensor
+        b = bias._local_tensor if bias is not None else None
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
+        return torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        grad_x = grad_out @ w
+        work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True) if ctx.mesh.size() > 1 else None
+        grad_w = _flat(grad_out).t() @ _flat(x)
+        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
+        if work is not None:
+            work.wait()
+        return (
+            grad_x,
+            dtensor_like(grad_w, ctx.weight),
+            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
+            None,
+        )
+
+
+class RowLinearFunction(torch.autograd.Function):
+    """``y = sum_r x_r W_r^T`` (all-reduced in place); backward needs no communication."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        w = weight._local_tensor
+        ctx.save_for_backward(x, w)
+        ctx.weight = weight
+        y = torch.nn.functional.linear(x, w)
+        if mesh.size() > 1:
+            dist.all_reduce(y, group=mesh.get_group())
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        grad_w = _flat(grad_out).t() @ _flat(x)
+        return grad_out @ w, dtensor_like(grad_w, ctx.weight), None
