@@ -39,8 +39,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ignored = labels == ignore_index
         count = (~ignored).sum().clamp(min=1) if reduction == "mean" else torch.ones((), device=hidden.device)
         token_scale = (~ignored).float() / count
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        # grads in the parameters' dtype: each chunk's matmul accumulates in fp32 internally, and no fp32 copy of
+        # the (large) LM-head weight is ever allocated
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -59,11 +61,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = torch.ops.meshpar.vocab_ce_grad(
                 logits, y, log_z, token_scale[rows], vocab_start, vocab_size, label_smoothing
             )
-            grad_hidden[rows] = (grad_logits @ weight).float()
-            grad_weight += (grad_logits.t() @ h).float()
+            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            grad_weight.addmm_(grad_logits.t(), h)
             del logits, grad_logits
         grad_hidden = all_reduce_sum(grad_hidden, mesh)
-        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
@@ -89,7 +91,7 @@ def fused_linear_cross_entropy(
 
     Returns the mean (over non-ignored tokens) or sum of the per-token losses. Peak extra memory is two
     ``[chunk_size, V/tp]`` blocks instead of the ``[tokens, V/tp]`` logits and their gradient; by default
-    ``chunk_size`` keeps each block near 2**22 elements (16 MiB in fp32).
+    ``chunk_size`` keeps each block near 2**25 elements (64 MiB in bf16).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -108,7 +110,7 @@ def fused_linear_cross_entropy(
     if weight.shape[0] != local:
         raise ValueError(f"weight shard has {weight.shape[0]} rows, expected {local} for vocab_size {vocab_size}")
     if chunk_size is None:
-        chunk_size = max(1, (1 << 22) // max(local, 1))
+        chunk_size = max(1, (1 << 25) // max(local, 1))
     return _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
