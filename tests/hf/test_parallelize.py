@@ -211,7 +211,7 @@ def test_tied_embeddings_across_stages_are_saved_once_and_reload_anywhere(tmp_pa
         assert run_distributed(tied_save_case, world, str(tmp_path), tp, pp, False)[0] == pytest.approx(saved, abs=1e-5)
 
 
-def uneven_vocab_case() -> tuple[bool, float, float]:
+def uneven_vocab_case(directory: str) -> tuple[bool, float, float]:
     """vocab 61 at tp=4: shards of 16, 16, 16, 13; no padded logits exist, so everything equals the dense model."""
     setup_parallel(tp=4)
     dense = build("gpt2", vocab=61)
@@ -220,10 +220,18 @@ def uneven_vocab_case() -> tuple[bool, float, float]:
     prompt = data["input_ids"][:2, :5]
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     same_tokens = torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
+    model.save_parallelized(directory, merge_checkpoints=True)
     return same_tokens, model(**data).loss.item(), dense(**data).loss.item()
 
 
-def test_vocab_not_divisible_by_tp_is_exact() -> None:
-    for same_tokens, loss, dense_loss in run_distributed(uneven_vocab_case, 4):
+def test_vocab_not_divisible_by_tp_is_exact(tmp_path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    for same_tokens, loss, dense_loss in run_distributed(uneven_vocab_case, 4, str(tmp_path)):
         assert same_tokens
         assert loss == pytest.approx(dense_loss, abs=1e-5)
+    merged = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert merged.lm_head.weight.shape == (61, 32)  # the merged checkpoint is the unpadded model's
+    torch.testing.assert_close(
+        merged.state_dict()["transformer.wte.weight"], build("gpt2", vocab=61).transformer.wte.weight
+    )

@@ -54,7 +54,9 @@ def runtime_case(schedule: str, pp: int, tp: int, v: int, m: int, layers: int) -
         ("interleaved_1f1b", 2, 1, 2, 2, 4),  # m == pp: all warm-up
         ("interleaved_1f1b", 2, 1, 2, 6, 4),
         ("interleaved_1f1b", 2, 1, 2, 5, 4),  # m not a multiple of pp
+        ("interleaved_1f1b", 4, 1, 2, 4, 8),  # m == pp at pp=4
         ("interleaved_1f1b", 4, 1, 2, 8, 8),
+        ("interleaved_1f1b", 4, 1, 2, 12, 8),  # 3 pp
         ("interleaved_1f1b", 4, 1, 2, 6, 9),  # m % pp != 0 and uneven layers at pp=4
         ("1f1b", 2, 2, 1, 4, 4),  # pp x tp on 4 ranks
         ("interleaved_1f1b", 2, 2, 2, 4, 4),

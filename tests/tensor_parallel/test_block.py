@@ -13,7 +13,6 @@ from meshpar._compat import CommDebugMode
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
 from tests._models import TinyTransformer, block_plan
 
-
 _NAMES = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor"}
 
 
