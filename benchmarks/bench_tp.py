@@ -12,6 +12,7 @@ variants (A B C D A B C D ...) and medians are compared.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections import Counter
@@ -21,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
@@ -141,6 +144,35 @@ def _build(variant: str, args: argparse.Namespace, dims) -> nn.Module:
     return model
 
 
+class CommBytes(TorchDispatchMode):
+    """Bytes handed to collectives (c10d and functional), per direction of the pass it wraps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # eager c10d ops and the functional ops; the legacy "c10d_functional" wrappers forward to the latter
+        if func.namespace in ("c10d", "_c10d_functional") and not any(k in func.name() for k in ("wait", "_wrap")):
+            tensor = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.bytes += tensor.numel() * tensor.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _ideal_fraction(model: GPT, tp: int) -> float:
+    """Parameters per rank if every block linear weight/bias that TP can split were split, the rest replicated."""
+    sharded = replicated = 0
+    for name, p in model.named_parameters():
+        splittable = any(k in name for k in ("qkv", "fc1")) or (
+            any(k in name for k in ("proj", "fc2")) and "weight" in name
+        )
+        if splittable and "layers." in name:
+            sharded += p.numel()
+        else:
+            replicated += p.numel()
+    return (sharded / tp + replicated) / (sharded + replicated)
+
+
 def _local_numel(model: nn.Module) -> int:
     return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
 
@@ -181,7 +213,7 @@ def bench_case(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             step()
             times[key].append(time.perf_counter() - start)
-    comms = {}
+    comms, comm_bytes = {}, {}
     for variant in ("meshpar", "torch DTensor", "Megatron-style"):
         model = _build(variant, args, dims)
         with CommDebugMode() as fwd:
@@ -192,12 +224,21 @@ def bench_case(args: argparse.Namespace) -> dict:
             Counter({str(k).split(".")[-1]: v for k, v in fwd.get_comm_counts().items()}),
             Counter({str(k).split(".")[-1]: v for k, v in bwd.get_comm_counts().items()}),
         )
+        model = _build(variant, args, dims)
+        with CommBytes() as fwd_bytes:
+            out = model(ids)
+        with CommBytes() as bwd_bytes:
+            F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+        comm_bytes[variant] = (fwd_bytes.bytes, bwd_bytes.bytes)
     numel = {v: _local_numel(runs[(v, False)][1]) for v in variants}
     return {
         "times": {f"{v}|{c}": statistics.median(t) for (v, c), t in times.items()},
         "failures": failures,
         "comms": comms,
+        "comm_bytes": comm_bytes,
         "numel": numel,
+        "ideal": _ideal_fraction(GPT(256, args.hidden, args.heads, args.layers, args.seq), dims.tp),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -235,10 +276,15 @@ def main() -> None:
         per_layer = (sum(fwd.values()) / args.layers, sum(bwd.values()) / args.layers)
         print(f"{variant:16s} {dict(fwd)} | {dict(bwd)}  -> per layer {per_layer[0]:.2f} | {per_layer[1]:.2f}"
               f"  (ratio to minimum {per_layer[0] / 2:.2f} | {per_layer[1] / 2:.2f})")  # fmt: skip
+    minimum = 2 * args.layers * args.batch * args.seq * args.hidden * 4  # 2 fp32 [b, s, h] all-reduces per layer
+    print(f"\nbytes handed to collectives per step per rank (forward | backward); Megatron minimum {minimum:,} each")
+    for variant, (fwd_b, bwd_b) in result["comm_bytes"].items():
+        print(f"{variant:16s} {fwd_b:>12,} | {bwd_b:>12,}  (ratio {fwd_b / minimum:.2f} | {bwd_b / minimum:.2f})")
     dense = result["numel"]["dense"]
-    print("\nparameters per rank (embedding, head and norms replicated by design here)")
+    print(f"\nparameters per rank; ideal with embedding, head, norms and row biases replicated: {result['ideal']:.3f}")
     for variant, numel in result["numel"].items():
         print(f"{variant:16s} {numel:>10,} ({numel / dense:.3f} of dense)")
+    print(f"peak RSS of a rank process (all variants built in turn): {result['max_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":
