@@ -57,7 +57,7 @@ class GPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln_f(x))
