@@ -30,6 +30,28 @@ def _merge_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return global_max + torch.log(total), target.sum(dim=0), sum_logits.sum(dim=0)
 
 
+def token_losses(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: DeviceMesh | None,
+    vocab_start: int,
+    vocab_size: int,
+    label_smoothing: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and log-partition of a local logits shard ``[N, V_local]``: local statistics, one all-gather
+    of them over tp, the merge. Shared by the unfused and the fused (chunked) cross entropy."""
+    stats = torch.ops.meshpar.vocab_ce_stats(logits, labels, vocab_start)
+    if mesh is not None and mesh.size() > 1:
+        stats = funcol.wait_tensor(all_gather_single(stats.contiguous(), 0, mesh)).view(mesh.size(), *stats.shape)
+    else:
+        stats = stats.unsqueeze(0)
+    log_z, target, sum_logits = _merge_stats(stats)
+    loss = (1.0 - label_smoothing) * (log_z - target)
+    if label_smoothing > 0:
+        loss = loss + label_smoothing * (log_z - sum_logits / vocab_size)
+    return loss, log_z
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -42,16 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
         ignore_index: int,
     ) -> torch.Tensor:
-        stats = torch.ops.meshpar.vocab_ce_stats(logits, labels, vocab_start)
-        if mesh is not None and mesh.size() > 1:
-            gathered = funcol.wait_tensor(all_gather_single(stats.contiguous(), 0, mesh))
-            stats = gathered.view(mesh.size(), *stats.shape)
-        else:
-            stats = stats.unsqueeze(0)
-        log_z, target, sum_logits = _merge_stats(stats)
-        loss = (1.0 - label_smoothing) * (log_z - target)
-        if label_smoothing > 0:
-            loss = loss + label_smoothing * (log_z - sum_logits / vocab_size)
+        loss, log_z = token_losses(logits, labels, mesh, vocab_start, vocab_size, label_smoothing)
         ignored = labels == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         ctx.save_for_backward(logits, labels, log_z, ignored)

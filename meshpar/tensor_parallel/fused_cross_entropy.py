@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
-from meshpar._compat import DeviceMesh, DTensor, all_gather_single, funcol
+from meshpar._compat import DeviceMesh, DTensor
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import all_reduce_sum
 from meshpar.tensor_parallel._init import shard_range
-from meshpar.tensor_parallel.cross_entropy import _merge_stats
+from meshpar.tensor_parallel.cross_entropy import token_losses
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -48,15 +48,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h, y = hidden[rows], labels[rows]
             logits = h @ weight.t()
-            stats = torch.ops.meshpar.vocab_ce_stats(logits, y, vocab_start)
-            if mesh.size() > 1:
-                stats = funcol.wait_tensor(all_gather_single(stats, 0, mesh)).view(mesh.size(), *stats.shape)
-            else:
-                stats = stats.unsqueeze(0)
-            log_z, target, sum_logits = _merge_stats(stats)
-            loss = (1.0 - label_smoothing) * (log_z - target)
-            if label_smoothing > 0:
-                loss = loss + label_smoothing * (log_z - sum_logits / vocab_size)
+            loss, log_z = token_losses(logits, y, mesh, vocab_start, vocab_size, label_smoothing)
             total += (loss * token_scale[rows]).sum()
             grad_logits = torch.ops.meshpar.vocab_ce_grad(
                 logits, y, log_z, token_scale[rows], vocab_start, vocab_size, label_smoothing
