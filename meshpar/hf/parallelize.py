@@ -73,11 +73,9 @@ class ParallelizedModel(nn.Module):
         self.dims = _init_mesh(config)
         self.hf_config = model.config
         self.model_class = type(model)
-        self.plan: HFPlan = plan_for(model, self.dims.tp)
+        self.plan: HFPlan = plan_for(model, self.dims.tp, config.sequence_parallel)
         if plan is not None:
             self.plan.styles = dict(plan)
-        if config.sequence_parallel:
-            raise ValueError("config key 'sequence_parallel': not supported for HuggingFace models yet; set it false")
         self.loss_fn = _LOSSES.get(self.plan.task)
         head_name = next((n for n in ("lm_head", "cls.predictions.decoder") if n in self.plan.styles), None)
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
@@ -212,6 +210,8 @@ class ParallelizedModel(nn.Module):
         """HF ``generate`` under tensor parallelism (full logits gathered for sampling); not available under pp."""
         if self.pipeline is not None:
             raise RuntimeError("generate() is not supported with pipeline_parallel_size > 1; use pp=1 for generation")
+        if self.parallel_config.sequence_parallel:
+            raise RuntimeError("generate() is not supported with sequence_parallel (decoding steps have length 1)")
         head = getattr(self.module, "lm_head", None)
         previous = getattr(head, "gather_output", None)
         if previous is not None:

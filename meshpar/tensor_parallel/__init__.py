@@ -19,6 +19,7 @@ from meshpar.tensor_parallel.layers import (
 )
 from meshpar.tensor_parallel.style import (
     ColumnParallel,
+    GatherSequenceInput,
     ReplicatedKV,
     RowParallel,
     SequenceParallelNorm,
@@ -28,6 +29,7 @@ from meshpar.tensor_parallel.style import (
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
+    "GatherSequenceInput",
     "ParallelEmbedding",
     "ReplicatedKV",
     "RowParallel",

@@ -153,6 +153,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         src_data_rank: int | None = 0,
         num_heads: int | None = None,
         allow_uneven: bool = False,
+        input_gathered: bool = False,
     ) -> ColumnParallelLinear:
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one).
 
@@ -171,10 +172,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        if _fused_eager_path(self.sequence_parallel_enabled):
+        gathered = getattr(self, "input_gathered", False)
+        if not gathered and _fused_eager_path(self.sequence_parallel_enabled):
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         else:
-            x = gather_from_sp(x, self.tp_mesh, 1) if self.sequence_parallel_enabled else copy_to_tp(x, self.tp_mesh)
+            if self.sequence_parallel_enabled:
+                x = gather_from_sp(x, self.tp_mesh, 1)
+            elif not gathered:  # input_gathered: a module-level gather already owns the input-grad reduction
+                x = copy_to_tp(x, self.tp_mesh)
             bias = self.bias.to_local() if self.bias is not None else None
             y = F.linear(x, self.weight.to_local(), bias)
         if not self.gather_output:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle
+from meshpar.tensor_parallel._collectives import gather_from_sp
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -43,6 +44,8 @@ class ColumnParallel(ParallelStyle):
     Pass ``num_heads`` for attention projections so that a head count tp does not divide fails at sharding time
     instead of silently splitting heads. ``allow_uneven`` (LM heads over a vocab tp does not divide) splits the
     output like ``torch.chunk``; pass the true ``vocab_size`` to :func:`meshpar.parallel_cross_entropy`.
+    ``input_gathered``: the input was all-gathered over the sequence by the enclosing module
+    (:class:`GatherSequenceInput`), whose backward reduce-scatter already sums the input grads.
     """
 
     def __init__(
@@ -52,12 +55,14 @@ class ColumnParallel(ParallelStyle):
         sequence_parallel: bool = False,
         num_heads: int | None = None,
         allow_uneven: bool = False,
+        input_gathered: bool = False,
     ) -> None:
         super().__init__()
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.num_heads = num_heads
         self.allow_uneven = allow_uneven
+        self.input_gathered = input_gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
@@ -69,6 +74,7 @@ class ColumnParallel(ParallelStyle):
             src_data_rank=self.src_data_rank,
             num_heads=self.num_heads,
             allow_uneven=self.allow_uneven,
+            input_gathered=self.input_gathered,
         )
 
 
@@ -133,3 +139,20 @@ class SequenceParallelNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return make_sequence_parallel_norm(module, device_mesh, src_data_rank=self.src_data_rank)
+
+
+class GatherSequenceInput(ParallelStyle):
+    """Sequence-parallel entry for a whole attention or MLP module: its ``hidden_states`` input (a sequence shard)
+    is all-gathered once (backward: reduce-scatter), so code inside that reshapes by the input's sequence length sees
+    the full sequence and several column layers share one gather (``ColumnParallel(input_gathered=True)``).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+            if "hidden_states" in kwargs:
+                kwargs = {**kwargs, "hidden_states": gather_from_sp(kwargs["hidden_states"], device_mesh, 1)}
+                return args, kwargs
+            return (gather_from_sp(args[0], device_mesh, 1), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module

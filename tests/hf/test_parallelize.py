@@ -21,12 +21,11 @@ def _expected_param(dense: torch.nn.Module, name: str, param: torch.Tensor) -> t
     return local_slice(full.reshape(param.shape), param) if isinstance(param, DTensor) else full
 
 
-def equivalence_case(family: str, tp: int, pp: int) -> None:
+def equivalence_case(family: str, tp: int, pp: int, sp: bool = False) -> None:
     setup_parallel(tp=tp, pp=pp)
     dense = build(family)
-    model = meshpar.parallelize(
-        copy.deepcopy(dense), {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2}
-    )
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2, "sequence_parallel": sp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family)
     expected = dense(**data)
     expected.loss.backward()
@@ -59,6 +58,17 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
 @pytest.mark.parametrize(("world", "tp", "pp"), [(2, 1, 2), (4, 2, 2)])
 def test_pipeline_and_tp_x_pp_match_dense(family: str, world: int, tp: int, pp: int) -> None:
     run_distributed(equivalence_case, world, family, tp, pp)
+
+
+@pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (4, 2, 2)])
+def test_sequence_parallel_matches_dense(world: int, tp: int, pp: int) -> None:
+    run_distributed(equivalence_case, world, "gpt2", tp, pp, True)
+
+
+def test_sequence_parallel_unsupported_families_raise_clearly() -> None:
+    for family in ("llama", "bert"):
+        with pytest.raises(AssertionError, match="'sequence_parallel': not supported for"):
+            run_distributed(equivalence_case, 2, family, 2, 1, True)
 
 
 def generation_case() -> bool:
