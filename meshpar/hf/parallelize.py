@@ -49,6 +49,7 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: i
 
 
 _LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
+_HEAD_WEIGHTS = ("lm_head.weight", "cls.predictions.decoder.weight")
 
 
 def _init_mesh(config: ParallelConfig) -> ParallelDims:
@@ -86,7 +87,7 @@ class ParallelizedModel(nn.Module):
         else:
             if self.loss_fn is None or self.plan.family not in STAGE_FORWARDS:
                 raise ValueError(
-                    f"pipeline parallelism supports causal LMs of the families {sorted(STAGE_FORWARDS)}, "
+                    f"pipeline parallelism supports the LM heads of the families {sorted(STAGE_FORWARDS)}, "
                     f"not {type(model).__name__}"
                 )
             self.pipeline = self._split(model)
@@ -137,7 +138,7 @@ class ParallelizedModel(nn.Module):
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """Megatron's embedding group: first and last pipeline rank of each (dp, tp) position, for tied weights."""
-        if not self.plan.ties or not any("lm_head" in t for t, _ in self.plan.ties):
+        if not self.tied_parameters:
             return None
         mine = None
         for ranks in self.dims.group_ranks("pp"):
@@ -196,8 +197,9 @@ class ParallelizedModel(nn.Module):
     def _sync_tied_grads(self) -> None:
         if self._tied_group is None:
             return
+        names = {n for pair in self.tied_parameters.items() for n in pair}
         for module in self.local_modules():
-            for name in ("transformer.wte.weight", "lm_head.weight", "model.embed_tokens.weight"):
+            for name in sorted(names):
                 if _has_param(module, name):
                     param = module.get_parameter(name)
                     grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -280,8 +282,8 @@ class ParallelizedModel(nn.Module):
 
     @property
     def tied_parameters(self) -> dict[str, str]:
-        """Tied LM head -> embedding: saved once, restored into both (also across pipeline stages)."""
-        return {target: source for target, source in self.plan.ties if "lm_head" in target}
+        """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
+        return {target: source for target, source in self.plan.ties if target.endswith(_HEAD_WEIGHTS)}
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

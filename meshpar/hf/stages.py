@@ -1,4 +1,4 @@
-"""Pipeline stage forwards for HuggingFace families.
+"""Pipeline stage forwards for HuggingFace families (GPT-2, Llama causal LMs; BERT masked LM).
 
 HF models' own ``forward`` cannot run with pieces missing, so each family gets a stage forward that runs whatever the
 stage owns: embeddings (first stage), its decoder blocks, final norm and LM head (last stage). Attention is causal
@@ -42,9 +42,22 @@ def llama_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def bert_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """BERT for masked LM: bidirectional attention, no padding mask (full-length batches)."""
+    body = self.bert
+    if body.embeddings is not None:
+        x = body.embeddings(input_ids=x)
+    for layer in body.encoder.layer:
+        x = layer(x)
+    if getattr(self, "cls", None) is not None:
+        x = self.cls(x)
+    return x
+
+
 STAGE_FORWARDS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
     "gpt2": (gpt2_stage_forward, ()),
     "llama": (llama_stage_forward, ("model.rotary_emb",)),
+    "bert": (bert_stage_forward, ()),
 }
 
 

@@ -54,7 +54,7 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
     run_distributed(equivalence_case, 2, family, 2, 1)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize(("world", "tp", "pp"), [(2, 1, 2), (4, 2, 2)])
 def test_pipeline_and_tp_x_pp_match_dense(family: str, world: int, tp: int, pp: int) -> None:
     run_distributed(equivalence_case, world, family, tp, pp)
