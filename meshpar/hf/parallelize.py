@@ -120,7 +120,10 @@ class ParallelizedModel(nn.Module):
         keep = STAGE_FORWARDS[family][1]
         loss_fn, sharded = self.loss_fn, self.vocab_sharded
 
+        shards = self.dims.tp if self.parallel_config.sequence_parallel else 1
+
         def transform(stage: nn.Module) -> nn.Module:
+            stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
             return self._shard(install_stage_forward(stage, family))
 
         container = model.get_submodule(self.plan.layers)

@@ -148,10 +148,10 @@ def llama_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
             f"Llama plan: {kv_heads} key/value heads can neither be split over tp={tp} nor replicated evenly; "
             f"use a tp that divides {kv_heads} or is a multiple of it"
         )
-    if sp:
-        # Under construction: the plan below runs and its loss matches the dense model, but its grads do not yet
-        # (tests/hf: test_sequence_parallel_matches_dense covers GPT-2 only until they do).
-        raise ValueError("config key 'sequence_parallel': not supported for Llama yet; set it false")
+    if replicate_kv and sp:
+        raise ValueError(
+            "Llama plan: sequence parallelism with replicated KV heads is not supported; use tp <= kv heads"
+        )
     prefix = "model." if hasattr(model, "model") else ""
     # Under SP, attention and MLP each all-gather their input once (Llama reshapes by the input's sequence length)
     # and their column projections take the gathered input as is.

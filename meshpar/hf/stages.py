@@ -33,7 +33,10 @@ def llama_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     body = self.model
     if body.embed_tokens is not None:
         x = body.embed_tokens(x)
-    positions = _positions(x)
+        seq = x.shape[1]
+    else:  # a later stage receives sequence shards under sequence parallelism
+        seq = x.shape[1] * getattr(self, "meshpar_sequence_shards", 1)
+    positions = torch.arange(seq, device=x.device).unsqueeze(0)
     position_embeddings = body.rotary_emb(x, positions)
     for layer in body.layers:
         x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)

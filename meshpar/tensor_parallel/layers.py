@@ -141,6 +141,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._set_sizes(mesh, input_size, output_size, init_method)
         self.gather_output = gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.input_gathered = False
 
     @classmethod
     def from_linear(
@@ -168,11 +169,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None
         )
+        linear.input_gathered = input_gathered
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        gathered = getattr(self, "input_gathered", False)
+        gathered = self.input_gathered
         if not gathered and _fused_eager_path(self.sequence_parallel_enabled):
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         else:
