@@ -190,23 +190,37 @@ def _llama_fix_kv_groups(model: nn.Module, tp: int) -> None:
             module.num_key_value_groups = module.config.num_attention_heads // tp
 
 
+class GatherSequenceOutput(ParallelStyle):
+    """Leave the sequence-parallel region after this module (BERT's last encoder layer): its output is gathered to
+    the full sequence for the replicated heads; backward keeps this rank's chunk of the (complete) grad."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda _m, _args, out: gather_from_tp(out, device_mesh, 1))
+        return module
+
+
 def bert_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
-    if sp:
-        raise ValueError("config key 'sequence_parallel': not supported for BERT yet; set it false")
     config = model.config
     heads = config.num_attention_heads
     check_divisible(heads, tp, "the number of attention heads", "BERT plan")
     prefix = "bert." if hasattr(model, "bert") else ""
     layer = f"{prefix}encoder.layer.*."
+    gathered = {"input_gathered": sp}
     styles: dict[str, ParallelStyle] = {
         f"{prefix}embeddings.word_embeddings": VocabParallel(),
-        f"{layer}attention.self.query": ColumnParallel(num_heads=heads),
-        f"{layer}attention.self.key": ColumnParallel(num_heads=heads),
-        f"{layer}attention.self.value": ColumnParallel(num_heads=heads),
-        f"{layer}attention.output.dense": RowParallel(),
-        f"{layer}intermediate.dense": ColumnParallel(),
-        f"{layer}output.dense": RowParallel(),
+        f"{layer}attention.self.query": ColumnParallel(num_heads=heads, **gathered),
+        f"{layer}attention.self.key": ColumnParallel(num_heads=heads, **gathered),
+        f"{layer}attention.self.value": ColumnParallel(num_heads=heads, **gathered),
+        f"{layer}attention.output.dense": RowParallel(sequence_parallel=sp),
+        f"{layer}intermediate.dense": ColumnParallel(sequence_parallel=sp),
+        f"{layer}output.dense": RowParallel(sequence_parallel=sp),
     }
+    if sp:  # post-norm blocks: both LayerNorms act on sequence shards; heads after the encoder see the full sequence
+        styles[f"{layer}attention.self"] = GatherSequenceInput()
+        styles[f"{layer}attention.output.LayerNorm"] = SequenceParallelNorm()
+        styles[f"{layer}output.LayerNorm"] = SequenceParallelNorm()
+        styles[f"{prefix}encoder.layer.0"] = ScatterSequenceInput()
+        styles[f"{prefix}encoder.layer.{config.num_hidden_layers - 1}"] = GatherSequenceOutput()
     task, ties = "base", []
     name = type(model).__name__
     if name == "BertForMaskedLM":

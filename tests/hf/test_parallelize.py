@@ -60,15 +60,14 @@ def test_pipeline_and_tp_x_pp_match_dense(family: str, world: int, tp: int, pp: 
     run_distributed(equivalence_case, world, family, tp, pp)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (4, 2, 2)])
 def test_sequence_parallel_matches_dense(family: str, world: int, tp: int, pp: int) -> None:
     run_distributed(equivalence_case, world, family, tp, pp, True)
 
 
-def test_sequence_parallel_unsupported_family_raises_clearly() -> None:
-    with pytest.raises(AssertionError, match="'sequence_parallel': not supported for BERT"):
-        run_distributed(equivalence_case, 2, "bert", 2, 1, True)
+def test_sequence_parallel_for_bert_classification() -> None:
+    run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
 def generation_case() -> bool:
