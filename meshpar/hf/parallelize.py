@@ -194,6 +194,14 @@ class ParallelizedModel(nn.Module):
             loss /= self.dims.dp
         return loss
 
+    @torch.no_grad()
+    def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
+        """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``."""
+        if self.pipeline is None:
+            return self(labels=labels, **inputs).logits
+        _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
+        return torch.cat(outputs) if outputs else None
+
     def allreduce_gradients(self) -> None:
         allreduce_gradients(self.parameters())
 

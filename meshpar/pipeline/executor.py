@@ -45,7 +45,9 @@ class PipelineExecutor:
     deallocate_pipeline_outputs: bool = False
     loss_scale: float = 1.0
     set_virtual_rank: Callable[[int], None] | None = None
+    keep_outputs: bool = False  # keep the last stage's outputs (e.g. logits) per microbatch
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -70,6 +72,8 @@ class PipelineExecutor:
         output, loss_func = forward_step(microbatch, chunk)
         result = None
         if stage == self.num_stages - 1:
+            if self.keep_outputs:
+                self.outputs[action.microbatch] = output.detach() if torch.is_tensor(output) else output
             loss = loss_func(output)
             loss_value = loss[0] if isinstance(loss, tuple) else loss
             slot.loss = loss_value * self.loss_scale

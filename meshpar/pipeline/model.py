@@ -140,7 +140,7 @@ class PipelineModel(nn.Module):
 
         return output, loss_func
 
-    def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor]) -> Any:
+    def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
         dims = get_parallel()
         microbatches = split_microbatches(inputs, self.num_microbatches)
         schedule = "interleaved_1f1b" if dims.pp > 1 else "1f1b"
@@ -153,8 +153,10 @@ class PipelineModel(nn.Module):
             p2p=P2P(prev_rank, next_rank, dims.device),
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             loss_scale=1.0 / len(microbatches),
+            keep_outputs=keep_outputs,
         )
         losses = executor.run(actions, microbatches, self._forward_step, forward_only)
+        self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]
         if self.return_mb_loss:
             return losses
         loss = torch.stack(losses).mean() if losses else None
@@ -174,6 +176,9 @@ class PipelineModel(nn.Module):
         """Forward and backward over ``num_microbatches`` microbatches; grads are those of the mean loss."""
         return self._run(forward_only=False, inputs=inputs)
 
-    def run_eval(self, **inputs: torch.Tensor) -> Any:
+    def run_eval(self, return_outputs: bool = False, **inputs: torch.Tensor) -> Any:
+        """Forward only. With ``return_outputs`` also the last stage's outputs of every microbatch (``[]`` on other
+        ranks): ``(loss, outputs)``."""
         with torch.no_grad():
-            return self._run(forward_only=True, inputs=inputs)
+            loss = self._run(forward_only=True, inputs=inputs, keep_outputs=return_outputs)
+        return (loss, self.last_outputs) if return_outputs else loss
