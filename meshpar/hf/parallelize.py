@@ -175,11 +175,15 @@ class ParallelizedModel(nn.Module):
             loss = self.pipeline.run_train(labels=labels, **inputs)
             self._sync_tied_grads()
         self.allreduce_gradients()
-        if self.dims.dp > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
-            loss /= self.dims.dp
-        return loss
+        return self._mean_over_dp(loss)
+
+    def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
+        """Each dp replica saw its own slice of the batch: report the mean over replicas on every rank."""
+        if self.dims.dp == 1:
+            return loss
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
+        return loss / self.dims.dp
 
     @torch.no_grad()
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
@@ -188,11 +192,7 @@ class ParallelizedModel(nn.Module):
             loss = self(labels=labels, **inputs).loss
         else:
             loss = self.pipeline.run_eval(labels=labels, **inputs)
-        if self.dims.dp > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
-            loss /= self.dims.dp
-        return loss
+        return self._mean_over_dp(loss)
 
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
