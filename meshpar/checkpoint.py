@@ -321,8 +321,14 @@ def _save_untied(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -
 
 
 @torch.no_grad()
-def load_consolidated(path: str | os.PathLike, model: nn.Module | Sequence[nn.Module], strict: bool = True) -> None:
-    """Load ``model.safetensors`` (a file or a directory holding it) into any layout: each rank keeps its slice."""
+def load_consolidated(
+    path: str | os.PathLike, model: nn.Module | Sequence[nn.Module], strict: bool = True, *, reshape: bool = False
+) -> None:
+    """Load ``model.safetensors`` (a file or a directory holding it) into any layout: each rank keeps its slice.
+
+    ``reshape`` accepts a file tensor of another shape with the same number of elements (HF's ``[in, 3 * hidden]``
+    fused QKV for meshpar's layout-independent ``[in, 3, hidden]``).
+    """
     from safetensors.torch import load_file
 
     file = Path(path)
@@ -337,7 +343,9 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module | Sequence[nn.Mo
             continue
         source = full[name]
         if tuple(source.shape) != tuple(target.shape):
-            raise CheckpointError(f"{name}: file has shape {tuple(source.shape)}, model {tuple(target.shape)}")
+            if not (reshape and source.numel() == target.numel()):
+                raise CheckpointError(f"{name}: file has shape {tuple(source.shape)}, model {tuple(target.shape)}")
+            source = source.reshape(target.shape)
         if isinstance(target, DTensor):
             target._local_tensor.copy_(local_slice(source, target))
         else:

@@ -272,21 +272,7 @@ class ParallelizedModel(nn.Module):
         """Load a checkpoint written by :meth:`save_parallelized` (DCP or merged HF directory) into this layout."""
         directory = Path(directory)
         if (directory / "model.safetensors").exists():
-            from safetensors.torch import load_file
-
-            full = load_file(str(directory / "model.safetensors"))
-            with torch.no_grad():
-                for module in self.local_modules():
-                    for name, target in module.state_dict().items():
-                        if name not in full:
-                            continue
-                        source = full[name].reshape(target.shape)
-                        if isinstance(target, DTensor):
-                            from meshpar._shards import local_slice
-
-                            target._local_tensor.copy_(local_slice(source, target))
-                        else:
-                            target.copy_(source)
+            checkpoint.load_consolidated(directory, self.local_modules(), strict=False, reshape=True)
         else:
             checkpoint.load(directory, self.local_modules(), tied=self.tied_parameters)
         return self
