@@ -115,6 +115,15 @@ def _sequence_parallel_styles(layers: str, norms: list[str], final_norm: str) ->
     return styles
 
 
+def _causal_lm_head(model: nn.Module, styles: dict, embedding: str) -> tuple[str, list[tuple[str, str]]]:
+    """A vocab-parallel LM head (uneven vocabularies allowed), tied to ``embedding`` when the model ties them."""
+    if not hasattr(model, "lm_head"):
+        return "base", []
+    styles["lm_head"] = ColumnParallel(allow_uneven=True)
+    tied = model.lm_head.weight is model.get_parameter(embedding)
+    return "causal_lm", [("lm_head.weight", embedding)] if tied else []
+
+
 def gpt2_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     config = model.config
     check_divisible(config.n_head, tp, "the number of attention heads (n_head)", "GPT-2 plan")
@@ -129,12 +138,7 @@ def gpt2_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     if sp:
         norms = [f"{prefix}h.*.ln_1", f"{prefix}h.*.ln_2"]
         styles.update(_sequence_parallel_styles(f"{prefix}h", norms, f"{prefix}ln_f"))
-    task, ties = "base", []
-    if hasattr(model, "lm_head"):
-        styles["lm_head"] = ColumnParallel(allow_uneven=True)
-        task = "causal_lm"
-        if model.lm_head.weight is model.transformer.wte.weight:
-            ties.append(("lm_head.weight", "transformer.wte.weight"))
+    task, ties = _causal_lm_head(model, styles, "transformer.wte.weight")
     return HFPlan("gpt2", task, styles, [_gpt2_fix_attention], ties, f"{prefix}h")
 
 
@@ -170,15 +174,9 @@ def llama_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     if sp:
         styles[f"{prefix}layers.*.self_attn"] = GatherSequenceInput()
         styles[f"{prefix}layers.*.mlp"] = GatherSequenceInput()
-    if sp:
         norms = [f"{prefix}layers.*.input_layernorm", f"{prefix}layers.*.post_attention_layernorm"]
         styles.update(_sequence_parallel_styles(f"{prefix}layers", norms, f"{prefix}norm"))
-    task, ties = "base", []
-    if hasattr(model, "lm_head"):
-        styles["lm_head"] = ColumnParallel(allow_uneven=True)
-        task = "causal_lm"
-        if model.lm_head.weight is model.model.embed_tokens.weight:
-            ties.append(("lm_head.weight", "model.embed_tokens.weight"))
+    task, ties = _causal_lm_head(model, styles, "model.embed_tokens.weight")
     fixups = [_llama_fix_kv_groups] if replicate_kv else []
     return HFPlan("llama", task, styles, fixups, ties, f"{prefix}layers")
 
