@@ -322,18 +322,27 @@ def _save_untied(save_file: Any, tensors: dict[str, torch.Tensor], path: Path) -
 
 @torch.no_grad()
 def load_consolidated(
-    path: str | os.PathLike, model: nn.Module | Sequence[nn.Module], strict: bool = True, *, reshape: bool = False
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    strict: bool = True,
+    *,
+    reshape: bool = False,
+    tied: dict[str, str] | None = None,
 ) -> None:
     """Load ``model.safetensors`` (a file or a directory holding it) into any layout: each rank keeps its slice.
 
     ``reshape`` accepts a file tensor of another shape with the same number of elements (HF's ``[in, 3 * hidden]``
-    fused QKV for meshpar's layout-independent ``[in, 3, hidden]``).
+    fused QKV for meshpar's layout-independent ``[in, 3, hidden]``). ``tied`` (alias -> source) fills a tied
+    parameter the file stores once (HF drops ``lm_head.weight``) from its source, e.g. on the last pipeline stage.
     """
     from safetensors.torch import load_file
 
     file = Path(path)
     file = file / "model.safetensors" if file.is_dir() else file
     full = load_file(str(file))
+    for alias, source in (tied or {}).items():
+        if alias not in full and source in full:
+            full[alias] = full[source]
     state = model_state_dict(model)
     missing = sorted(set(state) - set(full))
     if strict and missing:

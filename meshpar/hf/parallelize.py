@@ -272,7 +272,9 @@ class ParallelizedModel(nn.Module):
         """Load a checkpoint written by :meth:`save_parallelized` (DCP or merged HF directory) into this layout."""
         directory = Path(directory)
         if (directory / "model.safetensors").exists():
-            checkpoint.load_consolidated(directory, self.local_modules(), strict=False, reshape=True)
+            checkpoint.load_consolidated(
+                directory, self.local_modules(), strict=False, reshape=True, tied=self.tied_parameters
+            )
         else:
             checkpoint.load(directory, self.local_modules(), tied=self.tied_parameters)
         return self

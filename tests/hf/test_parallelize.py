@@ -249,3 +249,25 @@ def test_vocab_not_divisible_by_tp_is_exact(tmp_path) -> None:
     torch.testing.assert_close(
         merged.state_dict()["transformer.wte.weight"], build("gpt2", vocab=61).transformer.wte.weight
     )
+
+
+def merged_pipeline_case(directory: str) -> float:
+    """A merged HF directory (which stores the tied GPT-2 head once) loads into pp=2, last-stage head included."""
+    setup_parallel(pp=2)
+    reference = build("gpt2")
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # random, not constant: a constant shift of the head leaves the softmax unchanged
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    if torch.distributed.get_rank() == 0:
+        reference.save_pretrained(directory)
+    torch.distributed.barrier()
+    model = meshpar.parallelize(build("gpt2"), {"pipeline_parallel_size": 2, "num_microbatches": 2})
+    model.from_parallelized(directory)
+    data = batch("gpt2")
+    assert model.eval_loss(**data).item() == pytest.approx(reference(**data).loss.item(), abs=1e-5)
+    return 0.0
+
+
+def test_merged_checkpoint_loads_into_pipeline_stages_with_tied_head(tmp_path) -> None:
+    run_distributed(merged_pipeline_case, 2, str(tmp_path))
