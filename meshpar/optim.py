@@ -62,9 +62,14 @@ class DistributedOptimizer:
         self.owned = [i for i, owner in enumerate(self.owners) if owner == dp_rank]
         self.master_weights = master_weights
         self._leaves: dict[int, torch.Tensor] = {}
+        self._has_master: set[int] = set()  # leaves that are fp32 copies, not views of the parameter's storage
         for i in self.owned:
             local = local_tensor(self.named_params[i][1]).detach()
-            self._leaves[i] = local.float().clone() if master_weights and local.dtype != torch.float32 else local
+            if master_weights and local.dtype != torch.float32:
+                self._leaves[i] = local.float().clone()
+                self._has_master.add(i)
+            else:
+                self._leaves[i] = local
         self.optimizer = optimizer_cls([self._leaves[i] for i in self.owned], **optimizer_kwargs)
 
     # -- torch.optim.Optimizer surface -----------------------------------------------------------------------------
@@ -88,7 +93,7 @@ class DistributedOptimizer:
             leaf.grad = None if grad is None else (grad.float() if leaf.dtype != grad.dtype else grad)
         self.optimizer.step()
         for i in self.owned:
-            if self._leaves[i] is not local_tensor(self.named_params[i][1]):
+            if i in self._has_master:  # other leaves share the parameter's storage: the step already updated it
                 local_tensor(self.named_params[i][1]).copy_(self._leaves[i])
             self._leaves[i].grad = None
         if self.zero1:
@@ -119,13 +124,7 @@ class DistributedOptimizer:
             for v in state.values()
             if torch.is_tensor(v)
         )
-        if self.master_weights:
-            total += sum(
-                leaf.numel() * leaf.element_size()
-                for i, leaf in self._leaves.items()
-                if leaf is not local_tensor(self.named_params[i][1])
-            )
-        return total
+        return total + sum(self._leaves[i].numel() * self._leaves[i].element_size() for i in self._has_master)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -160,7 +159,7 @@ class DistributedOptimizer:
         for position, i in enumerate(self.owned):
             name, param = self.named_params[i]
             entry = {k: self._wrap_like(v, param) for k, v in inner["state"].get(position, {}).items()}
-            if self.master_weights and self._leaves[i] is not local_tensor(param):
+            if i in self._has_master:
                 entry["master_weight"] = self._wrap_like(self._leaves[i], param)
             state[name] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
