@@ -8,8 +8,10 @@ from collections import Counter
 import pytest
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar._compat import CommDebugMode
+from meshpar.optim import DistributedOptimizer
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
 from tests._models import TinyTransformer, block_plan
 
@@ -79,3 +81,65 @@ def test_sequence_parallel_block_uses_all_gather_and_reduce_scatter() -> None:
     # backward mirrors the forward; the two LayerNorms' replicated weight and bias grads are partial sums over the
     # sequence shards and need one all-reduce each (Megatron's sequence-parallel grad all-reduce)
     assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 4}
+
+
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops a region dispatches, split into collectives, host syncs and the rest."""
+
+    _METADATA = frozenset(
+        {"view", "_unsafe_view", "t", "transpose", "permute", "unbind", "as_strided", "detach", "alias"}
+    )
+    _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute: Counter = Counter()
+        self.collectives = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.collectives += 1
+        elif name in self._SYNCS:
+            self.syncs += 1
+        elif name not in self._METADATA and func.namespace == "aten":
+            self.compute[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train_step_ops(model: torch.nn.Module, opt: object, x: torch.Tensor) -> _AtenOps:
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()  # optimizer state exists from here on
+    with _AtenOps() as ops:
+        step()
+    return ops
+
+
+def hot_path_case(tp: int) -> tuple[Counter, Counter, int, tuple[int, int]]:
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2)
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan())
+    x = torch.randn(2, 8, 16)
+    dense_ops = _train_step_ops(dense, torch.optim.AdamW(dense.parameters(), lr=1e-3), x)
+    tp_ops = _train_step_ops(model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3), x)
+    return dense_ops.compute, tp_ops.compute, tp_ops.collectives, (dense_ops.syncs, tp_ops.syncs)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_train_step_dispatches_the_dense_ops_plus_only_megatrons_collectives(tp: int) -> None:
+    """The eager hot path adds no hidden work over the dense model: no copies, no DTensor redistribution, no host
+    syncs beyond the optimizer's own. The only compute difference is the row-parallel bias, which is added after
+    the all-reduce (``mm + add`` instead of one ``addmm``, as in Megatron)."""
+    dense, sharded, collectives, syncs = run_distributed(hot_path_case, 2, tp)[0]
+    row_biases = 2 * 2  # out and fc2 in each of the 2 layers
+    expected = dense + Counter({"mm": row_biases, "add": row_biases})
+    expected.subtract({"addmm": row_biases})
+    assert +expected == +sharded, (dense, sharded)
+    assert syncs[1] == syncs[0], syncs  # AdamW's own step-count reads on CPU only
+    assert collectives == (0 if tp == 1 else 2 * 2 * 2)  # 2 all-reduces per layer forward and 2 backward
