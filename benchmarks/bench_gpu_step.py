@@ -1,28 +1,125 @@
-"""One-GPU training step of the benchmark GPT: dense vs meshpar's layers (tp=1 mesh), eager and compiled, with MFU.
+"""One-device training step of the benchmark GPT: dense vs meshpar's layers (tp=1 mesh), eager and compiled, with MFU.
 
-    python benchmarks/bench_gpu_step.py          # needs CUDA; bf16; TP=2 timings need two GPUs (see bench_tp.py)
+    python benchmarks/bench_gpu_step.py                  # CUDA, bf16: all four variants alternating in one process
+    python benchmarks/bench_gpu_step.py --isolate        # each variant in its own fresh process, passes alternating
+    python benchmarks/bench_gpu_step.py --device cpu --layers 2 --hidden 128 --seq 128 --batch 2   # CPU smoke run
 
 MFU counts 6 * (non-embedding parameters) + 12 * layers * seq * hidden FLOPs per token (forward + backward)
-against the dense bf16 peak given by ``--peak-tflops`` (989 for an H100 SXM).
+against the dense bf16 peak given by ``--peak-tflops`` (989 for an H100 SXM). The script also prints the aten ops
+each variant dispatches per eager step, split into compute ops, collectives and host syncs, which is the same on
+any device: a meshpar step that launched more kernels or synchronised with the host would show up there.
+
+``--isolate`` exists to separate the layers' own cost from process state: in one process the four resident models
+and two compiled graphs share the caching allocator and the compiler's caches, which a step time in a fresh process
+does not see. TP=2 timings need two GPUs (see bench_tp.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tp import GPT, MESHPAR_PLAN
 
 import meshpar
 from meshpar.optim import DistributedOptimizer
+
+VARIANTS = ("dense:eager", "dense:compile", "meshpar:eager", "meshpar:compile")
+_METADATA_OPS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "unbind", "as_strided", "detach"})
+_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
+
+
+class StepOps(TorchDispatchMode):
+    """aten ops dispatched in a region: compute (what launches kernels), collectives, host syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.counts["collectives"] += 1
+        elif name in _SYNC_OPS:
+            self.counts["host syncs"] += 1
+        elif func.namespace == "aten" and name not in _METADATA_OPS:
+            self.counts["compute"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build_step(variant: str, args: argparse.Namespace, dims, ids: torch.Tensor) -> Callable[[], None]:
+    kind, mode = variant.split(":")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = GPT(256, args.hidden, args.heads, args.layers, args.seq).to(args.device, dtype)
+    if kind == "meshpar":
+        model = parallelize_module(model, dims.tp_mesh, MESHPAR_PLAN)
+        opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run = torch.compile(model) if mode == "compile" else model
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(run(ids).flatten(0, 1).float(), ids.flatten()).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    return step
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """Step times (alternating the variants round by round) and the per-step op counts of the eager variants."""
+    dims = meshpar.init_parallel(device_type=args.device)
+    ids = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
+    steps = {v: build_step(v, args, dims, ids) for v in variants}
+    ops = {}
+    for variant, step in steps.items():
+        if variant.endswith(":eager"):
+            with StepOps() as counter:
+                step()
+            ops[variant] = dict(counter.counts)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant, step in steps.items():
+            _sync(args.device)
+            start = time.perf_counter()
+            step()
+            _sync(args.device)
+            times[variant].append(time.perf_counter() - start)
+    meshpar.destroy_parallel(destroy_process_group=True)
+    return times, ops
+
+
+def time_isolated(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each variant in a fresh process; ``--passes`` passes over the variants, alternating, medians pooled."""
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("isolate", "only")]
+    for _ in range(args.passes):
+        for variant in VARIANTS:
+            cmd = [sys.executable, __file__, *forwarded, f"--only={variant}"]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            times[variant] += json.loads(out.strip().splitlines()[-1])
+    return times
 
 
 def main() -> None:
@@ -33,51 +130,40 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--passes", type=int, default=2, help="with --isolate: passes over the variants")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--isolate", action="store_true", help="time each variant in its own fresh process")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
-    dims = meshpar.init_parallel()
-    ids = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
-    runs = {}
-    for variant in ("dense", "meshpar"):
-        for compiled in (False, True):
-            torch.manual_seed(0)
-            model = GPT(256, args.hidden, args.heads, args.layers, args.seq).to("cuda", torch.bfloat16)
-            if variant == "meshpar":
-                model = parallelize_module(model, dims.tp_mesh, MESHPAR_PLAN)
-                opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
-            else:
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            run = torch.compile(model) if compiled else model
+    if args.only:
+        times, _ = time_variants([args.only], args)
+        print(json.dumps(times[args.only]))
+        return
+    ops = {}
+    if args.isolate:
+        times = time_isolated(args)
+    else:
+        times, ops = time_variants(list(VARIANTS), args)
 
-            def step(m=run, o=opt) -> None:
-                o.zero_grad(set_to_none=True)
-                F.cross_entropy(m(ids).flatten(0, 1).float(), ids.flatten()).backward()
-                o.step()
-
-            for _ in range(3):
-                step()
-            runs[(variant, compiled)] = step
     n_params = sum(p.numel() for n, p in GPT(256, args.hidden, args.heads, args.layers, args.seq).named_parameters()
                    if "tok" not in n and "pos" not in n)  # fmt: skip
     flops_per_token = 6 * n_params + 12 * args.layers * args.seq * args.hidden
     tokens = args.batch * args.seq
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for key, step in runs.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times[key].append(time.perf_counter() - start)
-    print(f"{torch.cuda.get_device_name()} | GPT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, bf16")
-    base = statistics.median(times[("dense", False)])
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    how = "each variant in its own process" if args.isolate else "all variants alternating in one process"
+    print(f"{device} | GPT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch} | {how}")
+    base = statistics.median(times["dense:eager"])
     print(f"{'variant':10s} {'mode':8s} {'step ms':>8s} {'tokens/s':>10s} {'MFU':>6s} {'vs dense eager':>15s}")
-    for (variant, compiled), values in times.items():
+    for variant, values in times.items():
+        kind, mode = variant.split(":")
         t = statistics.median(values)
-        mfu = flops_per_token * tokens / t / (args.peak_tflops * 1e12)
-        mode = "compile" if compiled else "eager"
-        print(f"{variant:10s} {mode:8s} {t * 1e3:8.2f} {tokens / t:10.0f} {mfu:6.1%} {t / base:14.2f}x")
-    meshpar.destroy_parallel(destroy_process_group=True)
+        mfu = f"{flops_per_token * tokens / t / (args.peak_tflops * 1e12):6.1%}" if args.device == "cuda" else "   n/a"
+        print(f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {tokens / t:10.0f} {mfu} {t / base:14.2f}x")
+    if ops:
+        print("\naten ops per eager step (compute ops launch kernels; metadata-only views not counted)")
+        for variant, counts in ops.items():
+            print(f"{variant.split(':')[0]:10s} {counts}")
 
 
 if __name__ == "__main__":

@@ -51,20 +51,27 @@ class ColumnLinearFunction(torch.autograd.Function):
 
 
 class RowLinearFunction(torch.autograd.Function):
-    """``y = sum_r x_r W_r^T`` (all-reduced in place); backward needs no communication."""
+    """``y = sum_r x_r W_r^T + b`` (all-reduced in place, the replicated bias added once after the reduction);
+    backward needs no communication.
+
+    Taking the bias here instead of ``y + bias.to_local()`` saves the ``to_local`` autograd node, whose backward
+    rebuilds a DTensor through ``DTensor.from_local`` (the costliest host-side step of the layer's backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
         w = weight._local_tensor
         ctx.save_for_backward(x, w)
-        ctx.weight = weight
+        ctx.weight, ctx.bias = weight, bias
         y = torch.nn.functional.linear(x, w)
         if mesh.size() > 1:
             dist.all_reduce(y, group=mesh.get_group())
+        if bias is not None:
+            y.add_(bias._local_tensor)  # y is this function's own output buffer
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         grad_w = _flat(grad_out).t() @ _flat(x)
-        return grad_out @ w, dtensor_like(grad_w, ctx.weight), None
+        grad_b = dtensor_like(_flat(grad_out).sum(0), ctx.bias) if ctx.bias is not None else None
+        return grad_out @ w, dtensor_like(grad_w, ctx.weight), grad_b, None

@@ -269,8 +269,8 @@ class RowParallelLinear(_TensorParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_mesh, dim=-1)
         if _fused_eager_path(self.sequence_parallel_enabled):
-            y = RowLinearFunction.apply(x, self.weight, self.tp_mesh)
-        elif self.sequence_parallel_enabled:
+            return RowLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        if self.sequence_parallel_enabled:
             y = reduce_scatter_to_sp(F.linear(x, self.weight.to_local()), self.tp_mesh, dim=1)
         else:
             y = reduce_from_tp(F.linear(x, self.weight.to_local()), self.tp_mesh)

@@ -135,10 +135,10 @@ def hot_path_case(tp: int) -> tuple[Counter, Counter, int, tuple[int, int]]:
 def test_train_step_dispatches_the_dense_ops_plus_only_megatrons_collectives(tp: int) -> None:
     """The eager hot path adds no hidden work over the dense model: no copies, no DTensor redistribution, no host
     syncs beyond the optimizer's own. The only compute difference is the row-parallel bias, which is added after
-    the all-reduce (``mm + add`` instead of one ``addmm``, as in Megatron)."""
+    the all-reduce (``mm`` + in-place ``add_`` instead of one ``addmm``, as in Megatron)."""
     dense, sharded, collectives, syncs = run_distributed(hot_path_case, 2, tp)[0]
     row_biases = 2 * 2  # out and fc2 in each of the 2 layers
-    expected = dense + Counter({"mm": row_biases, "add": row_biases})
+    expected = dense + Counter({"mm": row_biases, "add_": row_biases})
     expected.subtract({"addmm": row_biases})
     assert +expected == +sharded, (dense, sharded)
     assert syncs[1] == syncs[0], syncs  # AdamW's own step-count reads on CPU only
