@@ -39,6 +39,18 @@ all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tenso
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
 
 
+def all_reduce_start(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Start a sum all-reduce and return its (not yet valid) output; pass it to :func:`all_reduce_wait` before use.
+
+    ``funcol.all_reduce`` inserts its wait right after the collective when traced, so the compiler cannot overlap
+    it with later work; the raw functional op leaves the wait where the caller puts it."""
+    return torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", mesh.get_group().group_name)
+
+
+def all_reduce_wait(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape around ``local`` (no checks, no autograd): the
     cheap way to hand a local grad back for a DTensor parameter."""

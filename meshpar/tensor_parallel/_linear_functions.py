@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor, dtensor_like
+from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,30 @@ class ColumnLinearFunction(torch.autograd.Function):
             dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
             None,
         )
+
+
+class ColumnLinearLocalFunction(torch.autograd.Function):
+    """The traceable twin of :class:`ColumnLinearFunction` for ``torch.compile``: it takes the *local* weight and
+    bias (``weight.to_local()``, which the compiler traces) and uses functional collectives. The backward issues the
+    input-grad all-reduce before the weight-grad matmul and waits after it, so the compiled graph keeps Megatron's
+    overlap; composed ops (``copy_to_tp`` + ``F.linear``) would put the all-reduce after both matmuls."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.has_bias = mesh, b is not None
+        return torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        communicate = ctx.mesh.size() > 1
+        grad_x = grad_out @ w
+        if communicate:
+            grad_x = all_reduce_start(grad_x, ctx.mesh)  # in flight during the weight-grad matmul
+        grad_w = _flat(grad_out).t() @ _flat(x)
+        grad_b = _flat(grad_out).sum(0) if ctx.has_bias else None
+        return all_reduce_wait(grad_x) if communicate else grad_x, grad_w, grad_b, None
 
 
 class RowLinearFunction(torch.autograd.Function):

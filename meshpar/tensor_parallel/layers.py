@@ -35,7 +35,11 @@ from meshpar.tensor_parallel._init import (
     linear_weight_init,
     shard_range,
 )
-from meshpar.tensor_parallel._linear_functions import ColumnLinearFunction, RowLinearFunction
+from meshpar.tensor_parallel._linear_functions import (
+    ColumnLinearFunction,
+    ColumnLinearLocalFunction,
+    RowLinearFunction,
+)
 
 
 def _resolve_tp_mesh(tp_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -48,6 +52,10 @@ def _local_input(x: torch.Tensor, owner: str) -> torch.Tensor:
             return x.to_local()
         raise TypeError(f"{owner} got a DTensor input with placements {x.placements}; pass a local tensor")
     return x
+
+
+def _local_or_none(param: DTensor | None) -> torch.Tensor | None:
+    return param.to_local() if param is not None else None
 
 
 def _fused_eager_path(sequence_parallel: bool) -> bool:
@@ -174,16 +182,17 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        gathered = self.input_gathered
-        if not gathered and _fused_eager_path(self.sequence_parallel_enabled):
-            y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        if self.sequence_parallel_enabled:
+            y = F.linear(gather_from_sp(x, self.tp_mesh, 1), self.weight.to_local(), _local_or_none(self.bias))
+        elif self.input_gathered:  # a module-level gather already owns the input-grad reduction
+            y = F.linear(x, self.weight.to_local(), _local_or_none(self.bias))
+        elif torch.compiler.is_compiling():
+            y = ColumnLinearLocalFunction.apply(x, self.weight.to_local(), _local_or_none(self.bias), self.tp_mesh)
         else:
-            if self.sequence_parallel_enabled:
-                x = gather_from_sp(x, self.tp_mesh, 1)
-            elif not gathered:  # input_gathered: a module-level gather already owns the input-grad reduction
-                x = copy_to_tp(x, self.tp_mesh)
-            bias = self.bias.to_local() if self.bias is not None else None
-            y = F.linear(x, self.weight.to_local(), bias)
+            y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        return self._maybe_gather(y)
+
+    def _maybe_gather(self, y: torch.Tensor) -> torch.Tensor:
         if not self.gather_output:
             return y
         chunk = -(-self.output_size // self.tp_mesh.size())
