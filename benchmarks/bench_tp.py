@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,13 +133,13 @@ TORCH_PLAN = {
 }
 
 
-def _build(variant: str, args: argparse.Namespace, dims) -> nn.Module:
+def _build(variant: str, args: argparse.Namespace, dims, torch_mesh: DeviceMesh) -> nn.Module:
     torch.manual_seed(0)
     model = GPT(256, args.hidden, args.heads, args.layers, args.seq)
     if variant == "meshpar":
         model = parallelize_module(model, dims.tp_mesh, MESHPAR_PLAN)
     elif variant == "torch DTensor":
-        model = parallelize_module(model, dims.tp_mesh, TORCH_PLAN)
+        model = parallelize_module(model, torch_mesh, TORCH_PLAN)
     elif variant == "Megatron-style":
         model = megatron_tp(model, dims.tp_rank, dims.tp, dims.tp_mesh.get_group())
     return model
@@ -179,6 +180,10 @@ def _local_numel(model: nn.Module) -> int:
 
 def bench_case(args: argparse.Namespace) -> dict:
     dims = setup_parallel(tp=2)
+    # torch's styles get a plain 1-D tp mesh: on meshpar's sliced (dp, pp, tp) mesh, compiling them after another
+    # compiled model in the same process fails in torch 2.13 (InductorError "device_mesh._get_submesh is not an
+    # OpOverload"). Same ranks, same process-group size, so eager timings are unaffected.
+    torch_mesh = init_device_mesh("cpu", (dims.tp,), mesh_dim_names=("tp",))
     torch.set_num_threads(1)
     variants = ["dense", "meshpar", "torch DTensor", "Megatron-style"]
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -186,7 +191,7 @@ def bench_case(args: argparse.Namespace) -> dict:
     failures: dict[str, str] = {}
     for compiled in (False, True) if args.compile else (False,):
         for variant in variants:
-            model = _build(variant, args, dims)
+            model = _build(variant, args, dims, torch_mesh)
             step_model = torch.compile(model) if compiled else model
             if variant == "meshpar":  # meshpar's optimizer steps on local shards (no DTensor dispatch)
                 opt = DistributedOptimizer(model, torch.optim.SGD, lr=1e-3)
@@ -215,7 +220,7 @@ def bench_case(args: argparse.Namespace) -> dict:
             times[key].append(time.perf_counter() - start)
     comms, comm_bytes = {}, {}
     for variant in ("meshpar", "torch DTensor", "Megatron-style"):
-        model = _build(variant, args, dims)
+        model = _build(variant, args, dims, torch_mesh)
         with CommDebugMode() as fwd:
             out = model(ids)
         with CommDebugMode() as bwd:
@@ -224,7 +229,7 @@ def bench_case(args: argparse.Namespace) -> dict:
             Counter({str(k).split(".")[-1]: v for k, v in fwd.get_comm_counts().items()}),
             Counter({str(k).split(".")[-1]: v for k, v in bwd.get_comm_counts().items()}),
         )
-        model = _build(variant, args, dims)
+        model = _build(variant, args, dims, torch_mesh)
         with CommBytes() as fwd_bytes:
             out = model(ids)
         with CommBytes() as bwd_bytes:
@@ -233,6 +238,7 @@ def bench_case(args: argparse.Namespace) -> dict:
     numel = {v: _local_numel(runs[(v, False)][1]) for v in variants}
     return {
         "times": {f"{v}|{c}": statistics.median(t) for (v, c), t in times.items()},
+        "rounds": {f"{v}|{c}": t for (v, c), t in times.items()},
         "failures": failures,
         "comms": comms,
         "comm_bytes": comm_bytes,
@@ -240,6 +246,20 @@ def bench_case(args: argparse.Namespace) -> dict:
         "ideal": _ideal_fraction(GPT(256, args.hidden, args.heads, args.layers, args.seq), dims.tp),
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+_PAIRS = [
+    ("meshpar|True", "meshpar|False"),
+    ("meshpar|False", "Megatron-style|False"),
+    ("meshpar|False", "torch DTensor|False"),
+    ("meshpar|True", "Megatron-style|True"),
+    ("meshpar|True", "torch DTensor|True"),
+]
+
+
+def _label(key: str) -> str:
+    variant, compiled = key.split("|")
+    return f"{variant} {'compile' if compiled == 'True' else 'eager'}"
 
 
 def main() -> None:
@@ -269,6 +289,14 @@ def main() -> None:
                 continue
             t = times[key]
             print(f"{variant:16s} {mode:8s} {t * 1e3:9.1f} {tokens / t:9.0f} {t / peers:12.2f}x")
+    print("\nper-round paired ratios (same round, so machine drift cancels): median, and rounds where the first won")
+    for first, second in _PAIRS:
+        a, b = result["rounds"].get(first), result["rounds"].get(second)
+        if a is None or b is None:
+            continue
+        ratios = [x / y for x, y in zip(a, b, strict=True)]
+        wins = sum(r < 1 for r in ratios)
+        print(f"  {_label(first):26s} / {_label(second):26s} {statistics.median(ratios):6.3f}   {wins}/{len(ratios)}")
     print(
         "\ncollectives per step per rank (forward | backward), Megatron minimum per layer: 2 all-reduce | 2 all-reduce"
     )
