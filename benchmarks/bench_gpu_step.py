@@ -7,7 +7,9 @@
 MFU counts 6 * (non-embedding parameters) + 12 * layers * seq * hidden FLOPs per token (forward + backward)
 against the dense bf16 peak given by ``--peak-tflops`` (989 for an H100 SXM). The script also prints the aten ops
 each variant dispatches per eager step, split into compute ops, collectives and host syncs, which is the same on
-any device: a meshpar step that launched more kernels or synchronised with the host would show up there.
+any device: a meshpar step that launched more kernels or synchronised with the host would show up there. The
+"host ms" column is the time until the host has enqueued the step (on CPU it equals the step time); when it
+approaches the step time the GPU is starved and host overhead is what is being measured.
 
 ``--isolate`` exists to separate the layers' own cost from process state: in one process the four resident models
 and two compiled graphs share the caching allocator and the compiler's caches, which a step time in a fresh process
@@ -87,8 +89,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, dict]]:
-    """Step times (alternating the variants round by round) and the per-step op counts of the eager variants."""
+def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """Step times and host (enqueue) times, alternating the variants round by round, and the per-step op counts
+    of the eager variants. A host time close to the step time means the step is bound by the host, not the
+    device: Python and dispatch overhead then shows up one to one in the step time."""
     dims = meshpar.init_parallel(device_type=args.device)
     ids = torch.randint(0, 256, (args.batch, args.seq), device=args.device)
     steps = {v: build_step(v, args, dims, ids) for v in variants}
@@ -99,27 +103,32 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict[s
                 step()
             ops[variant] = dict(counter.counts)
     times: dict[str, list[float]] = {v: [] for v in variants}
+    host: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for variant, step in steps.items():
             _sync(args.device)
             start = time.perf_counter()
             step()
+            host[variant].append(time.perf_counter() - start)  # until the host has enqueued the whole step
             _sync(args.device)
             times[variant].append(time.perf_counter() - start)
     meshpar.destroy_parallel(destroy_process_group=True)
-    return times, ops
+    return times, host, ops
 
 
-def time_isolated(args: argparse.Namespace) -> dict[str, list[float]]:
+def time_isolated(args: argparse.Namespace) -> tuple[dict, dict]:
     """Each variant in a fresh process; ``--passes`` passes over the variants, alternating, medians pooled."""
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    host: dict[str, list[float]] = {v: [] for v in VARIANTS}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("isolate", "only")]
     for _ in range(args.passes):
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, *forwarded, f"--only={variant}"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            times[variant] += json.loads(out.strip().splitlines()[-1])
-    return times
+            step_times, host_times = json.loads(out.strip().splitlines()[-1])
+            times[variant] += step_times
+            host[variant] += host_times
+    return times, host
 
 
 def main() -> None:
@@ -137,14 +146,14 @@ def main() -> None:
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
     if args.only:
-        times, _ = time_variants([args.only], args)
-        print(json.dumps(times[args.only]))
+        times, host, _ = time_variants([args.only], args)
+        print(json.dumps([times[args.only], host[args.only]]))
         return
     ops = {}
     if args.isolate:
-        times = time_isolated(args)
+        times, host = time_isolated(args)
     else:
-        times, ops = time_variants(list(VARIANTS), args)
+        times, host, ops = time_variants(list(VARIANTS), args)
 
     n_params = sum(p.numel() for n, p in GPT(256, args.hidden, args.heads, args.layers, args.seq).named_parameters()
                    if "tok" not in n and "pos" not in n)  # fmt: skip
@@ -154,12 +163,13 @@ def main() -> None:
     how = "each variant in its own process" if args.isolate else "all variants alternating in one process"
     print(f"{device} | GPT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch} | {how}")
     base = statistics.median(times["dense:eager"])
-    print(f"{'variant':10s} {'mode':8s} {'step ms':>8s} {'tokens/s':>10s} {'MFU':>6s} {'vs dense eager':>15s}")
+    header = ("variant", "mode", "step ms", "host ms", "tokens/s", "MFU", "vs dense eager")
+    print("{:10s} {:8s} {:>8s} {:>8s} {:>10s} {:>6s} {:>15s}".format(*header))
     for variant, values in times.items():
         kind, mode = variant.split(":")
-        t = statistics.median(values)
+        t, h = statistics.median(values), statistics.median(host[variant])
         mfu = f"{flops_per_token * tokens / t / (args.peak_tflops * 1e12):6.1%}" if args.device == "cuda" else "   n/a"
-        print(f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {tokens / t:10.0f} {mfu} {t / base:14.2f}x")
+        print(f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {h * 1e3:8.2f} {tokens / t:10.0f} {mfu} {t / base:14.2f}x")
     if ops:
         print("\naten ops per eager step (compute ops launch kernels; metadata-only views not counted)")
         for variant, counts in ops.items():

@@ -1,0 +1,42 @@
+"""Smoke runs of the benchmark scripts at toy sizes: they must keep working as the library changes. Timings here
+mean nothing (and are not checked); the scripts' own printed tables are checked for the rows they promise."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_bench_tp_prints_every_variant_and_the_collective_ratios() -> None:
+    out = _run("bench_tp.py", "--no-compile", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16",
+               "--batch", "1")  # fmt: skip
+    for variant in ("dense", "meshpar", "torch DTensor", "Megatron-style"):
+        assert f"{variant} " in out
+    assert "(ratio to minimum 1.00 | 1.00)" in out
+    ideal = re.search(r"row biases replicated: (\d\.\d+)", out).group(1)
+    meshpar_fraction = re.search(r"^meshpar\s+[\d,]+ \((\d\.\d+) of dense\)", out, re.MULTILINE).group(1)
+    assert meshpar_fraction == ideal  # meshpar's parameters per rank at the ideal fraction
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_bench_gpu_step_runs_on_cpu(isolate: bool) -> None:
+    args = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1",
+            "--rounds", "1", "--passes", "1"]  # fmt: skip
+    out = _run("bench_gpu_step.py", *args, *(["--isolate"] if isolate else []))
+    assert out.count("compile") == 2 and out.count("eager") >= 2
+    if not isolate:
+        assert "host syncs" in out
