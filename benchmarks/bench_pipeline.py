@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/bench_pipeline.py        # pp=2 on 2 local gloo processes, m in {4, 8}
 
+The measured bubble is, per rank, (step time - busy time) / busy time, where busy time is the same stages' forward
+and backward of all microbatches run back to back with nothing to wait for; it includes the p2p transfers and the
+schedule runtime's overhead, which the unit-time theory (pp - 1) / (v * m) leaves out.
+
 Memory is measured exactly, without an allocator: every tensor autograd saves for backward is counted while it is
 alive (``saved_tensors_hooks``), and the peak per rank is reported. Step times alternate the schedules round by round
 in one invocation; ratios are against GPipe.
@@ -22,6 +26,7 @@ from meshpar.pipeline import build_schedule, inspect_schedule, make_pipeline_sta
 from meshpar.testing import run_distributed, setup_parallel
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+HIDDEN = 128
 
 
 class Block(nn.Module):
@@ -35,7 +40,7 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, vocab: int = 256, hidden: int = 128, layers: int = 8) -> None:
+    def __init__(self, vocab: int = 256, hidden: int = HIDDEN, layers: int = 8) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(Block(hidden) for _ in range(layers))
@@ -76,7 +81,22 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def measure(schedule: str, v: int, m: int, rounds: int, batch: int, seq: int) -> tuple[float, int]:
+def busy_time(stages: list[tuple[int, nn.Module]], num_stages: int, ids: torch.Tensor, m: int) -> float:
+    """Seconds this rank's stages need for forward + backward of all ``m`` microbatches with nothing to wait for
+    (random inputs and output grads stand in for the neighbours'): the pipeline's compute without its bubble."""
+    start = time.perf_counter()
+    for index, module in stages:
+        for micro in ids.chunk(m):
+            x = micro if index == 0 else torch.randn(*micro.shape, HIDDEN, requires_grad=True)
+            out = module(x)
+            if index == num_stages - 1:
+                loss_fn(out, micro).backward()
+            else:
+                out.backward(torch.randn_like(out))
+    return time.perf_counter() - start
+
+
+def measure(schedule: str, v: int, m: int, rounds: int, batch: int, seq: int) -> tuple[float, int, float]:
     dims = setup_parallel(pp=2)
     torch.manual_seed(0)
     stages_and_modules, plan = split_model(
@@ -93,7 +113,8 @@ def measure(schedule: str, v: int, m: int, rounds: int, batch: int, seq: int) ->
             sched.step(ids, target=ids)
         if step:  # the first step initialises the stages
             times.append(time.perf_counter() - start)
-    return statistics.median(times), counter.peak
+    busy = busy_time(stages_and_modules, plan.num_stages, ids, m)
+    return statistics.median(times), counter.peak, busy
 
 
 def main() -> None:
@@ -104,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     print("pp=2 on 2 gloo processes (CPU), 8-layer MLP-block model, hidden 128")
     columns = f"{'m':>3s} {'schedule':18s} {'step ms':>9s} {'vs gpipe':>9s}"
-    print(f"{columns} {'peak saved MiB r0/r1':>22s} {'bubble (theory)':>16s}")
+    print(f"{columns} {'peak saved MiB r0/r1':>22s} {'bubble theory':>14s} {'measured':>9s}")
     for m in (4, 8):
         results: dict[str, list] = {name: [] for name, _ in SCHEDULES}
         for _ in range(args.rounds):  # A B C A B C ...
@@ -115,8 +136,12 @@ def main() -> None:
             step = statistics.median(r[0][0] for r in results[name])
             peaks = results[name][-1]
             bubble = inspect_schedule(name, 2, v, m).bubble_fraction
+            # idle time over busy time per rank, as the theory counts it: (pp - 1) / (v * m)
+            measured = statistics.median(
+                statistics.mean(rank_step / rank_busy - 1 for rank_step, _, rank_busy in r) for r in results[name]
+            )
             mem = f"{peaks[0][1] / 2**20:.1f}/{peaks[1][1] / 2**20:.1f}"
-            print(f"{m:3d} {name:18s} {step * 1e3:9.1f} {step / base:8.2f}x {mem:>22s} {bubble:16.3f}")
+            print(f"{m:3d} {name:18s} {step * 1e3:9.1f} {step / base:8.2f}x {mem:>22s} {bubble:14.3f} {measured:9.3f}")
     print("\nbubble fraction (unit-time model, B = 2F): interleaved 1F1B, rows pp x v, columns m")
     for pp in (2, 4, 8):
         for v in (1, 2, 4):

@@ -16,6 +16,7 @@ class ParallelConfig:
     data_parallel_size: int = -1  # -1: the rest of the world
     virtual_pipeline_size: int = 1
     num_microbatches: int = 1
+    auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
     sequence_parallel: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
@@ -39,7 +40,7 @@ class ParallelConfig:
                 f"config key 'num_microbatches' ({self.num_microbatches}) must be >= 'pipeline_parallel_size' "
                 f"({self.pipeline_parallel_size})"
             )
-        for name in ("sequence_parallel", "compile", "activation_checkpointing"):
+        for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
 

@@ -132,6 +132,7 @@ class ParallelizedModel(nn.Module):
             transformer_layer_cls=type(container[0]),
             num_microbatches=self.parallel_config.num_microbatches,
             virtual_pipeline_size=self.parallel_config.virtual_pipeline_size,
+            auto_partition=self.parallel_config.auto_partition,
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded),

@@ -91,20 +91,22 @@ def _outside_modules(model: nn.Module, container: str) -> tuple[list[str], list[
 
 def _balanced_split(costs: Sequence[float], num_stages: int, head: float, tail: float) -> list[int]:
     """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the most expensive stage
-    (stage 0 also pays ``head``, the last ``tail``). Returns the part sizes."""
+    (stage 0 also pays ``head``, the last ``tail``); among splits with the same maximum, the most even one (least
+    sum of squared stage costs), so stages the maximum does not constrain are balanced too. Returns the part sizes."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, num_stages + 1):
         for end in range(s, n - (num_stages - s) + 1):
             for start in range(s - 1, end):
                 cost = prefix[end] - prefix[start] + (head if s == 1 else 0.0) + (tail if s == num_stages else 0.0)
-                value = max(best[s - 1][start], cost)
+                worst, squares = best[s - 1][start]
+                value = (max(worst, cost), squares + cost * cost)
                 if value < best[s][end]:
                     best[s][end], choice[s][end] = value, start
     sizes, end = [], n

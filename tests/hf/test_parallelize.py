@@ -271,3 +271,21 @@ def merged_pipeline_case(directory: str) -> float:
 
 def test_merged_checkpoint_loads_into_pipeline_stages_with_tied_head(tmp_path) -> None:
     run_distributed(merged_pipeline_case, 2, str(tmp_path))
+
+
+def auto_partition_case() -> int:
+    dims = setup_parallel(pp=4)
+    dense = build("gpt2", layers=6, vocab=2048)  # embedding and tied head ~5 layers' worth of parameters each
+    config = {"pipeline_parallel_size": 4, "num_microbatches": 4, "auto_partition": True}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch("gpt2", vocab=2048)
+    loss = model.train_step(**data)
+    torch.testing.assert_close(loss, dense(**data).loss.detach(), atol=1e-5, rtol=1e-5)
+    names = {name for module in model.local_modules() for name, _ in module.named_parameters()}
+    assert ("transformer.wte.weight" in names) == (dims.pp_rank == 0)
+    return len({name.split(".")[2] for name in names if name.startswith("transformer.h.")})
+
+
+def test_auto_partition_counts_embedding_and_head_in_the_stage_balance() -> None:
+    # an even split would give [2, 2, 1, 1] layers; the end stages also carry the embedding / the tied LM head
+    assert run_distributed(auto_partition_case, 4) == [1, 2, 2, 1]
