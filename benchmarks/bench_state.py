@@ -5,7 +5,8 @@
 1. AdamW state bytes per rank for dp in {1, 2, 4} (tp=1) with and without ZeRO-1, against the ideal ``1/dp``.
 2. A GPT-2 (HF, built from a config) under ``meshpar.parallelize`` at tp x pp in {1x1, 2x1, 1x2, 2x2, 4x1, 1x4}:
    parameter and AdamW-state bytes on the fullest rank against the ideal ``1/(tp*pp)`` of the dense model, the
-   bound with TP-replicated tensors (norms, row biases, position embedding) counted whole, and peak RSS per rank.
+   bound with TP-replicated tensors (norms, row biases, position embedding) counted whole, and peak RSS per rank;
+   pp=4 also with ``auto_partition`` (stages balanced by parameters, embedding and head included).
 3. A ~``--params-m`` million parameter MLP stack at tp=2 (2 processes): meshpar.checkpoint.save / load time and
    bytes on disk vs one process ``torch.save`` / ``torch.load`` of the full state dict, measured in one invocation.
 """
@@ -46,14 +47,15 @@ def state_case(dp: int, zero1: bool) -> int:
     return opt.state_bytes()
 
 
-def layout_case(tp: int, pp: int, layers: int, hidden: int) -> dict:
+def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool = False) -> dict:
     """This rank's parameter and AdamW-state bytes, split into TP-sharded and TP-replicated dense sizes."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     dims = setup_parallel(tp=tp, pp=pp)
     config = GPT2Config(vocab_size=50304, n_positions=256, n_embd=hidden, n_layer=layers, n_head=hidden // 64)
     torch.manual_seed(0)
-    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": max(pp, 1)}
+    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": pp}
+    layout["auto_partition"] = auto_partition
     model = meshpar.parallelize(GPT2LMHeadModel(config), layout)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
     local_bytes = sharded = replicated = 0
@@ -84,12 +86,13 @@ def layout_table(layers: int, hidden: int) -> None:
     dense = sum(p.numel() * p.element_size() for p in GPT2LMHeadModel(config).parameters())  # tied head counted once
     print(f"\nGPT-2 {layers} layers x hidden {hidden}, vocab 50304 ({dense / 2**20:.0f} MiB fp32 dense) under "
           "meshpar.parallelize on 4 processes (dp = 4 / (tp*pp)); fullest rank shown")  # fmt: skip
-    print(f"{'tp x pp':>7s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
+    print(f"{'tp x pp':>12s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
           f"{'state/params':>13s} {'RSS MiB':>8s}")  # fmt: skip
-    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)):
+    for tp, pp, auto in ((1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 4, False),
+                         (1, 4, True)):  # fmt: skip
         pool = DistributedPool(4)  # fresh processes per layout, so peak RSS is this layout's own
         try:
-            ranks = pool.run(layout_case, tp, pp, layers, hidden, timeout=900)
+            ranks = pool.run(layout_case, tp, pp, layers, hidden, auto, timeout=900)
         finally:
             pool.close()
         fullest = max(ranks, key=lambda r: r["param_bytes"])
@@ -97,7 +100,8 @@ def layout_table(layers: int, hidden: int) -> None:
         stages = {r["stage"]: r for r in ranks if r["tp_rank"] == 0}
         bound = sum(r["sharded_dense"] / tp + r["replicated"] for r in stages.values()) / pp
         ratio = fullest["state_bytes"] / fullest["param_bytes"]
-        print(f"{f'{tp} x {pp}':>7s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
+        name = f"{tp} x {pp}" + (" auto" if auto else "")
+        print(f"{name:>12s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
               f"{1 / (tp * pp):6.3f} {bound / dense:9.3f} {fullest['state_bytes'] / 2**20:10.2f} "
               f"{ratio:13.2f} {max(r['rss_mib'] for r in ranks):8.0f}")  # fmt: skip
 
