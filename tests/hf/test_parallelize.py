@@ -21,10 +21,12 @@ def _expected_param(dense: torch.nn.Module, name: str, param: torch.Tensor) -> t
     return local_slice(full.reshape(param.shape), param) if isinstance(param, DTensor) else full
 
 
-def equivalence_case(family: str, tp: int, pp: int, sp: bool = False) -> None:
+def equivalence_case(family: str, tp: int, pp: int, sp: bool = False, compile: bool = False) -> None:
     setup_parallel(tp=tp, pp=pp)
     dense = build(family)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2, "sequence_parallel": sp}
+    config["compile"] = compile
+    torch._dynamo.utils.counters.clear()
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family)
     expected = dense(**data)
@@ -48,6 +50,7 @@ def equivalence_case(family: str, tp: int, pp: int, sp: bool = False) -> None:
         loss = model.train_step(**data)
         torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     optimizer.step()
+    assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == compile  # the blocks really ran compiled
     for module in model.local_modules():
         for name, param in module.named_parameters():
             got = param.to_local() if isinstance(param, DTensor) else param
@@ -57,6 +60,11 @@ def equivalence_case(family: str, tp: int, pp: int, sp: bool = False) -> None:
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "bert_cls"])
 def test_tensor_parallel_matches_dense(family: str) -> None:
     run_distributed(equivalence_case, 2, family, 2, 1)
+
+
+def test_compiled_tensor_parallel_layers_match_dense() -> None:
+    """``compile: true`` compiles each transformer block (meshpar's traceable TP nodes inside HF's GPT-2 block)."""
+    run_distributed(equivalence_case, 2, "gpt2", 2, 1, False, True, timeout=600)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
