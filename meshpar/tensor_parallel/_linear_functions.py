@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like
+from meshpar.tensor_parallel._collectives import _all_gather
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,37 @@ class ColumnLinearFunction(torch.autograd.Function):
             work.wait()
         return (
             grad_x,
+            dtensor_like(grad_w, ctx.weight),
+            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
+            None,
+        )
+
+
+class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
+    """Sequence-parallel column linear as one node: all-gather the sequence shards of ``x`` ``[b, s/tp, h]``, then
+    ``y = x W_r^T + b_r``; backward starts the reduce-scatter of ``dx`` over the sequence asynchronously and computes
+    the weight grad while it is in flight (Megatron's SP linear)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
+        full = _all_gather(x, mesh, 1)
+        w = weight._local_tensor
+        ctx.save_for_backward(full, w)
+        ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
+        return torch.nn.functional.linear(full, w, bias._local_tensor if bias is not None else None)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        full, w = ctx.saved_tensors
+        # reduce_scatter_tensor splits dim 0: put the sequence first
+        grad_full = (grad_out @ w).transpose(0, 1).contiguous()
+        shard = grad_full.new_empty((grad_full.shape[0] // ctx.mesh.size(), *grad_full.shape[1:]))
+        work = dist.reduce_scatter_tensor(shard, grad_full, group=ctx.mesh.get_group(), async_op=True)
+        grad_w = _flat(grad_out).t() @ _flat(full)
+        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
+        work.wait()
+        return (
+            shard.transpose(0, 1),
             dtensor_like(grad_w, ctx.weight),
             dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
             None,

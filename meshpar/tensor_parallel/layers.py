@@ -38,6 +38,7 @@ from meshpar.tensor_parallel._init import (
 from meshpar.tensor_parallel._linear_functions import (
     ColumnLinearFunction,
     ColumnLinearLocalFunction,
+    ColumnLinearSequenceParallelFunction,
     RowLinearFunction,
 )
 
@@ -182,11 +183,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        if self.sequence_parallel_enabled:
+        compiling = torch.compiler.is_compiling()
+        if self.sequence_parallel_enabled and not compiling and self.tp_mesh.size() > 1:
+            y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        elif self.sequence_parallel_enabled:
             y = F.linear(gather_from_sp(x, self.tp_mesh, 1), self.weight.to_local(), _local_or_none(self.bias))
         elif self.input_gathered:  # a module-level gather already owns the input-grad reduction
             y = F.linear(x, self.weight.to_local(), _local_or_none(self.bias))
-        elif torch.compiler.is_compiling():
+        elif compiling:
             y = ColumnLinearLocalFunction.apply(x, self.weight.to_local(), _local_or_none(self.bias), self.tp_mesh)
         else:
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)

@@ -15,7 +15,11 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
 from tests._models import TinyTransformer, block_plan
 
-_NAMES = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor"}
+_NAMES = {
+    "allreduce_": "all_reduce",
+    "_allgather_base_": "all_gather_into_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+}
 
 
 def _comm_counts(mode: CommDebugMode) -> Counter:
