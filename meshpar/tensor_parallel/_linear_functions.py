@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like
-from meshpar.tensor_parallel._collectives import _all_gather
+from meshpar.tensor_parallel._collectives import _all_gather, _reduce_scatter
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -131,3 +131,38 @@ class RowLinearFunction(torch.autograd.Function):
         grad_w = _flat(grad_out).t() @ _flat(x)
         grad_b = dtensor_like(_flat(grad_out).sum(0), ctx.bias) if ctx.bias is not None else None
         return grad_out @ w, dtensor_like(grad_w, ctx.weight), grad_b, None
+
+
+class RowLinearSequenceParallelFunction(torch.autograd.Function):
+    """Sequence-parallel row linear as one node: ``y = reduce_scatter_seq(x_r W_r^T) + b`` on this rank's sequence
+    shard. Backward all-gathers the output grad over the sequence; the bias grad (a partial sum over the sequence
+    shards) is all-reduced asynchronously while the input- and weight-grad matmuls run."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
+        w = weight._local_tensor
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
+        y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, 1)
+        if bias is not None:
+            y.add_(bias._local_tensor)  # y is the reduce-scatter's fresh output
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        work = grad_b = None
+        if ctx.bias is not None:
+            grad_b = _flat(grad_out).sum(0)
+            work = dist.all_reduce(grad_b, group=ctx.mesh.get_group(), async_op=True)
+        grad_full = _all_gather(grad_out, ctx.mesh, 1)
+        grad_x = grad_full @ w
+        grad_w = _flat(grad_full).t() @ _flat(x)
+        if work is not None:
+            work.wait()
+        return (
+            grad_x,
+            dtensor_like(grad_w, ctx.weight),
+            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
+            None,
+        )

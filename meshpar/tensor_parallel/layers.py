@@ -40,6 +40,7 @@ from meshpar.tensor_parallel._linear_functions import (
     ColumnLinearLocalFunction,
     ColumnLinearSequenceParallelFunction,
     RowLinearFunction,
+    RowLinearSequenceParallelFunction,
 )
 
 
@@ -283,6 +284,8 @@ class RowParallelLinear(_TensorParallelLinear):
             x = scatter_to_tp(x, self.tp_mesh, dim=-1)
         if _fused_eager_path(self.sequence_parallel_enabled):
             return RowLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+        if self.sequence_parallel_enabled and not torch.compiler.is_compiling() and self.tp_mesh.size() > 1:
+            return RowLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         if self.sequence_parallel_enabled:
             y = reduce_scatter_to_sp(F.linear(x, self.weight.to_local()), self.tp_mesh, dim=1)
         else:
