@@ -1,0 +1,181 @@
+"""Sequence parallelism vs plain tensor parallelism at tp=2: collectives and bytes against Megatron's minimum,
+activation memory saved for backward, and step time, in one invocation.
+
+    .venv/bin/python benchmarks/bench_sp.py                 # 2 local gloo processes; pre-norm blocks, bias, GeLU MLP
+
+Megatron's sequence parallelism replaces each layer's two all-reduces per direction by an all-gather before the
+column-parallel linears and a reduce-scatter after the row-parallel ones: the same bytes (an all-reduce *is* a
+reduce-scatter plus an all-gather), with the norms, dropout and residual adds running on 1/tp of the sequence.
+In backward the replicated norm weights and biases and the row-parallel biases see only a sequence shard, so their
+grads need one all-reduce each (small: [hidden]). Bytes below are what each rank sends: the share of each
+collective's full tensor sends with a ring algorithm, so a correct SP layer equals the TP layer's bytes exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from meshpar._compat import CommDebugMode
+from meshpar.optim import DistributedOptimizer
+from meshpar.testing import run_distributed, setup_parallel, shard_of
+from tests._models import TinyTransformer, block_plan
+
+
+class WireBytes(TorchDispatchMode):
+    """Bytes each rank sends per collective with ring algorithms over ``p`` ranks: all-reduce ``2 (p-1)/p N``,
+    all-gather and reduce-scatter ``(p-1)/p N`` for the full tensor ``N``. Activation collectives (>= 2-D) and the
+    small 1-D grad all-reduces are kept apart."""
+
+    def __init__(self, p: int) -> None:
+        super().__init__()
+        self.p = p
+        self.activations = 0.0
+        self.small = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if func.namespace in ("c10d", "_c10d_functional") and not any(k in name for k in ("wait", "_wrap")):
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            largest = max(tensors, key=lambda t: t.numel())
+            full = largest.numel() * largest.element_size()
+            gather = "all_gather" in name or "allgather" in name
+            if gather and len(tensors) == 1:  # functional all-gather: only the input shard is an argument
+                full *= self.p
+            factor = (1 if gather or "reduce_scatter" in name else 2) * (self.p - 1) / self.p
+            if largest.dim() > 1:
+                self.activations += factor * full
+            else:
+                self.small += factor * full
+        return func(*args, **(kwargs or {}))
+
+
+class SavedBytes:
+    """Peak bytes autograd holds for backward (exact, allocator-free)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        size = tensor.untyped_storage().nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return _Held(tensor, self, size)
+
+    def release(self, size: int) -> None:
+        self.live -= size
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, owner: SavedBytes, size: int) -> None:
+        self.tensor = tensor
+        weakref.finalize(self, owner.release, size)
+
+
+def _counts(mode: CommDebugMode) -> Counter:
+    names = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
+             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
+    out: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        out[names.get(name, name)] += n
+    return out
+
+
+def sp_case(args: argparse.Namespace) -> dict:
+    dims = setup_parallel(tp=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x_full = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
+    runs, report = {}, {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = TinyTransformer(hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, layers=args.layers)
+        model = parallelize_module(model, dims.tp_mesh, block_plan(sequence_parallel=sp))
+        x = shard_of(x_full, dims.tp_mesh, 1).contiguous() if sp else x_full
+        opt = DistributedOptimizer(model, torch.optim.SGD, lr=1e-3)
+        with CommDebugMode() as fwd_mode, WireBytes(2) as fwd_bytes:
+            saved = SavedBytes()
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held.tensor):
+                out = model(x)
+        with CommDebugMode() as bwd_mode, WireBytes(2) as bwd_bytes:
+            out.square().mean().backward()
+        report["sp" if sp else "tp"] = {
+            "fwd": dict(_counts(fwd_mode)),
+            "bwd": dict(_counts(bwd_mode)),
+            "bytes": (fwd_bytes.activations, bwd_bytes.activations, bwd_bytes.small),
+            "saved": saved.peak,
+        }
+
+        def step(m=model, o=opt, inp=x) -> None:
+            o.zero_grad(set_to_none=True)
+            m(inp).square().mean().backward()
+            o.step()
+
+        step()
+        runs["sp" if sp else "tp"] = step
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for key, step in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[key].append(time.perf_counter() - start)
+    report["times"] = times
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    result = run_distributed(sp_case, 2, args, timeout=1800)[0]
+    layers = args.layers
+    full = args.batch * args.seq * args.hidden * 4
+    shape = f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}"
+    print(f"{layers} pre-norm blocks, {shape}, fp32; tp=2 on 2 gloo processes")
+    print("\ncollectives per layer (forward | backward); Megatron: TP 2 all-reduce | 2 all-reduce;")
+    print("  SP 2 all-gather + 2 reduce-scatter | the same + small all-reduces of the replicated norm / bias grads")
+    for key in ("tp", "sp"):
+        r = result[key]
+        per_layer = ({k: v / layers for k, v in r["fwd"].items()}, {k: v / layers for k, v in r["bwd"].items()})
+        print(f"  {key.upper()}: {per_layer[0]} | {per_layer[1]}")
+    minimum = 2 * layers * full * 2 * (2 - 1) / 2  # two all-reduces of [b, s, h] per layer, ring, p = 2
+    print(f"\nbytes each rank sends for activation collectives per step (forward | backward); Megatron minimum "
+          f"{minimum:,.0f} each way")  # fmt: skip
+    for key in ("tp", "sp"):
+        fwd, bwd, small = result[key]["bytes"]
+        print(f"  {key.upper()}: {fwd:,.0f} | {bwd:,.0f}  (ratio {fwd / minimum:.2f} | {bwd / minimum:.2f});"
+              f" small grad all-reduces {small:,.0f}")  # fmt: skip
+    tp_saved, sp_saved = result["tp"]["saved"], result["sp"]["saved"]
+    print(f"\nactivations saved for backward per rank: TP {tp_saved / 2**20:.1f} MiB, SP {sp_saved / 2**20:.1f} MiB "
+          f"({sp_saved / tp_saved:.2f}x)")  # fmt: skip
+    tp_t, sp_t = result["times"]["tp"], result["times"]["sp"]
+    ratios = [a / b for a, b in zip(sp_t, tp_t, strict=True)]
+    tp_ms, sp_ms = statistics.median(tp_t) * 1e3, statistics.median(sp_t) * 1e3
+    wins = sum(r < 1 for r in ratios)
+    print(
+        f"step (fwd + bwd + SGD): TP {tp_ms:.1f} ms, SP {sp_ms:.1f} ms; paired SP/TP {statistics.median(ratios):.3f}"
+        f" ({wins}/{len(ratios)} rounds SP faster)"
+    )
+
+
+if __name__ == "__main__":
+    main()
