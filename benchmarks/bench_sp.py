@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import SavedBytes
+
 from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel, shard_of
@@ -60,28 +62,6 @@ class WireBytes(TorchDispatchMode):
             else:
                 self.small += factor * full
         return func(*args, **(kwargs or {}))
-
-
-class SavedBytes:
-    """Peak bytes autograd holds for backward (exact, allocator-free)."""
-
-    def __init__(self) -> None:
-        self.live = self.peak = 0
-
-    def pack(self, tensor: torch.Tensor) -> object:
-        size = tensor.untyped_storage().nbytes()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        return _Held(tensor, self, size)
-
-    def release(self, size: int) -> None:
-        self.live -= size
-
-
-class _Held:
-    def __init__(self, tensor: torch.Tensor, owner: SavedBytes, size: int) -> None:
-        self.tensor = tensor
-        weakref.finalize(self, owner.release, size)
 
 
 def _counts(mode: CommDebugMode) -> Counter:

@@ -23,6 +23,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _dtensor_grads(
+    ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor, grad_b: torch.Tensor | None
+) -> tuple[torch.Tensor, DTensor, DTensor | None, None]:
+    """Backward's return for ``(x, weight, bias, mesh)``: local weight/bias grads wrapped like the parameters."""
+    return (
+        grad_x,
+        dtensor_like(grad_w, ctx.weight),
+        dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
+        None,
+    )
+
+
 class ColumnLinearFunction(torch.autograd.Function):
     """``y = x W_r^T + b_r`` for a replicated ``x``; backward all-reduces ``dx`` over tp, overlapped with ``dW``."""
 
@@ -43,12 +55,7 @@ class ColumnLinearFunction(torch.autograd.Function):
         grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
         if work is not None:
             work.wait()
-        return (
-            grad_x,
-            dtensor_like(grad_w, ctx.weight),
-            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
-            None,
-        )
+        return _dtensor_grads(ctx, grad_x, grad_w, grad_b)
 
 
 class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
@@ -74,12 +81,7 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
         grad_w = _flat(grad_out).t() @ _flat(full)
         grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
         work.wait()
-        return (
-            shard.transpose(0, 1),
-            dtensor_like(grad_w, ctx.weight),
-            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
-            None,
-        )
+        return _dtensor_grads(ctx, shard.transpose(0, 1), grad_w, grad_b)
 
 
 class ColumnLinearLocalFunction(torch.autograd.Function):
@@ -129,8 +131,8 @@ class RowLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         grad_w = _flat(grad_out).t() @ _flat(x)
-        grad_b = dtensor_like(_flat(grad_out).sum(0), ctx.bias) if ctx.bias is not None else None
-        return grad_out @ w, dtensor_like(grad_w, ctx.weight), grad_b, None
+        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
+        return _dtensor_grads(ctx, grad_out @ w, grad_w, grad_b)
 
 
 class RowLinearSequenceParallelFunction(torch.autograd.Function):
@@ -160,9 +162,4 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
         grad_w = _flat(grad_full).t() @ _flat(x)
         if work is not None:
             work.wait()
-        return (
-            grad_x,
-            dtensor_like(grad_w, ctx.weight),
-            dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
-            None,
-        )
+        return _dtensor_grads(ctx, grad_x, grad_w, grad_b)
