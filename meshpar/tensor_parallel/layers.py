@@ -41,6 +41,7 @@ from meshpar.tensor_parallel._linear_functions import (
     ColumnLinearSequenceParallelFunction,
     RowLinearFunction,
     RowLinearSequenceParallelFunction,
+    SequenceShardParamsFunction,
 )
 
 
@@ -438,8 +439,9 @@ VocabParallelEmbedding = ParallelEmbedding
 class _SequenceParallelParams:
     """Mixin for a module on sequence shards whose own parameters are ``Replicate()`` DTensors.
 
-    The forward temporarily swaps each parameter for ``copy_to_tp(local)`` so the module's unchanged forward sees
-    plain tensors and the partial grads of the sequence shards are summed over tp in backward.
+    The forward temporarily swaps each parameter for its local tensor so the module's unchanged forward sees plain
+    tensors, and the partial grads of the sequence shards are summed over tp in backward: in eager mode by one
+    flat all-reduce per module (:class:`SequenceShardParamsFunction`), under ``torch.compile`` by ``copy_to_tp``.
     """
 
     _sp_tp_mesh: DeviceMesh
@@ -447,10 +449,14 @@ class _SequenceParallelParams:
     def forward(self, *args: object, **kwargs: object) -> object:
         params = self._parameters  # type: ignore[attr-defined]
         saved = dict(params)
+        names = [name for name, param in saved.items() if param is not None]
+        mesh = self._sp_tp_mesh
+        if torch.compiler.is_compiling() or mesh.size() == 1:
+            local = [copy_to_tp(saved[name].to_local(), mesh) for name in names]
+        else:
+            local = SequenceShardParamsFunction.apply(mesh, *(saved[name] for name in names))
         try:
-            for name, param in saved.items():
-                if param is not None:
-                    params[name] = copy_to_tp(param.to_local(), self._sp_tp_mesh)
+            params.update(zip(names, local, strict=True))
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         finally:
             params.update(saved)
