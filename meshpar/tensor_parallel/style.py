@@ -132,9 +132,10 @@ class SequenceParallelNorm(ParallelStyle):
     """A norm (LayerNorm, RMSNorm, any module with its own parameters) run on sequence shards.
 
     Its parameters become ``Replicate()`` DTensors. Each rank sees only its sequence shard, so each parameter's grad
-    is a partial sum; the forward passes every parameter through ``copy_to_tp`` (identity forward, all-reduce
-    backward), so the grads are complete and replicated when backward ends - one small all-reduce per parameter,
-    which is Megatron's sequence-parallel grad all-reduce done in place. Activations stay local tensors.
+    is a partial sum; the forward hands the module its parameters' local tensors through one autograd node
+    (identity forward) whose backward all-reduces all of the module's grads as one flat buffer, so the grads are
+    complete and replicated when backward ends - one small all-reduce per module, Megatron's sequence-parallel grad
+    all-reduce done in place. Activations stay local tensors.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
