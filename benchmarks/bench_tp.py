@@ -181,8 +181,8 @@ def _local_numel(model: nn.Module) -> int:
 def bench_case(args: argparse.Namespace) -> dict:
     dims = setup_parallel(tp=2)
     # torch's styles get a plain 1-D tp mesh: on meshpar's sliced (dp, pp, tp) mesh, compiling them after another
-    # compiled model in the same process fails in torch 2.13 (InductorError "device_mesh._get_submesh is not an
-    # OpOverload"). Same ranks, same process-group size, so eager timings are unaffected.
+    # model was run eagerly and compiled in the same process fails in torch 2.13 (InductorError
+    # "device_mesh._get_submesh is not an OpOverload"). Same ranks and group size, so eager timings are unaffected.
     torch_mesh = init_device_mesh("cpu", (dims.tp,), mesh_dim_names=("tp",))
     torch.set_num_threads(1)
     variants = ["dense", "meshpar", "torch DTensor", "Megatron-style"]
