@@ -62,8 +62,14 @@ def _local_or_none(param: DTensor | None) -> torch.Tensor | None:
 
 
 def _fused_eager_path(sequence_parallel: bool) -> bool:
-    """One autograd node per layer in eager mode; the composed path under compile and sequence parallelism."""
+    """One autograd node per layer in eager mode without sequence parallelism (it also runs at tp=1)."""
     return not sequence_parallel and not torch.compiler.is_compiling()
+
+
+def _fused_sequence_parallel_path(mesh: DeviceMesh) -> bool:
+    """One autograd node per sequence-parallel layer or norm in eager mode when there is a sequence to split (tp > 1);
+    under ``torch.compile`` the composed path the compiler traces."""
+    return not torch.compiler.is_compiling() and mesh.size() > 1
 
 
 def _is_meta(device: torch.device | str | None) -> bool:
@@ -185,14 +191,13 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
-        compiling = torch.compiler.is_compiling()
-        if self.sequence_parallel_enabled and not compiling and self.tp_mesh.size() > 1:
+        if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
             y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         elif self.sequence_parallel_enabled:
             y = F.linear(gather_from_sp(x, self.tp_mesh, 1), self.weight.to_local(), _local_or_none(self.bias))
         elif self.input_gathered:  # a module-level gather already owns the input-grad reduction
             y = F.linear(x, self.weight.to_local(), _local_or_none(self.bias))
-        elif compiling:
+        elif torch.compiler.is_compiling():
             y = ColumnLinearLocalFunction.apply(x, self.weight.to_local(), _local_or_none(self.bias), self.tp_mesh)
         else:
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
@@ -285,7 +290,7 @@ class RowParallelLinear(_TensorParallelLinear):
             x = scatter_to_tp(x, self.tp_mesh, dim=-1)
         if _fused_eager_path(self.sequence_parallel_enabled):
             return RowLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
-        if self.sequence_parallel_enabled and not torch.compiler.is_compiling() and self.tp_mesh.size() > 1:
+        if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
             return RowLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         if self.sequence_parallel_enabled:
             y = reduce_scatter_to_sp(F.linear(x, self.weight.to_local()), self.tp_mesh, dim=1)
@@ -451,10 +456,10 @@ class _SequenceParallelParams:
         saved = dict(params)
         names = [name for name, param in saved.items() if param is not None]
         mesh = self._sp_tp_mesh
-        if torch.compiler.is_compiling() or mesh.size() == 1:
-            local = [copy_to_tp(saved[name].to_local(), mesh) for name in names]
-        else:
+        if _fused_sequence_parallel_path(mesh):
             local = SequenceShardParamsFunction.apply(mesh, *(saved[name] for name in names))
+        else:
+            local = [copy_to_tp(saved[name].to_local(), mesh) for name in names]
         try:
             params.update(zip(names, local, strict=True))
             return super().forward(*args, **kwargs)  # type: ignore[misc]
