@@ -42,17 +42,13 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     return funcol.wait_tensor(all_gather_single(x.contiguous(), dim % x.dim(), mesh))
 
 
-def check_sequence_divisible(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
+def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    dim = dim % x.dim()
     if x.shape[dim] % mesh.size() != 0:
         raise ValueError(
             f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over tp={mesh.size()}: "
             "the sequence length must be divisible by tp under sequence parallelism"
         )
-
-
-def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    dim = dim % x.dim()
-    check_sequence_divisible(x, mesh, dim)
     return funcol.wait_tensor(reduce_scatter_single(x.contiguous(), "sum", dim, mesh))
 
 
