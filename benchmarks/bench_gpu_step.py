@@ -24,42 +24,21 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tp import GPT, MESHPAR_PLAN
 
 import meshpar
 from meshpar.optim import DistributedOptimizer
+from meshpar.testing.dispatch import AtenOps
 
 VARIANTS = ("dense:eager", "dense:compile", "meshpar:eager", "meshpar:compile")
-_METADATA_OPS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "unbind", "as_strided", "detach"})
-_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
-
-
-class StepOps(TorchDispatchMode):
-    """aten ops dispatched in a region: compute (what launches kernels), collectives, host syncs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.counts["collectives"] += 1
-        elif name in _SYNC_OPS:
-            self.counts["host syncs"] += 1
-        elif func.namespace == "aten" and name not in _METADATA_OPS:
-            self.counts["compute"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def build_step(variant: str, args: argparse.Namespace, dims, ids: torch.Tensor) -> Callable[[], None]:
@@ -99,9 +78,10 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, 
     ops = {}
     for variant, step in steps.items():
         if variant.endswith(":eager"):
-            with StepOps() as counter:
+            with AtenOps() as counter:
                 step()
-            ops[variant] = dict(counter.counts)
+            ops[variant] = {"compute": sum(counter.compute.values()), "collectives": counter.collectives,
+                            "host syncs": counter.syncs}  # fmt: skip
     times: dict[str, list[float]] = {v: [] for v in variants}
     host: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):

@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from bench_pipeline import SavedBytes
 from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel, shard_of
+from meshpar.testing.dispatch import comm_counts
 from tests._models import TinyTransformer, block_plan
 
 
@@ -64,16 +64,6 @@ class WireBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counts(mode: CommDebugMode) -> Counter:
-    names = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
-             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
-    out: Counter = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        out[names.get(name, name)] += n
-    return out
-
-
 def sp_case(args: argparse.Namespace) -> dict:
     dims = setup_parallel(tp=2)
     torch.set_num_threads(1)
@@ -93,8 +83,8 @@ def sp_case(args: argparse.Namespace) -> dict:
         with CommDebugMode() as bwd_mode, WireBytes(2) as bwd_bytes:
             out.square().mean().backward()
         report["sp" if sp else "tp"] = {
-            "fwd": dict(_counts(fwd_mode)),
-            "bwd": dict(_counts(bwd_mode)),
+            "fwd": dict(comm_counts(fwd_mode)),
+            "bwd": dict(comm_counts(bwd_mode)),
             "bytes": (fwd_bytes.activations, bwd_bytes.activations, bwd_bytes.small),
             "saved": saved.peak,
         }

@@ -15,7 +15,6 @@ import argparse
 import resource
 import statistics
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
 from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing.dispatch import comm_counts
 
 
 class Block(nn.Module):
@@ -225,10 +225,7 @@ def bench_case(args: argparse.Namespace) -> dict:
             out = model(ids)
         with CommDebugMode() as bwd:
             F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
-        comms[variant] = (
-            Counter({str(k).split(".")[-1]: v for k, v in fwd.get_comm_counts().items()}),
-            Counter({str(k).split(".")[-1]: v for k, v in bwd.get_comm_counts().items()}),
-        )
+        comms[variant] = (comm_counts(fwd), comm_counts(bwd))
         model = _build(variant, args, dims, torch_mesh)
         with CommBytes() as fwd_bytes:
             out = model(ids)

@@ -45,4 +45,4 @@ def test_bench_gpu_step_runs_on_cpu(isolate: bool) -> None:
 def test_bench_sp_moves_the_same_bytes_as_tp() -> None:
     out = _run("bench_sp.py", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16", "--batch", "2")
     assert out.count("(ratio 1.00 | 1.00)") == 2  # TP and SP both at the Megatron minimum
-    assert "SP: {'all_gather': 2.0, 'reduce_scatter': 2.0}" in out
+    assert "SP: {'all_gather_into_tensor': 2.0, 'reduce_scatter_tensor': 2.0}" in out

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar import get_rng_tracker
 from meshpar._compat import DTensor
@@ -19,6 +17,7 @@ from meshpar.mixed_precision import GradScaler
 from meshpar.optim import DistributedOptimizer
 from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing.dispatch import AtenOps
 
 
 def loader_case() -> list[list[int]]:
@@ -144,16 +143,6 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
     assert results == [(False, 512.0)] * 4
 
 
-class _AtenCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _mixed_model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(dtype)
@@ -164,9 +153,9 @@ def test_optimizer_step_writes_nothing_back_when_leaves_share_the_parameters() -
     model = _mixed_model(torch.float32)
     opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1, momentum=0.9)
     model(torch.randn(2, 8)).sum().backward()
-    with _AtenCounter() as counter:
+    with AtenOps() as counter:
         opt.step()
-    assert counter.ops["copy_"] == 0, counter.ops
+    assert counter.compute["copy_"] == 0, counter.compute
     momentum_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert opt.state_bytes() == momentum_bytes
     assert all("master_weight" not in entry for entry in opt.state_dict()["state"].values())
@@ -176,9 +165,9 @@ def test_bf16_master_weights_are_counted_and_copied_back() -> None:
     model = _mixed_model(torch.bfloat16)
     opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1)
     model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
-    with _AtenCounter() as counter:
+    with AtenOps() as counter:
         opt.step()
     params = list(model.parameters())
-    assert counter.ops["copy_"] == len(params)  # one fp32 -> bf16 write-back per parameter
+    assert counter.compute["copy_"] == len(params)  # one fp32 -> bf16 write-back per parameter
     assert opt.state_bytes() == sum(p.numel() * 4 for p in params)  # plain SGD: the fp32 masters are the state
     assert set(opt.state_dict()["state"]["0.weight"]) == {"master_weight"}

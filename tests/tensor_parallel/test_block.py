@@ -8,27 +8,12 @@ from collections import Counter
 import pytest
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
+from meshpar.testing.dispatch import AtenOps, comm_counts
 from tests._models import TinyTransformer, block_plan
-
-_NAMES = {
-    "allreduce_": "all_reduce",
-    "_allgather_base_": "all_gather_into_tensor",
-    "_reduce_scatter_base_": "reduce_scatter_tensor",
-}
-
-
-def _comm_counts(mode: CommDebugMode) -> Counter:
-    """Collective name -> count; eager c10d ops (``allreduce_``) and functional ones (``all_reduce``) alike."""
-    counts: Counter = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        counts[_NAMES.get(name, name)] += n
-    return counts
 
 
 def block_case(tp: int, sp: bool, bias: bool) -> None:
@@ -69,7 +54,7 @@ def comm_case(sp: bool) -> tuple[dict, dict]:
         y = model(x)
     with CommDebugMode() as bwd:
         y.sum().backward()
-    return dict(_comm_counts(fwd)), dict(_comm_counts(bwd))
+    return dict(comm_counts(fwd)), dict(comm_counts(bwd))
 
 
 def test_megatron_block_issues_one_all_reduce_per_pair_each_way() -> None:
@@ -88,39 +73,14 @@ def test_sequence_parallel_block_uses_all_gather_and_reduce_scatter() -> None:
     assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
 
 
-class _AtenOps(TorchDispatchMode):
-    """Counts the aten ops a region dispatches, split into collectives, host syncs and the rest."""
-
-    _METADATA = frozenset(
-        {"view", "_unsafe_view", "t", "transpose", "permute", "unbind", "as_strided", "detach", "alias"}
-    )
-    _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.compute: Counter = Counter()
-        self.collectives = 0
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.collectives += 1
-        elif name in self._SYNCS:
-            self.syncs += 1
-        elif name not in self._METADATA and func.namespace == "aten":
-            self.compute[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _train_step_ops(model: torch.nn.Module, opt: object, x: torch.Tensor) -> _AtenOps:
+def _train_step_ops(model: torch.nn.Module, opt: object, x: torch.Tensor) -> AtenOps:
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
 
     step()  # optimizer state exists from here on
-    with _AtenOps() as ops:
+    with AtenOps() as ops:
         step()
     return ops
 
