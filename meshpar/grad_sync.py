@@ -1,0 +1,168 @@
+"""Data-parallel gradient averaging that overlaps backward (Megatron's ``overlap_grad_reduce``, torch DDP's buckets).
+
+:func:`meshpar.data_parallel.allreduce_gradients` starts its all-reduce after backward has finished, so the whole
+dp reduction sits on the critical path. :class:`OverlappedGradSync` instead copies each parameter's grad into a
+bucket as soon as autograd has accumulated it, and starts the bucket's asynchronous all-reduce as soon as the bucket
+is full, while backward still computes the grads of earlier layers. :meth:`OverlappedGradSync.finish` waits for the
+reductions and writes the averaged grads back.
+
+Buckets are cut from the parameters in reverse registration order, which is about the order backward produces their
+grads. They launch strictly in index order, so every dp rank issues the same collectives in the same order (a
+requirement of gloo and NCCL) even where autograd finishes grads in a slightly different order.
+
+Parameters are plain tensors or DTensors on the tp mesh; a DTensor grad is reduced as its local shard, which is what
+each dp replica of that tp rank owns. FSDP2-sharded models reduce their own grads and do not need this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh, DTensor
+from meshpar.parallel_dims import get_parallel
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _Bucket:
+    """Consecutive parameters whose grads travel in one all-reduce of one flat buffer."""
+
+    params: list[torch.nn.Parameter]
+    numels: list[int]
+    dtype: torch.dtype
+    device: torch.device
+    ready: set[int] = field(default_factory=set)
+    buffer: torch.Tensor | None = None
+    work: dist.Work | None = None
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class OverlappedGradSync:
+    """Averages the grads of ``parameters`` over the dp group while backward runs.
+
+    Call :meth:`finish` after each backward that should sync (it launches whatever backward did not, for example
+    buckets holding unused parameters, and waits); run the backwards of earlier gradient-accumulation microbatches
+    under :meth:`no_sync`. ``bucket_mb`` caps a bucket's size in MiB: smaller buckets start earlier but cost more
+    collectives. ``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32.
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        dp_mesh: DeviceMesh | None = None,
+        *,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
+        self._size = mesh.size()
+        self._group = mesh.get_group() if self._size > 1 else None
+        self._reduce_dtype = reduce_dtype
+        self._sync = True
+        self._next = 0  # the first bucket not launched yet
+        unique = {id(p): p for p in parameters if p.requires_grad}
+        self._buckets = self._cut(list(unique.values())[::-1], int(bucket_mb * 2**20))
+        self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
+        self._handles = (
+            [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique.values()] if self._size > 1 else []
+        )
+
+    def _cut(self, params: list[torch.nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        for param in params:
+            local = _local(param)
+            dtype = self._reduce_dtype or local.dtype
+            last = buckets[-1] if buckets else None
+            fits = last is not None and (sum(last.numels) + local.numel()) * dtype.itemsize <= cap_bytes
+            if last is None or not fits or (last.dtype, last.device) != (dtype, local.device):
+                last = _Bucket([], [], dtype, local.device)
+                buckets.append(last)
+            last.params.append(param)
+            last.numels.append(local.numel())
+        return buckets
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def launched(self) -> int:
+        """How many buckets' all-reduces are in flight (started during backward, before :meth:`finish`)."""
+        return self._next
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate grads locally (gradient accumulation); the next synced backward, or
+        :meth:`finish`, reduces the accumulated sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        index, slot = self._slot[id(param)]
+        bucket = self._buckets[index]
+        if bucket.work is not None:
+            raise RuntimeError(
+                "a grad changed after its bucket's dp all-reduce had started: call finish() after each synced "
+                "backward, and run the backwards of earlier gradient-accumulation microbatches under no_sync()"
+            )
+        if not self._sync:
+            return
+        bucket.ready.add(slot)
+        while self._next < len(self._buckets) and self._buckets[self._next].full:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
+        for param, view in zip(bucket.params, bucket.buffer.split(bucket.numels), strict=True):
+            if param.grad is None:
+                view.zero_()  # unused on this rank: contributes nothing, keeps the sizes equal on every rank
+            else:
+                view.copy_(_local(param.grad).reshape(-1))
+        bucket.work = dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the buckets backward did not fill, wait for all, and write the dp-mean into each ``param.grad``
+        (parameters without a grad keep ``None``)."""
+        if self._size == 1:
+            return
+        for bucket in self._buckets[self._next :]:
+            self._launch(bucket)
+        try:
+            for bucket in self._buckets:
+                bucket.work.wait()
+                bucket.buffer.div_(self._size)
+                for param, view in zip(bucket.params, bucket.buffer.split(bucket.numels), strict=True):
+                    if param.grad is not None:
+                        grad = _local(param.grad)
+                        grad.copy_(view.view_as(grad))
+        finally:
+            for bucket in self._buckets:
+                bucket.ready.clear()
+                bucket.work = None
+            self._next = 0
+
+    def remove(self) -> None:
+        """Unregister the hooks (grads then stay local until someone reduces them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,138 @@
+"""OverlappedGradSync: dp grad averaging during backward equals the dense step's grads, on plain and DTensor (tp)
+parameters, with gradient accumulation, unused parameters and fp32 reduction; misuse raises instead of hanging."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshpar.data_parallel import allreduce_gradients
+from meshpar.grad_sync import OverlappedGradSync
+from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
+from tests._models import TinyTransformer, block_plan
+
+BATCH = 8
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(BATCH, 6, 16), torch.randn(BATCH, 6, 16)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - target) ** 2).mean()
+
+
+def _models(tp: int) -> tuple[nn.Module, nn.Module, object]:
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense = TinyTransformer(hidden=16, heads=4, ffn=24, layers=3)
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan())
+    return dense, model, dims
+
+
+def _my_rows(dims, microbatches: int = 1) -> list[slice]:
+    per_rank = BATCH // dims.dp
+    start = dims.dp_rank * per_rank
+    step = per_rank // microbatches
+    return [slice(start + i * step, start + (i + 1) * step) for i in range(microbatches)]
+
+
+def _check_grads(dense: nn.Module, model: nn.Module) -> None:
+    dense_params = dict(dense.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert_matches_dense(param.grad, dense_params[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def overlap_case(tp: int, bucket_mb: float, microbatches: int) -> dict:
+    dense, model, dims = _models(tp)
+    sync = OverlappedGradSync(model.parameters(), dims.dp_mesh, bucket_mb=bucket_mb)
+    x, target = _data()
+    _loss(dense, x, target).backward()
+    rows = _my_rows(dims, microbatches)
+    for r in rows[:-1]:
+        with sync.no_sync():
+            (_loss(model, x[r], target[r]) / microbatches).backward()
+        assert sync.launched == 0
+    (_loss(model, x[rows[-1]], target[rows[-1]]) / microbatches).backward()
+    launched_in_backward = sync.launched
+    sync.finish()
+    _check_grads(dense, model)
+    # a second step on the same sync (state was reset) gives the same grads again
+    model.zero_grad()
+    for r in rows[:-1]:
+        with sync.no_sync():
+            (_loss(model, x[r], target[r]) / microbatches).backward()
+    (_loss(model, x[rows[-1]], target[rows[-1]]) / microbatches).backward()
+    sync.finish()
+    _check_grads(dense, model)
+    return {"buckets": sync.num_buckets, "launched": launched_in_backward}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overlapped_sync_equals_dense_grads(tp: int) -> None:
+    # 1 KiB buckets: many buckets, every one of them launched by backward itself, before finish()
+    results = run_distributed(overlap_case, 4, tp, 1 / 1024, 1)
+    assert all(r["buckets"] > 4 and r["launched"] == r["buckets"] for r in results), results
+    # one big bucket: the single all-reduce starts when the last grad (the first layer's) lands
+    results = run_distributed(overlap_case, 4, tp, 25.0, 1)
+    assert all(r == {"buckets": 1, "launched": 1} for r in results), results
+
+
+def test_overlapped_sync_with_gradient_accumulation() -> None:
+    results = run_distributed(overlap_case, 2, 1, 1 / 256, 2)
+    assert all(r["launched"] == r["buckets"] for r in results), results
+
+
+def unused_and_dtype_case() -> dict:
+    dims = setup_parallel()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(8, 8), "unused": nn.Linear(8, 8)}).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(dims.dp_rank)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    sync = OverlappedGradSync(model.parameters(), bucket_mb=1 / 1024, reduce_dtype=torch.float32)
+    model["used"](x).sum().backward()
+    launched = sync.launched
+    sync.finish()
+    reference["used"](x).sum().backward()
+    allreduce_gradients(reference.parameters(), reduce_dtype=torch.float32)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, dict(reference.named_parameters())[name].grad, atol=0, rtol=0)
+    return {"unused_grads": [p.grad is None for p in model["unused"].parameters()], "launched": launched}
+
+
+def test_unused_parameters_and_fp32_reduction() -> None:
+    results = run_distributed(unused_and_dtype_case, 2)
+    # buckets holding the unused layer never fill during backward; finish() launches them with zeros
+    assert all(r["unused_grads"] == [True, True] and r["launched"] == 0 for r in results), results
+
+
+def misuse_case() -> str:
+    setup_parallel()
+    model = nn.Linear(4, 4)
+    sync = OverlappedGradSync(model.parameters(), bucket_mb=1.0)
+    model(torch.ones(2, 4)).sum().backward()
+    try:
+        model(torch.ones(2, 4)).sum().backward()  # second microbatch forgot no_sync()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        message = ""
+    sync.finish()  # the started all-reduce still completes: the ranks stay in step
+    return message
+
+
+def test_backward_after_launch_without_finish_raises() -> None:
+    messages = run_distributed(misuse_case, 2)
+    assert all("no_sync()" in m and "finish()" in m for m in messages), messages
+
+
+def test_bad_bucket_size() -> None:
+    with pytest.raises(ValueError, match="bucket_mb must be positive"):
+        OverlappedGradSync([nn.Parameter(torch.ones(2))], bucket_mb=0)
