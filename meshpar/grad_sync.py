@@ -53,8 +53,9 @@ class OverlappedGradSync:
 
     Call :meth:`finish` after each backward that should sync (it launches whatever backward did not, for example
     buckets holding unused parameters, and waits); run the backwards of earlier gradient-accumulation microbatches
-    under :meth:`no_sync`. ``bucket_mb`` caps a bucket's size in MiB: smaller buckets start earlier but cost more
-    collectives. ``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32.
+    under :meth:`no_sync`. ``bucket_mb`` caps a bucket's size in MiB (``first_bucket_mb`` the first one's, the last
+    layers' grads): smaller buckets start earlier but cost more collectives. A single parameter larger than the cap
+    gets a bucket of its own. ``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32.
     """
 
     def __init__(
@@ -63,10 +64,11 @@ class OverlappedGradSync:
         dp_mesh: DeviceMesh | None = None,
         *,
         bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        if not (bucket_mb > 0 and first_bucket_mb > 0):
+            raise ValueError(f"bucket_mb and first_bucket_mb must be positive, got {bucket_mb!r}, {first_bucket_mb!r}")
         mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
         self._size = mesh.size()
         self._group = mesh.get_group() if self._size > 1 else None
@@ -74,19 +76,23 @@ class OverlappedGradSync:
         self._sync = True
         self._next = 0  # the first bucket not launched yet
         unique = {id(p): p for p in parameters if p.requires_grad}
-        self._buckets = self._cut(list(unique.values())[::-1], int(bucket_mb * 2**20))
+        caps = (int(min(first_bucket_mb, bucket_mb) * 2**20), int(bucket_mb * 2**20))
+        self._buckets = self._cut(list(unique.values())[::-1], caps)
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._handles = (
             [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique.values()] if self._size > 1 else []
         )
 
-    def _cut(self, params: list[torch.nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    def _cut(self, params: list[torch.nn.Parameter], caps: tuple[int, int]) -> list[_Bucket]:
+        """Greedy cut in backward order; the first bucket gets the smaller cap so the first all-reduce starts early
+        (torch DDP does the same)."""
         buckets: list[_Bucket] = []
         for param in params:
             local = _local(param)
             dtype = self._reduce_dtype or local.dtype
             last = buckets[-1] if buckets else None
-            fits = last is not None and (sum(last.numels) + local.numel()) * dtype.itemsize <= cap_bytes
+            cap = caps[0] if len(buckets) == 1 else caps[1]
+            fits = last is not None and (sum(last.numels) + local.numel()) * dtype.itemsize <= cap
             if last is None or not fits or (last.dtype, last.device) != (dtype, local.device):
                 last = _Bucket([], [], dtype, local.device)
                 buckets.append(last)
@@ -97,6 +103,11 @@ class OverlappedGradSync:
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        """Elements per bucket, in launch order (the last layers' grads first)."""
+        return [sum(bucket.numels) for bucket in self._buckets]
 
     @property
     def launched(self) -> int:
@@ -137,6 +148,7 @@ class OverlappedGradSync:
                 view.zero_()  # unused on this rank: contributes nothing, keeps the sizes equal on every rank
             else:
                 view.copy_(_local(param.grad).reshape(-1))
+        bucket.buffer.div_(self._size)  # average before the reduction: nothing left to do after the last wait
         bucket.work = dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
 
     @torch.no_grad()
@@ -150,7 +162,6 @@ class OverlappedGradSync:
         try:
             for bucket in self._buckets:
                 bucket.work.wait()
-                bucket.buffer.div_(self._size)
                 for param, view in zip(bucket.params, bucket.buffer.split(bucket.numels), strict=True):
                     if param.grad is not None:
                         grad = _local(param.grad)

@@ -133,6 +133,25 @@ def test_backward_after_launch_without_finish_raises() -> None:
     assert all("no_sync()" in m and "finish()" in m for m in messages), messages
 
 
+def layout_case() -> list[list[int]]:
+    setup_parallel()
+    # registration order a, b, c, d; backward order (the bucket order) d, c, b, a
+    sizes = {"a": 300_000, "b": 100_000, "c": 150_000, "d": 100_000}
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes.values()]
+    default = OverlappedGradSync(params, bucket_mb=1.0, first_bucket_mb=0.5).bucket_numels
+    one_per_param = OverlappedGradSync(params, bucket_mb=0.1).bucket_numels
+    single = OverlappedGradSync(params, bucket_mb=10.0, first_bucket_mb=10.0).bucket_numels
+    return [default, one_per_param, single]
+
+
+def test_bucket_layout_follows_backward_order_and_caps() -> None:
+    default, one_per_param, single = run_distributed(layout_case, 2)[0]
+    # first bucket capped at 0.5 MiB (131072 fp32): d alone; then c + b fit in 1 MiB (262144); a alone
+    assert default == [100_000, 250_000, 300_000]
+    assert one_per_param == [100_000, 150_000, 100_000, 300_000]  # a parameter over the cap gets its own bucket
+    assert single == [650_000]
+
+
 def test_bad_bucket_size() -> None:
-    with pytest.raises(ValueError, match="bucket_mb must be positive"):
+    with pytest.raises(ValueError, match="bucket_mb and first_bucket_mb must be positive"):
         OverlappedGradSync([nn.Parameter(torch.ones(2))], bucket_mb=0)
