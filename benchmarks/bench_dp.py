@@ -95,17 +95,20 @@ def main() -> None:
         f"{args.vocab}; {result['grad_mib']:.1f} MiB of fp32 grads; dp=2 on 2 gloo processes, {args.rounds} rounds"
     )
     base, floor = medians["after backward"], medians["no sync"]
-    header = ("variant", "buckets", "step ms", "vs after bwd", "paired", "wins", "hidden")
-    print("{:24s} {:>7s} {:>9s} {:>13s} {:>7s} {:>6s} {:>7s}".format(*header))
+    header = ("variant", "buckets", "step ms", "vs after bwd", "paired", "wins", "hidden", "paired vs DDP")
+    print("{:24s} {:>7s} {:>9s} {:>13s} {:>7s} {:>6s} {:>7s} {:>14s}".format(*header))
     for variant in variants:
         t = medians[variant]
         ratios = [a / b for a, b in zip(rounds[variant], rounds["after backward"], strict=True)]
         wins = sum(r < 1 for r in ratios)
         hidden = 1 - (t - floor) / (base - floor) if variant != "no sync" and base > floor else float("nan")
         buckets = result["buckets"].get(variant, "")
+        vs_ddp = [a / b for a, b in zip(rounds[variant], rounds["torch DDP"], strict=True)]
+        ddp_wins = sum(r < 1 for r in vs_ddp)
         print(
             f"{variant:24s} {buckets!s:>7s} {t * 1e3:9.1f} {t / base:12.3f}x {statistics.median(ratios):7.3f} "
-            f"{wins:>3d}/{len(ratios):<2d} {hidden:7.2f}"
+            f"{wins:>3d}/{len(ratios):<2d} {hidden:7.2f} {statistics.median(vs_ddp):8.3f} "
+            f"{ddp_wins:>2d}/{len(vs_ddp)}"
         )
 
 

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2     # tp=2 x dp=2
 
 The model is built densely from one seed on every rank and sharded with a plan dict; the LM head emits vocab-sharded
-logits that go straight into ``meshpar.parallel_cross_entropy``. The corpus is the source text of Python's own
-``textwrap`` module, tokenised by bytes.
+logits that go straight into ``meshpar.parallel_cross_entropy``; the dp all-reduce of the grads runs during backward
+(``OverlappedGradSync``). The corpus is the source text of Python's own ``textwrap`` module, tokenised by bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import meshpar
 import meshpar.testing
-from meshpar.data_parallel import allreduce_gradients
+from meshpar.grad_sync import OverlappedGradSync
 from meshpar.tensor_parallel import ColumnParallel, RowParallel, VocabParallel
 
 
@@ -99,6 +99,7 @@ def main() -> None:
     model = TinyGPT(256, args.hidden, args.heads, args.layers, args.seq)
     model = parallelize_module(model, dims.tp_mesh, TP_PLAN).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    grad_sync = OverlappedGradSync(model.parameters(), dims.dp_mesh)  # dp all-reduce in buckets during backward
     if is_logger:
         local_params = sum(meshpar.testing.local(p).numel() for p in model.parameters())
         print(f"{dims} | corpus {len(data)} bytes | params per rank {local_params}")
@@ -111,7 +112,7 @@ def main() -> None:
         loss = meshpar.parallel_cross_entropy(model(x), y).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        allreduce_gradients(model.parameters())
+        grad_sync.finish()
         optimizer.step()
         if is_logger:
             tokens = step * args.batch * args.seq

@@ -2,6 +2,7 @@
 
 from meshpar import checkpoint, parallel_state
 from meshpar.grad_clip import clip_grad_norm
+from meshpar.grad_sync import OverlappedGradSync
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
 from meshpar.random import activation_checkpoint, get_rng_tracker, model_parallel_manual_seed
@@ -38,6 +39,7 @@ def pad_model(*args, **kwargs):  # noqa: ANN201
 __all__ = [
     "ColumnParallel",
     "DistributedOptimizer",
+    "OverlappedGradSync",
     "clip_grad_norm",
     "ColumnParallelLinear",
     "ParallelDims",

@@ -20,6 +20,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
+    overlap_grad_reduce: bool = True  # dp > 1, pp == 1: all-reduce grad buckets while backward runs
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -40,7 +41,13 @@ class ParallelConfig:
                 f"config key 'num_microbatches' ({self.num_microbatches}) must be >= 'pipeline_parallel_size' "
                 f"({self.pipeline_parallel_size})"
             )
-        for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing"):
+        for name in (
+            "auto_partition",
+            "sequence_parallel",
+            "compile",
+            "activation_checkpointing",
+            "overlap_grad_reduce",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
 

@@ -2,7 +2,10 @@
 
 With ``pipeline_parallel_size == 1`` the result trains as usual: ``out = model(**batch, labels=labels)``,
 ``out.loss.backward()``, ``optimizer.step()`` (call ``model.allreduce_gradients()`` when dp > 1, or use
-``model.train_step``). With ``pipeline_parallel_size > 1`` the forward and backward of all microbatches run inside
+``model.train_step``). With dp > 1 the dp all-reduce of the grads runs in buckets during backward
+(``overlap_grad_reduce``); run the backwards of earlier gradient-accumulation microbatches under ``model.no_sync()``.
+
+With ``pipeline_parallel_size > 1`` the forward and backward of all microbatches run inside
 ``loss = model.train_step(**batch, labels=labels)``, which returns the mean loss on every rank. LM losses are
 computed from vocab-sharded logits with :func:`meshpar.parallel_cross_entropy`; the logits are never gathered.
 """
@@ -24,6 +27,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar import checkpoint
 from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing
+from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
 from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
@@ -81,9 +85,12 @@ class ParallelizedModel(nn.Module):
         head_name = next((n for n in ("lm_head", "cls.predictions.decoder") if n in self.plan.styles), None)
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
+        self._grad_sync: OverlappedGradSync | None = None
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
+            if self.dims.dp > 1 and config.overlap_grad_reduce:
+                self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
         else:
             if self.loss_fn is None or self.plan.family not in STAGE_FORWARDS:
                 raise ValueError(
@@ -204,7 +211,17 @@ class ParallelizedModel(nn.Module):
         return torch.cat(outputs) if outputs else None
 
     def allreduce_gradients(self) -> None:
-        allreduce_gradients(self.parameters())
+        """Average the grads over dp: wait for the all-reduces backward started (``overlap_grad_reduce``), or run
+        them now."""
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
+        else:
+            allreduce_gradients(self.parameters())
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backwards inside accumulate grads locally, without starting dp all-reduces (gradient accumulation: all
+        microbatches but the last)."""
+        return self._grad_sync.no_sync() if self._grad_sync is not None else contextlib.nullcontext()
 
     def _sync_tied_grads(self) -> None:
         if self._tied_group is None:

@@ -83,6 +83,37 @@ def test_sequence_parallel_for_bert_classification() -> None:
     run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
+def data_parallel_case(overlap: bool, accumulate: bool) -> bool:
+    dims = setup_parallel(tp=2)  # world 4: dp=2
+    dense = build("gpt2")
+    config = {"tensor_parallel_size": 2, "overlap_grad_reduce": overlap}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch("gpt2", rows=8)
+    dense(**data).loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+    mine = {k: v[dims.dp_rank * 4 : (dims.dp_rank + 1) * 4] for k, v in data.items()}
+    if accumulate:  # two microbatches of 2 rows; the first only accumulates
+        with model.no_sync():
+            (model(**{k: v[:2] for k, v in mine.items()}).loss / 2).backward()
+        (model(**{k: v[2:] for k, v in mine.items()}).loss / 2).backward()
+        model.allreduce_gradients()
+    else:
+        model.train_step(**mine)
+    optimizer.step()
+    for name, param in model.module.named_parameters():
+        got = param.to_local() if isinstance(param, DTensor) else param
+        torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
+    return model._grad_sync is not None
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_tp_x_dp_step_matches_dense(overlap: bool, accumulate: bool) -> None:
+    """dp=2 x tp=2: grads averaged over dp during backward (default) or after it, with gradient accumulation."""
+    assert run_distributed(data_parallel_case, 4, overlap, accumulate) == [overlap] * 4
+
+
 def generation_case() -> bool:
     setup_parallel(tp=2)
     dense = build("gpt2")
@@ -147,6 +178,7 @@ def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
         ({"virtual_pipeline_size": 2}, "needs 'pipeline_parallel_size' > 1"),
         ({"model_parallelism": {"enable": True, "pipeline_size": 2}}, r"unknown keys \['pipeline_size'\]"),
         ({"compile": "yes"}, "'compile' must be true or false"),
+        ({"overlap_grad_reduce": 1}, "'overlap_grad_reduce' must be true or false"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_rule(config: dict, message: str) -> None:
