@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,7 @@ class ParallelizedModel(nn.Module):
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded),
             keep_modules=keep,
             stage_transform=transform,
+            overlap_grad_reduce=self.parallel_config.overlap_grad_reduce,
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -179,10 +181,11 @@ class ParallelizedModel(nn.Module):
             loss = self(labels=labels, **inputs).loss
             loss.backward()
             loss = loss.detach()
+            self.allreduce_gradients()
         else:
             loss = self.pipeline.run_train(labels=labels, **inputs)
+            self.allreduce_gradients()  # dp mean and the tied-embedding sum commute; the dp one may be in flight
             self._sync_tied_grads()
-        self.allreduce_gradients()
         return self._mean_over_dp(loss)
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
@@ -210,18 +213,30 @@ class ParallelizedModel(nn.Module):
         _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None
 
+    @property
+    def grad_syncs(self) -> list[OverlappedGradSync]:
+        """The dp grad syncs that run during backward (``overlap_grad_reduce``): one, or one per pipeline chunk."""
+        if self.pipeline is not None:
+            return list(self.pipeline.grad_syncs or ())
+        return [self._grad_sync] if self._grad_sync is not None else []
+
     def allreduce_gradients(self) -> None:
         """Average the grads over dp: wait for the all-reduces backward started (``overlap_grad_reduce``), or run
         them now."""
-        if self._grad_sync is not None:
-            self._grad_sync.finish()
+        if self.grad_syncs:
+            for sync in self.grad_syncs:
+                sync.finish()
         else:
             allreduce_gradients(self.parameters())
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate grads locally, without starting dp all-reduces (gradient accumulation: all
         microbatches but the last)."""
-        return self._grad_sync.no_sync() if self._grad_sync is not None else contextlib.nullcontext()
+        with contextlib.ExitStack() as stack:
+            for sync in self.grad_syncs:
+                stack.enter_context(sync.no_sync())
+            yield
 
     def _sync_tied_grads(self) -> None:
         if self._tied_group is None:

@@ -10,9 +10,10 @@ backward and sends the input grad back.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from torch import nn
 from meshpar._compat import run_backward_unchecked
 from meshpar.pipeline._p2p import P2P, message_tag
 from meshpar.pipeline.schedule_ir import Action
+
+if TYPE_CHECKING:
+    from meshpar.grad_sync import OverlappedGradSync
 
 ForwardStep = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
 
@@ -46,6 +50,8 @@ class PipelineExecutor:
     loss_scale: float = 1.0
     set_virtual_rank: Callable[[int], None] | None = None
     keep_outputs: bool = False  # keep the last stage's outputs (e.g. logits) per microbatch
+    # one per chunk: dp all-reduces start during each chunk's last backward, earlier backwards only accumulate
+    grad_syncs: Sequence[OverlappedGradSync] | None = None
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
 
@@ -105,18 +111,25 @@ class PipelineExecutor:
             tag = message_tag("B", stage - 1, action.microbatch)
             self.p2p.send(slot.input.grad, self.p2p.prev_rank, with_header=False, tag=tag)
 
+    def _grad_sync_context(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
+        if self.grad_syncs is None or last:
+            return contextlib.nullcontext()
+        return self.grad_syncs[stage // self.pp].no_sync()
+
     def run(
         self, actions: Sequence[Action], microbatches: Sequence[Any], forward_step: ForwardStep, forward_only: bool
     ) -> list[torch.Tensor]:
         """Execute ``actions``; returns the per-microbatch losses on the rank owning the last stage, else ``[]``."""
         losses: dict[int, torch.Tensor] = {}
-        for action in actions:
+        last_backward = {action.stage: i for i, action in enumerate(actions) if action.kind != "F"}
+        for i, action in enumerate(actions):
             if action.kind == "F":
                 with torch.set_grad_enabled(not forward_only):
                     loss = self.forward(action, microbatches[action.microbatch], forward_step, forward_only)
                 if loss is not None:
                     losses[action.microbatch] = loss
             elif not forward_only:
-                self.backward(action)
+                with self._grad_sync_context(action.stage, last=i == last_backward[action.stage]):
+                    self.backward(action)
         self.p2p.wait_all()
         return [losses[i] for i in sorted(losses)]

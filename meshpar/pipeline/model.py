@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar.parallel_dims import get_parallel
+from meshpar.grad_sync import OverlappedGradSync
+from meshpar.parallel_dims import ParallelDims, get_parallel
 from meshpar.pipeline._p2p import P2P
 from meshpar.pipeline.apex import _neighbours, split_microbatches
 from meshpar.pipeline.executor import PipelineExecutor
@@ -74,6 +75,7 @@ class PipelineModel(nn.Module):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         keep_modules: Sequence[str] = (),
         stage_transform: Callable[[nn.Module], nn.Module] | None = None,
+        overlap_grad_reduce: bool = False,
     ) -> None:
         super().__init__()
         dims = get_parallel()
@@ -102,6 +104,24 @@ class PipelineModel(nn.Module):
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.loss_fn = loss_fn
+        self.grad_syncs = self._grad_syncs(dims) if overlap_grad_reduce and dims.dp > 1 else None
+
+    def _grad_syncs(self, dims: ParallelDims) -> list[OverlappedGradSync]:
+        """One dp grad sync per chunk, so a chunk's buckets start in its last backward (a parameter shared by two
+        chunks belongs to the first)."""
+        claimed: set[int] = set()
+        syncs = []
+        for chunk in self.chunks:
+            params = [p for p in chunk.stage.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in params)
+            syncs.append(OverlappedGradSync(params, dims.dp_mesh))
+        return syncs
+
+    def finish_grad_sync(self) -> None:
+        """With ``overlap_grad_reduce``: wait for the dp all-reduces ``run_train`` started; grads are then the
+        dp-mean."""
+        for sync in self.grad_syncs or ():
+            sync.finish()
 
     # -- NxD accessors: names are the original model's FQNs ------------------------------------------------
     def local_modules(self) -> list[nn.Module]:
@@ -154,6 +174,7 @@ class PipelineModel(nn.Module):
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             loss_scale=1.0 / len(microbatches),
             keep_outputs=keep_outputs,
+            grad_syncs=self.grad_syncs,
         )
         losses = executor.run(actions, microbatches, self._forward_step, forward_only)
         self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]

@@ -83,16 +83,21 @@ def test_sequence_parallel_for_bert_classification() -> None:
     run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
-def data_parallel_case(overlap: bool, accumulate: bool) -> bool:
-    dims = setup_parallel(tp=2)  # world 4: dp=2
-    dense = build("gpt2")
-    config = {"tensor_parallel_size": 2, "overlap_grad_reduce": overlap}
+def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool, accumulate: bool) -> int:
+    dims = setup_parallel(tp=tp, pp=pp)  # world 4: dp = 4 / (tp * pp) = 2
+    dense = build("gpt2", layers=2 * pp * vpp)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
+    config |= {"num_microbatches": 2 * pp, "overlap_grad_reduce": overlap}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch("gpt2", rows=8)
     dense(**data).loss.backward()
     torch.optim.SGD(dense.parameters(), lr=0.5).step()
     optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
     mine = {k: v[dims.dp_rank * 4 : (dims.dp_rank + 1) * 4] for k, v in data.items()}
+    in_flight = []  # per sync: were all its buckets started by backward itself, before finish()?
+    for sync in model.grad_syncs:
+        finish = sync.finish
+        sync.finish = lambda s=sync, f=finish: (in_flight.append(s.launched == s.num_buckets), f())[-1]
     if accumulate:  # two microbatches of 2 rows; the first only accumulates
         with model.no_sync():
             (model(**{k: v[:2] for k, v in mine.items()}).loss / 2).backward()
@@ -101,17 +106,26 @@ def data_parallel_case(overlap: bool, accumulate: bool) -> bool:
     else:
         model.train_step(**mine)
     optimizer.step()
-    for name, param in model.module.named_parameters():
-        got = param.to_local() if isinstance(param, DTensor) else param
-        torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
-    return model._grad_sync is not None
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            got = param.to_local() if isinstance(param, DTensor) else param
+            torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
+    assert all(in_flight) and len(in_flight) == len(model.grad_syncs), in_flight
+    return len(model.grad_syncs)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_tp_x_dp_step_matches_dense(overlap: bool, accumulate: bool) -> None:
     """dp=2 x tp=2: grads averaged over dp during backward (default) or after it, with gradient accumulation."""
-    assert run_distributed(data_parallel_case, 4, overlap, accumulate) == [overlap] * 4
+    assert run_distributed(data_parallel_case, 4, 2, 1, 1, overlap, accumulate) == [int(overlap)] * 4
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_pp_x_dp_step_matches_dense(overlap: bool, vpp: int) -> None:
+    """dp=2 x pp=2 with GPT-2's tied embedding: each chunk's dp all-reduces start in its last backward."""
+    assert run_distributed(data_parallel_case, 4, 1, 2, vpp, overlap, False) == [vpp * overlap] * 4
 
 
 def generation_case() -> bool:
