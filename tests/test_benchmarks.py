@@ -46,3 +46,12 @@ def test_bench_sp_moves_the_same_bytes_as_tp() -> None:
     out = _run("bench_sp.py", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16", "--batch", "2")
     assert out.count("(ratio 1.00 | 1.00)") == 2  # TP and SP both at the Megatron minimum
     assert "SP: {'all_gather_into_tensor': 2.0, 'reduce_scatter_tensor': 2.0}" in out
+
+
+def test_bench_dp_prints_every_variant() -> None:
+    out = _run("bench_dp.py", "--rounds", "2", "--layers", "1", "--hidden", "32", "--seq", "16", "--vocab", "64",
+               "--bucket-mb", "25", "0.01")  # fmt: skip
+    for variant in ("no sync", "after backward", "overlapped 25 MiB", "overlapped 0.01 MiB", "torch DDP"):
+        assert f"{variant} " in out
+    buckets = re.search(r"^overlapped 0\.01 MiB\s+(\d+)", out, re.MULTILINE).group(1)
+    assert int(buckets) > 1
