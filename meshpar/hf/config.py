@@ -20,7 +20,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
-    overlap_grad_reduce: bool = True  # dp > 1, pp == 1: all-reduce grad buckets while backward runs
+    # dp > 1: all-reduce grad buckets while backward runs. None: on CUDA only (on CPU, gloo's reduction competes with
+    # backward for the same cores; benchmarks/README.md, bench_dp.py)
+    overlap_grad_reduce: bool | None = None
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -41,13 +43,11 @@ class ParallelConfig:
                 f"config key 'num_microbatches' ({self.num_microbatches}) must be >= 'pipeline_parallel_size' "
                 f"({self.pipeline_parallel_size})"
             )
-        for name in (
-            "auto_partition",
-            "sequence_parallel",
-            "compile",
-            "activation_checkpointing",
-            "overlap_grad_reduce",
-        ):
+        if self.overlap_grad_reduce is not None and not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(
+                f"config key 'overlap_grad_reduce' must be true, false or null, got {self.overlap_grad_reduce!r}"
+            )
+        for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
 

@@ -2,8 +2,8 @@
 
 With ``pipeline_parallel_size == 1`` the result trains as usual: ``out = model(**batch, labels=labels)``,
 ``out.loss.backward()``, ``optimizer.step()`` (call ``model.allreduce_gradients()`` when dp > 1, or use
-``model.train_step``). With dp > 1 the dp all-reduce of the grads runs in buckets during backward
-(``overlap_grad_reduce``); run the backwards of earlier gradient-accumulation microbatches under ``model.no_sync()``.
+``model.train_step``). With dp > 1 on CUDA (or ``overlap_grad_reduce: true``) the dp all-reduce of the grads runs in
+buckets during backward; run the backwards of earlier gradient-accumulation microbatches under ``model.no_sync()``.
 
 With ``pipeline_parallel_size > 1`` the forward and backward of all microbatches run inside
 ``loss = model.train_step(**batch, labels=labels)``, which returns the mean loss on every rank. LM losses are
@@ -90,7 +90,7 @@ class ParallelizedModel(nn.Module):
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
-            if self.dims.dp > 1 and config.overlap_grad_reduce:
+            if self.dims.dp > 1 and self._overlap_grad_reduce:
                 self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
         else:
             if self.loss_fn is None or self.plan.family not in STAGE_FORWARDS:
@@ -101,6 +101,11 @@ class ParallelizedModel(nn.Module):
             self.pipeline = self._split(model)
             self.module = None
             self._tied_group = self._tied_embedding_group()
+
+    @property
+    def _overlap_grad_reduce(self) -> bool:
+        overlap = self.parallel_config.overlap_grad_reduce
+        return overlap if overlap is not None else self.dims.device.type == "cuda"
 
     # -- building ------------------------------------------------------------------------------------------------
     def _shard(self, module: nn.Module) -> nn.Module:
@@ -146,7 +151,7 @@ class ParallelizedModel(nn.Module):
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded),
             keep_modules=keep,
             stage_transform=transform,
-            overlap_grad_reduce=self.parallel_config.overlap_grad_reduce,
+            overlap_grad_reduce=self._overlap_grad_reduce,
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:

@@ -83,7 +83,7 @@ def test_sequence_parallel_for_bert_classification() -> None:
     run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
-def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool, accumulate: bool) -> int:
+def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool | None, accumulate: bool) -> int:
     dims = setup_parallel(tp=tp, pp=pp)  # world 4: dp = 4 / (tp * pp) = 2
     dense = build("gpt2", layers=2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
@@ -114,11 +114,12 @@ def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool, accumulate: bo
     return len(model.grad_syncs)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, False, None])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_tp_x_dp_step_matches_dense(overlap: bool, accumulate: bool) -> None:
-    """dp=2 x tp=2: grads averaged over dp during backward (default) or after it, with gradient accumulation."""
-    assert run_distributed(data_parallel_case, 4, 2, 1, 1, overlap, accumulate) == [int(overlap)] * 4
+def test_tp_x_dp_step_matches_dense(overlap: bool | None, accumulate: bool) -> None:
+    """dp=2 x tp=2: grads averaged over dp during backward or after it (the default on CPU), with gradient
+    accumulation."""
+    assert run_distributed(data_parallel_case, 4, 2, 1, 1, overlap, accumulate) == [int(bool(overlap))] * 4
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -192,7 +193,7 @@ def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
         ({"virtual_pipeline_size": 2}, "needs 'pipeline_parallel_size' > 1"),
         ({"model_parallelism": {"enable": True, "pipeline_size": 2}}, r"unknown keys \['pipeline_size'\]"),
         ({"compile": "yes"}, "'compile' must be true or false"),
-        ({"overlap_grad_reduce": 1}, "'overlap_grad_reduce' must be true or false"),
+        ({"overlap_grad_reduce": 1}, "'overlap_grad_reduce' must be true, false or null"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_rule(config: dict, message: str) -> None:
