@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import parallel_state
+from meshpar.data_parallel import apply_fsdp
 from meshpar.pipeline import PipelineModel, StageChunk, get_forward_backward_func, split_model
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
@@ -155,3 +156,41 @@ def bad_inputs_case(kind: str) -> None:
 def test_bad_pipeline_inputs_raise_on_every_rank_without_hanging(kind: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         run_distributed(bad_inputs_case, 2, kind)
+
+
+def pp_x_dp_case(v: int, sync: str) -> int:
+    """pp=2 x dp=2: each dp replica runs the pipeline on its half of the batch; grads must be the dense grads of the
+    whole batch after the dp sync (FSDP2 on each chunk, or meshpar's overlapped all-reduce per chunk)."""
+    dims = setup_parallel(pp=2)
+    m = 4
+    batch = _batch(2 * m)  # m microbatches of 2 rows per dp rank
+    everything = [{k: t.chunk(2 * m)[i] for k, t in batch.items()} for i in range(2 * m)]
+    dense, _ = _dense(4, everything)
+    mine = {k: t.chunk(2)[dims.dp_rank] for k, t in batch.items()}
+    torch.manual_seed(0)
+    model = PipelineModel(
+        PipeGPT(layers=4),
+        transformer_layer_cls=Block,
+        num_microbatches=m,
+        virtual_pipeline_size=v,
+        input_names=["ids"],
+        loss_fn=lambda logits, ids, labels: lm_loss(logits, labels),
+        overlap_grad_reduce=sync == "overlap",
+    )
+    if sync == "fsdp":
+        for chunk in model.chunks:
+            apply_fsdp(chunk.stage, dims.dp_mesh, block_cls=Block)
+    model.run_train(**mine)
+    model.finish_grad_sync()
+    dense_params = dict(dense.named_parameters())
+    for chunk in model.chunks:
+        for name, param in chunk.stage.named_parameters():
+            grad = param.grad.full_tensor() if sync == "fsdp" else param.grad
+            torch.testing.assert_close(grad, dense_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    return len(model.grad_syncs or ())
+
+
+@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("sync", ["overlap", "fsdp"])
+def test_pipeline_model_with_data_parallel_matches_dense(v: int, sync: str) -> None:
+    assert run_distributed(pp_x_dp_case, 4, v, sync) == [v if sync == "overlap" else 0] * 4
