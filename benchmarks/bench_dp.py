@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _rounds import alternate
 from bench_tp import GPT
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,13 +58,7 @@ def bench_case(args: argparse.Namespace) -> dict:
         step()  # warm-up (DDP rebuilds its buckets after the first step)
         step()
         runs[variant] = step
-    times = {variant: [] for variant in runs}
-    for _ in range(args.rounds):
-        for variant, step in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[variant].append(time.perf_counter() - start)
+    times = alternate(runs, args.rounds)
     return {
         "rounds": times,
         "buckets": {v: s.num_buckets for v, s in syncs.items()},

@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rounds import alternate
 from bench_pipeline import SavedBytes
 
 from meshpar._compat import CommDebugMode
@@ -96,13 +95,7 @@ def sp_case(args: argparse.Namespace) -> dict:
 
         step()
         runs["sp" if sp else "tp"] = step
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for key, step in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[key].append(time.perf_counter() - start)
+    times = alternate(runs, args.rounds)
     report["times"] = times
     return report
 

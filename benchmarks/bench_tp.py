@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _rounds import alternate
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -211,13 +211,7 @@ def bench_case(args: argparse.Namespace) -> dict:
                 torch._dynamo.reset()
                 continue
             runs[(variant, compiled)] = (step, model)
-    times = {key: [] for key in runs}
-    for _ in range(args.rounds):
-        for key, (step, _) in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[key].append(time.perf_counter() - start)
+    times = alternate({key: step for key, (step, _) in runs.items()}, args.rounds)
     comms, comm_bytes = {}, {}
     for variant in ("meshpar", "torch DTensor", "Megatron-style"):
         model = _build(variant, args, dims, torch_mesh)
