@@ -63,16 +63,21 @@ class WireBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# SP regather: the column linears save the input's sequence shard and all-gather it again in backward (Megatron)
+VARIANTS = ("TP", "SP", "SP regather")
+
+
 def sp_case(args: argparse.Namespace) -> dict:
     dims = setup_parallel(tp=2)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x_full = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     runs, report = {}, {}
-    for sp in (False, True):
+    for key in VARIANTS:
+        sp, regather = key != "TP", key == "SP regather"
         torch.manual_seed(0)
         model = TinyTransformer(hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, layers=args.layers)
-        model = parallelize_module(model, dims.tp_mesh, block_plan(sequence_parallel=sp))
+        model = parallelize_module(model, dims.tp_mesh, block_plan(sequence_parallel=sp, regather=regather))
         x = shard_of(x_full, dims.tp_mesh, 1).contiguous() if sp else x_full
         opt = DistributedOptimizer(model, torch.optim.SGD, lr=1e-3)
         with CommDebugMode() as fwd_mode, WireBytes(2) as fwd_bytes:
@@ -81,7 +86,7 @@ def sp_case(args: argparse.Namespace) -> dict:
                 out = model(x)
         with CommDebugMode() as bwd_mode, WireBytes(2) as bwd_bytes:
             out.square().mean().backward()
-        report["sp" if sp else "tp"] = {
+        report[key] = {
             "fwd": dict(comm_counts(fwd_mode)),
             "bwd": dict(comm_counts(bwd_mode)),
             "bytes": (fwd_bytes.activations, bwd_bytes.activations, bwd_bytes.small),
@@ -94,7 +99,7 @@ def sp_case(args: argparse.Namespace) -> dict:
             o.step()
 
         step()
-        runs["sp" if sp else "tp"] = step
+        runs[key] = step
     times = alternate(runs, args.rounds)
     report["times"] = times
     return report
@@ -116,28 +121,28 @@ def main() -> None:
     print(f"{layers} pre-norm blocks, {shape}, fp32; tp=2 on 2 gloo processes")
     print("\ncollectives per layer (forward | backward); Megatron: TP 2 all-reduce | 2 all-reduce;")
     print("  SP 2 all-gather + 2 reduce-scatter | the same + small all-reduces of the replicated norm / bias grads")
-    for key in ("tp", "sp"):
+    for key in VARIANTS:
         r = result[key]
         per_layer = ({k: v / layers for k, v in r["fwd"].items()}, {k: v / layers for k, v in r["bwd"].items()})
-        print(f"  {key.upper()}: {per_layer[0]} | {per_layer[1]}")
+        print(f"  {key}: {per_layer[0]} | {per_layer[1]}")
     minimum = 2 * layers * full * 2 * (2 - 1) / 2  # two all-reduces of [b, s, h] per layer, ring, p = 2
     print(f"\nbytes each rank sends for activation collectives per step (forward | backward); Megatron minimum "
           f"{minimum:,.0f} each way")  # fmt: skip
-    for key in ("tp", "sp"):
+    for key in VARIANTS:
         fwd, bwd, small = result[key]["bytes"]
-        print(f"  {key.upper()}: {fwd:,.0f} | {bwd:,.0f}  (ratio {fwd / minimum:.2f} | {bwd / minimum:.2f});"
+        print(f"  {key}: {fwd:,.0f} | {bwd:,.0f}  (ratio {fwd / minimum:.2f} | {bwd / minimum:.2f});"
               f" small grad all-reduces {small:,.0f}")  # fmt: skip
-    tp_saved, sp_saved = result["tp"]["saved"], result["sp"]["saved"]
-    print(f"\nactivations saved for backward per rank: TP {tp_saved / 2**20:.1f} MiB, SP {sp_saved / 2**20:.1f} MiB "
-          f"({sp_saved / tp_saved:.2f}x)")  # fmt: skip
-    tp_t, sp_t = result["times"]["tp"], result["times"]["sp"]
-    ratios = [a / b for a, b in zip(sp_t, tp_t, strict=True)]
-    tp_ms, sp_ms = statistics.median(tp_t) * 1e3, statistics.median(sp_t) * 1e3
-    wins = sum(r < 1 for r in ratios)
-    print(
-        f"step (fwd + bwd + SGD): TP {tp_ms:.1f} ms, SP {sp_ms:.1f} ms; paired SP/TP {statistics.median(ratios):.3f}"
-        f" ({wins}/{len(ratios)} rounds SP faster)"
-    )
+    tp_saved = result["TP"]["saved"]
+    print("\nactivations saved for backward per rank, and step time (fwd + bwd + SGD) paired against TP:")
+    tp_t = result["times"]["TP"]
+    for key in VARIANTS:
+        saved, times = result[key]["saved"], result["times"][key]
+        ratios = [a / b for a, b in zip(times, tp_t, strict=True)]
+        wins = sum(r < 1 for r in ratios)
+        print(
+            f"  {key:12s} {saved / 2**20:6.1f} MiB ({saved / tp_saved:.2f}x)   {statistics.median(times) * 1e3:7.1f} ms"
+            f"  paired {statistics.median(ratios):.3f} ({wins}/{len(ratios)} rounds faster than TP)"
+        )
 
 
 if __name__ == "__main__":

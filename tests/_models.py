@@ -48,11 +48,13 @@ class TinyTransformer(nn.Module):
         return x
 
 
-def block_plan(sequence_parallel: bool = False, prefix: str = "layers.*.", heads: int = 4) -> dict:
+def block_plan(
+    sequence_parallel: bool = False, prefix: str = "layers.*.", heads: int = 4, regather: bool = False
+) -> dict:
     plan = {
-        f"{prefix}qkv": ColumnParallel(sequence_parallel=sequence_parallel, num_heads=heads),
+        f"{prefix}qkv": ColumnParallel(sequence_parallel=sequence_parallel, num_heads=heads, regather_input=regather),
         f"{prefix}out": RowParallel(sequence_parallel=sequence_parallel),
-        f"{prefix}fc1": ColumnParallel(sequence_parallel=sequence_parallel),
+        f"{prefix}fc1": ColumnParallel(sequence_parallel=sequence_parallel, regather_input=regather),
         f"{prefix}fc2": RowParallel(sequence_parallel=sequence_parallel),
     }
     if sequence_parallel:

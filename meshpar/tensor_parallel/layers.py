@@ -159,6 +159,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.gather_output = gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.input_gathered = False
+        self.regather_input = False
 
     @classmethod
     def from_linear(
@@ -172,10 +173,13 @@ class ColumnParallelLinear(_TensorParallelLinear):
         num_heads: int | None = None,
         allow_uneven: bool = False,
         input_gathered: bool = False,
+        regather_input: bool = False,
     ) -> ColumnParallelLinear:
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one).
 
         ``num_heads`` (for q/k/v or fused QKV projections) checks that every rank gets whole heads.
+        ``regather_input`` (sequence parallel): save the input's sequence shard, not the gathered input, and
+        all-gather it again in backward (Megatron's memory-saving choice; one more all-gather per layer input).
         """
         if num_heads is not None:
             check_divisible(num_heads, tp_mesh.size(), "the number of attention heads", cls.__name__)
@@ -187,12 +191,13 @@ class ColumnParallelLinear(_TensorParallelLinear):
             tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None
         )
         linear.input_gathered = input_gathered
+        linear.regather_input = regather_input
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
         if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
-            y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+            y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.regather_input)
         elif self.sequence_parallel_enabled:
             y = F.linear(gather_from_sp(x, self.tp_mesh, 1), self.weight.to_local(), _local_or_none(self.bias))
         elif self.input_gathered:  # a module-level gather already owns the input-grad reduction

@@ -46,6 +46,8 @@ class ColumnParallel(ParallelStyle):
     output like ``torch.chunk``; pass the true ``vocab_size`` to :func:`meshpar.parallel_cross_entropy`.
     ``input_gathered``: the input was all-gathered over the sequence by the enclosing module
     (:class:`GatherSequenceInput`), whose backward reduce-scatter already sums the input grads.
+    ``regather_input`` (with ``sequence_parallel``): keep only the input's sequence shard for backward and all-gather
+    it again there, as Megatron does: ``1/tp`` of the saved input for one more all-gather per layer input.
     """
 
     def __init__(
@@ -56,13 +58,17 @@ class ColumnParallel(ParallelStyle):
         num_heads: int | None = None,
         allow_uneven: bool = False,
         input_gathered: bool = False,
+        regather_input: bool = False,
     ) -> None:
         super().__init__()
+        if regather_input and not sequence_parallel:
+            raise ValueError("ColumnParallel(regather_input=True) needs sequence_parallel=True")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.num_heads = num_heads
         self.allow_uneven = allow_uneven
         self.input_gathered = input_gathered
+        self.regather_input = regather_input
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
@@ -75,6 +81,7 @@ class ColumnParallel(ParallelStyle):
             num_heads=self.num_heads,
             allow_uneven=self.allow_uneven,
             input_gathered=self.input_gathered,
+            regather_input=self.regather_input,
         )
 
 

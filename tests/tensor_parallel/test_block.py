@@ -16,11 +16,11 @@ from meshpar.testing.dispatch import AtenOps, comm_counts
 from tests._models import TinyTransformer, block_plan
 
 
-def block_case(tp: int, sp: bool, bias: bool) -> None:
+def block_case(tp: int, sp: bool, bias: bool, regather: bool = False) -> None:
     dims = setup_parallel(tp=tp)
     torch.manual_seed(0)
     dense = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2, bias=bias)
-    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan(sequence_parallel=sp))
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan(sequence_parallel=sp, regather=regather))
     x = torch.randn(2, 8, 16, requires_grad=True)
     grad_out = torch.randn(2, 8, 16)
     expected = dense(x)
@@ -45,32 +45,50 @@ def test_transformer_block_matches_dense(tp: int, sp: bool, bias: bool) -> None:
     run_distributed(block_case, 4, tp, sp, bias)
 
 
-def comm_case(sp: bool) -> tuple[dict, dict]:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_with_regathered_inputs_matches_dense(tp: int) -> None:
+    run_distributed(block_case, 4, tp, True, True, True)
+
+
+def comm_case(sp: bool, regather: bool = False) -> tuple[dict, dict, int]:
     dims = setup_parallel(tp=2)
     torch.manual_seed(0)
-    model = parallelize_module(TinyTransformer(layers=1, bias=False), dims.tp_mesh, block_plan(sequence_parallel=sp))
+    plan = block_plan(sequence_parallel=sp, regather=regather)
+    model = parallelize_module(TinyTransformer(layers=1, bias=False), dims.tp_mesh, plan)
     x = torch.randn(2, 4 if sp else 8, 16, requires_grad=True)
-    with CommDebugMode() as fwd:
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with CommDebugMode() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = model(x)
     with CommDebugMode() as bwd:
         y.sum().backward()
-    return dict(comm_counts(fwd)), dict(comm_counts(bwd))
+    return dict(comm_counts(fwd)), dict(comm_counts(bwd)), sum(saved)
 
 
 def test_megatron_block_issues_one_all_reduce_per_pair_each_way() -> None:
-    fwd, bwd = run_distributed(comm_case, 2, False)[0]
+    fwd, bwd, _ = run_distributed(comm_case, 2, False)[0]
     # attention (qkv -> out) and MLP (fc1 -> fc2): one all-reduce each, forward and backward
     assert fwd == {"all_reduce": 2}
     assert bwd == {"all_reduce": 2}
 
 
 def test_sequence_parallel_block_uses_all_gather_and_reduce_scatter() -> None:
-    fwd, bwd = run_distributed(comm_case, 2, True)[0]
+    fwd, bwd, saved = run_distributed(comm_case, 2, True)[0]
     assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     # backward mirrors the forward; the two LayerNorms' replicated weight and bias grads are partial sums over the
     # sequence shards: one flat all-reduce per LayerNorm sums weight and bias grads together (Megatron's
     # sequence-parallel grad all-reduce)
     assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+    # regather_input: the same forward; backward gathers the qkv and fc1 inputs again, and those two inputs are
+    # saved as [2, 4, 16] sequence shards instead of gathered [2, 8, 16] tensors
+    fwd_r, bwd_r, saved_r = run_distributed(comm_case, 2, True, True)[0]
+    assert fwd_r == fwd
+    assert bwd_r == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 2, "all_reduce": 2}
+    assert saved - saved_r == 2 * (2 * 8 * 16 - 2 * 4 * 16) * 4
 
 
 def _train_step_ops(model: torch.nn.Module, opt: object, x: torch.Tensor) -> AtenOps:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshpar import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from meshpar import ColumnParallel, ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
 
 BATCH, SEQ, IN, OUT = 3, 8, 12, 20  # OUT=20 and IN=12 split over tp=4; SEQ=8 splits for sequence parallelism
@@ -214,3 +214,8 @@ def uneven_vocab_case(tp: int) -> None:
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_uneven_vocab_embedding_and_gathered_head_match_dense(tp: int) -> None:
     run_distributed(uneven_vocab_case, 4, tp)
+
+
+def test_regather_input_needs_sequence_parallel() -> None:
+    with pytest.raises(ValueError, match="regather_input=True\\) needs sequence_parallel=True"):
+        ColumnParallel(regather_input=True)
