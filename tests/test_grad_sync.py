@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from meshpar.data_parallel import allreduce_gradients
+from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import TinyTransformer, block_plan
@@ -150,6 +150,35 @@ def test_bucket_layout_follows_backward_order_and_caps() -> None:
     assert default == [100_000, 250_000, 300_000]
     assert one_per_param == [100_000, 150_000, 100_000, 300_000]  # a parameter over the cap gets its own bucket
     assert single == [650_000]
+
+
+def mismatch_case() -> str:
+    dims = setup_parallel()
+    model = nn.Linear(4, 4 + dims.dp_rank)  # a different model on dp rank 1
+    try:
+        OverlappedGradSync(model.parameters())
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_different_parameters_across_dp_ranks_raise_on_every_rank() -> None:
+    messages = run_distributed(mismatch_case, 2)
+    assert all("dp ranks hold different parameters" in m and "dp rank 1: 1 buckets, 25 elements" in m for m in messages)
+
+
+def fsdp_case() -> str:
+    dims = setup_parallel()
+    model = apply_fsdp(nn.Sequential(nn.Linear(4, 4)), dims.dp_mesh)
+    try:
+        OverlappedGradSync(model.parameters())
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_fsdp_parameters_are_refused() -> None:
+    assert all("FSDP2" in m for m in run_distributed(fsdp_case, 2))
 
 
 def test_bad_bucket_size() -> None:
