@@ -23,6 +23,7 @@ class ParallelConfig:
     # dp > 1: all-reduce grad buckets while backward runs. None: on CUDA only (on CPU, gloo's reduction competes with
     # backward for the same cores; benchmarks/README.md, bench_dp.py)
     overlap_grad_reduce: bool | None = None
+    fsdp: bool = False  # dp > 1: shard parameters, grads and optimizer state over dp (FSDP2 per layer, then the root)
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -47,9 +48,14 @@ class ParallelConfig:
             raise ValueError(
                 f"config key 'overlap_grad_reduce' must be true, false or null, got {self.overlap_grad_reduce!r}"
             )
-        for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing"):
+        for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
+        if self.fsdp and self.overlap_grad_reduce:
+            raise ValueError(
+                "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "
+                "itself, overlapped with backward"
+            )
 
 
 _OSLO_KEYS = {"pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size", "enable"}

@@ -4,6 +4,8 @@ With ``pipeline_parallel_size == 1`` the result trains as usual: ``out = model(*
 ``out.loss.backward()``, ``optimizer.step()`` (call ``model.allreduce_gradients()`` when dp > 1, or use
 ``model.train_step``). With dp > 1 on CUDA (or ``overlap_grad_reduce: true``) the dp all-reduce of the grads runs in
 buckets during backward; run the backwards of earlier gradient-accumulation microbatches under ``model.no_sync()``.
+``fsdp: true`` shards parameters, grads and optimizer state over dp instead (FSDP2 per layer, then the root of the
+model or of each pipeline stage); checkpoints stay layout-free.
 
 With ``pipeline_parallel_size > 1`` the forward and backward of all microbatches run inside
 ``loss = model.train_step(**batch, labels=labels)``, which returns the mean loss on every rank. LM losses are
@@ -27,7 +29,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
 from meshpar._compat import DTensor
-from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing
+from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
@@ -87,6 +89,8 @@ class ParallelizedModel(nn.Module):
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
         self._grad_sync: OverlappedGradSync | None = None
+        container = model.get_submodule(self.plan.layers) if self.plan.layers else None
+        self._layer_cls = type(container[0]) if container is not None and len(container) else None
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -105,7 +109,13 @@ class ParallelizedModel(nn.Module):
     @property
     def _overlap_grad_reduce(self) -> bool:
         overlap = self.parallel_config.overlap_grad_reduce
+        if self._fsdp:
+            return False
         return overlap if overlap is not None else self.dims.device.type == "cuda"
+
+    @property
+    def _fsdp(self) -> bool:
+        return self.parallel_config.fsdp and self.dims.dp > 1
 
     # -- building ------------------------------------------------------------------------------------------------
     def _shard(self, module: nn.Module) -> nn.Module:
@@ -126,6 +136,11 @@ class ParallelizedModel(nn.Module):
             layers = module.get_submodule(self.plan.layers) if self.plan.layers else []
             for layer in layers:
                 layer.compile(fullgraph=False)
+        if self._fsdp:  # last, as in torchtitan: TP -> activation checkpointing -> compile -> FSDP
+            hf_shapes = {n: p.hf_shape for n, p in module.named_parameters() if hasattr(p, "hf_shape")}
+            apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls)
+            for name, shape in hf_shapes.items():  # fully_shard makes new parameters: keep the merged-export layout
+                module.get_parameter(name).hf_shape = shape
         return module
 
     def _split(self, model: nn.Module) -> PipelineModel:
@@ -228,6 +243,8 @@ class ParallelizedModel(nn.Module):
     def allreduce_gradients(self) -> None:
         """Average the grads over dp: wait for the all-reduces backward started (``overlap_grad_reduce``), or run
         them now."""
+        if self._fsdp:
+            return  # FSDP2 reduce-scattered them during backward
         if self.grad_syncs:
             for sync in self.grad_syncs:
                 sync.finish()

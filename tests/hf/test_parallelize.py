@@ -83,11 +83,11 @@ def test_sequence_parallel_for_bert_classification() -> None:
     run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
-def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool | None, accumulate: bool) -> int:
+def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool | None, accumulate: bool, fsdp: bool = False) -> int:
     dims = setup_parallel(tp=tp, pp=pp)  # world 4: dp = 4 / (tp * pp) = 2
     dense = build("gpt2", layers=2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
-    config |= {"num_microbatches": 2 * pp, "overlap_grad_reduce": overlap}
+    config |= {"num_microbatches": 2 * pp, "overlap_grad_reduce": overlap, "fsdp": fsdp}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch("gpt2", rows=8)
     dense(**data).loss.backward()
@@ -108,6 +108,11 @@ def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool | None, accumul
     optimizer.step()
     for module in model.local_modules():
         for name, param in module.named_parameters():
+            if fsdp:  # (dp, tp)-sharded: compare whole tensors
+                assert isinstance(param, DTensor) and "dp" in param.device_mesh.mesh_dim_names, name
+                want = dense.get_parameter(name).detach().reshape(param.shape)
+                torch.testing.assert_close(param.full_tensor(), want, atol=1e-5, rtol=1e-4, msg=name)
+                continue
             got = param.to_local() if isinstance(param, DTensor) else param
             torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
     assert all(in_flight) and len(in_flight) == len(model.grad_syncs), in_flight
@@ -120,6 +125,13 @@ def test_tp_x_dp_step_matches_dense(overlap: bool | None, accumulate: bool) -> N
     """dp=2 x tp=2: grads averaged over dp during backward or after it (the default on CPU), with gradient
     accumulation."""
     assert run_distributed(data_parallel_case, 4, 2, 1, 1, overlap, accumulate) == [int(bool(overlap))] * 4
+
+
+@pytest.mark.parametrize(("tp", "pp", "accumulate"), [(2, 1, False), (2, 1, True), (1, 2, False)])
+def test_fsdp_over_dp_matches_dense(tp: int, pp: int, accumulate: bool) -> None:
+    """``fsdp: true``: FSDP2 shards each layer (and the root) over dp on top of tp, or inside each pipeline stage
+    (GPT-2's tied embedding summed over the first and last stage's dp shards)."""
+    assert run_distributed(data_parallel_case, 4, tp, pp, 1, None, accumulate, True) == [0] * 4
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -159,6 +171,24 @@ def test_save_and_load_parallelized_round_trip(tmp_path) -> None:
     run_distributed(roundtrip_case, 2, str(tmp_path / "dcp"), False)
 
 
+def fsdp_roundtrip_case(directory: str, save_fsdp: bool, merged: bool) -> None:
+    setup_parallel(tp=2)  # world 4: dp=2
+    config = {"tensor_parallel_size": 2}
+    model = meshpar.parallelize(build("gpt2"), {**config, "fsdp": save_fsdp})
+    with torch.no_grad():
+        for p in model.parameters():
+            p._local_tensor.add_(0.01) if isinstance(p, DTensor) else p.add_(0.01)
+    model.save_parallelized(directory, merge_checkpoints=merged)
+    fresh = meshpar.parallelize(build("gpt2"), {**config, "fsdp": not save_fsdp}).from_parallelized(directory)
+    data = batch("gpt2")
+    torch.testing.assert_close(fresh(**data).loss, model(**data).loss)
+
+
+@pytest.mark.parametrize(("save_fsdp", "merged"), [(True, False), (False, False), (True, True)])
+def test_fsdp_checkpoints_load_into_plain_dp_and_back(tmp_path, save_fsdp: bool, merged: bool) -> None:
+    run_distributed(fsdp_roundtrip_case, 4, str(tmp_path / "ckpt"), save_fsdp, merged)
+
+
 def test_merged_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
     from transformers import GPT2LMHeadModel
 
@@ -194,6 +224,7 @@ def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
         ({"model_parallelism": {"enable": True, "pipeline_size": 2}}, r"unknown keys \['pipeline_size'\]"),
         ({"compile": "yes"}, "'compile' must be true or false"),
         ({"overlap_grad_reduce": 1}, "'overlap_grad_reduce' must be true, false or null"),
+        ({"fsdp": True, "overlap_grad_reduce": True}, "'fsdp' and 'overlap_grad_reduce' exclude each other"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_rule(config: dict, message: str) -> None:
