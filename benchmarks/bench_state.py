@@ -47,7 +47,15 @@ def state_case(dp: int, zero1: bool) -> int:
     return opt.state_bytes()
 
 
-def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool = False) -> dict:
+def _tp_sharded(param: torch.Tensor) -> bool:
+    """Whether the tp mesh dim splits ``param`` (FSDP2 adds a dp dim in front of it, or is the only dim at tp=1)."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
+
+
+def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool = False, fsdp: bool = False) -> dict:
     """This rank's parameter and AdamW-state bytes, split into TP-sharded and TP-replicated dense sizes."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -56,6 +64,7 @@ def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool
     torch.manual_seed(0)
     layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": pp}
     layout["auto_partition"] = auto_partition
+    layout["fsdp"] = fsdp
     model = meshpar.parallelize(GPT2LMHeadModel(config), layout)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
     local_bytes = sharded = replicated = 0
@@ -63,10 +72,10 @@ def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool
         for param in module.parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
             local_bytes += local.numel() * local.element_size()
-            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+            if _tp_sharded(param):
                 sharded += param.numel() * param.element_size()  # the dense (global) size
             else:
-                replicated += local.numel() * local.element_size()
+                replicated += param.numel() * param.element_size()
     opt.init_state()
     return {
         "stage": dims.pp_rank,
@@ -86,23 +95,27 @@ def layout_table(layers: int, hidden: int) -> None:
     dense = sum(p.numel() * p.element_size() for p in GPT2LMHeadModel(config).parameters())  # tied head counted once
     print(f"\nGPT-2 {layers} layers x hidden {hidden}, vocab 50304 ({dense / 2**20:.0f} MiB fp32 dense) under "
           "meshpar.parallelize on 4 processes (dp = 4 / (tp*pp)); fullest rank shown")  # fmt: skip
-    print(f"{'tp x pp':>12s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
+    print(f"{'tp x pp':>16s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
           f"{'state/params':>13s} {'RSS MiB':>8s}")  # fmt: skip
-    for tp, pp, auto in ((1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (1, 4, False),
-                         (1, 4, True)):  # fmt: skip
+    layouts = [(1, 1, False, False), (2, 1, False, False), (4, 1, False, False), (1, 2, False, False),
+               (2, 2, False, False), (1, 4, False, False), (1, 4, True, False),
+               (1, 1, False, True), (2, 1, False, True), (1, 2, False, True)]  # fmt: skip
+    for tp, pp, auto, fsdp in layouts:
         pool = DistributedPool(4)  # fresh processes per layout, so peak RSS is this layout's own
         try:
-            ranks = pool.run(layout_case, tp, pp, layers, hidden, auto, timeout=900)
+            ranks = pool.run(layout_case, tp, pp, layers, hidden, auto, fsdp, timeout=900)
         finally:
             pool.close()
         fullest = max(ranks, key=lambda r: r["param_bytes"])
         # every rank's share if TP split everything it can, replicated tensors stayed whole, stages were balanced
+        # (and FSDP split every tensor over dp)
+        shards = tp * pp * (4 // (tp * pp) if fsdp else 1)
         stages = {r["stage"]: r for r in ranks if r["tp_rank"] == 0}
-        bound = sum(r["sharded_dense"] / tp + r["replicated"] for r in stages.values()) / pp
+        bound = sum(r["sharded_dense"] / tp + r["replicated"] for r in stages.values()) / (shards // tp)
         ratio = fullest["state_bytes"] / fullest["param_bytes"]
-        name = f"{tp} x {pp}" + (" auto" if auto else "")
-        print(f"{name:>12s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
-              f"{1 / (tp * pp):6.3f} {bound / dense:9.3f} {fullest['state_bytes'] / 2**20:10.2f} "
+        name = f"{tp} x {pp}" + (" auto" if auto else "") + (" fsdp" if fsdp else "")
+        print(f"{name:>16s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
+              f"{1 / shards:6.3f} {bound / dense:9.3f} {fullest['state_bytes'] / 2**20:10.2f} "
               f"{ratio:13.2f} {max(r['rss_mib'] for r in ranks):8.0f}")  # fmt: skip
 
 
