@@ -167,6 +167,7 @@ class ParallelizedModel(nn.Module):
             keep_modules=keep,
             stage_transform=transform,
             overlap_grad_reduce=self._overlap_grad_reduce,
+            stage_kwargs=("attention_mask",),
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:

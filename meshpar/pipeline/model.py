@@ -26,23 +26,34 @@ from meshpar.pipeline.split import split_model
 
 
 class StageChunk(nn.Module):
-    """One stage with apex's ``set_input_tensor`` contract: the received activation replaces the model inputs."""
+    """One stage with apex's ``set_input_tensor`` contract: the received activation replaces the model inputs.
 
-    def __init__(self, stage: nn.Module, stage_index: int, input_names: Sequence[str] | None) -> None:
+    ``stage_kwargs`` names microbatch inputs (an attention mask, say) that every stage receives as keywords, the
+    first one next to its ``input_names`` inputs, later ones next to the received activation."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        stage_index: int,
+        input_names: Sequence[str] | None,
+        stage_kwargs: Sequence[str] = (),
+    ) -> None:
         super().__init__()
         self.stage = stage
         self.stage_index = stage_index
         self.input_names = input_names
+        self.stage_kwargs = tuple(stage_kwargs)
         self._input: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self._input = tensor
 
     def forward(self, **inputs: torch.Tensor) -> Any:
+        extras = {n: inputs[n] for n in self.stage_kwargs if n in inputs}
         if self._input is not None:
-            return self.stage(self._input)
-        names = self.input_names or [n for n in inputs if n != "labels"]
-        return self.stage(*(inputs[n] for n in names))
+            return self.stage(self._input, **extras)
+        names = self.input_names or [n for n in inputs if n != "labels" and n not in self.stage_kwargs]
+        return self.stage(*(inputs[n] for n in names), **extras)
 
 
 def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
@@ -76,6 +87,7 @@ class PipelineModel(nn.Module):
         keep_modules: Sequence[str] = (),
         stage_transform: Callable[[nn.Module], nn.Module] | None = None,
         overlap_grad_reduce: bool = False,
+        stage_kwargs: Sequence[str] = (),
     ) -> None:
         super().__init__()
         dims = get_parallel()
@@ -97,7 +109,7 @@ class PipelineModel(nn.Module):
         )
         if stage_transform is not None:
             stages = [(index, stage_transform(stage)) for index, stage in stages]
-        self.chunks = nn.ModuleList(StageChunk(stage, index, input_names) for index, stage in stages)
+        self.chunks = nn.ModuleList(StageChunk(stage, index, input_names, stage_kwargs) for index, stage in stages)
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss

@@ -141,6 +141,43 @@ def test_pp_x_dp_step_matches_dense(overlap: bool, vpp: int) -> None:
     assert run_distributed(data_parallel_case, 4, 1, 2, vpp, overlap, False) == [vpp * overlap] * 4
 
 
+def masked_pipeline_case(family: str, tp: int = 1, sp: bool = False) -> None:
+    """Padded batches through the pipeline: every stage must mask what the HF model masks."""
+    setup_parallel(tp=tp, pp=2)
+    dense = build(family)
+    data = batch(family)
+    mask = torch.ones_like(data["input_ids"])
+    if family == "bert":
+        mask[0::2, -5:] = 0  # right padding: bidirectional attention must not see it
+    else:
+        mask[1::2, :5] = 0  # left padding: causal attention alone would still see it
+    data["attention_mask"] = mask  # the same padding in both microbatches, so their mean losses average exactly
+    data["labels"] = data["labels"].masked_fill(mask == 0, -100)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": 2, "num_microbatches": 2, "sequence_parallel": sp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    expected = dense(**data)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    logits = model.eval_logits(**data)
+    if logits is not None:
+        want = expected.logits.detach()
+        want = want.chunk(tp, -1)[model.dims.tp_rank] if tp > 1 else want
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+    torch.testing.assert_close(model.train_step(**data), expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    optimizer.step()
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            got = param.to_local() if isinstance(param, DTensor) else param
+            torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_pipeline_applies_the_attention_mask_on_every_stage(family: str) -> None:
+    run_distributed(masked_pipeline_case, 2, family)
+    run_distributed(masked_pipeline_case, 4, family, 2, True)  # tp x pp with sequence-sharded stage inputs
+
+
 def generation_case() -> bool:
     setup_parallel(tp=2)
     dense = build("gpt2")
