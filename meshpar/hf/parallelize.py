@@ -46,13 +46,24 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
-    loss = _token_losses(logits[:, :-1], labels[:, 1:].contiguous(), vocab_sharded)
-    return loss.sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
+def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The labels a token loss is computed for (causal LMs predict token t+1 from position t)."""
+    return labels[:, 1:] if causal else labels
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
-    return _token_losses(logits, labels, vocab_sharded).sum() / (labels != -100).sum().clamp(min=1)
+def _causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Summed token losses over ``normalizer`` (default: this batch's scored tokens, i.e. the mean)."""
+    loss = _token_losses(logits[:, :-1], _scored(labels, True).contiguous(), vocab_sharded)
+    return loss.sum() / (normalizer if normalizer is not None else (_scored(labels, True) != -100).sum().clamp(min=1))
+
+
+def _masked_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
+) -> torch.Tensor:
+    loss = _token_losses(logits, labels, vocab_sharded)
+    return loss.sum() / (normalizer if normalizer is not None else (labels != -100).sum().clamp(min=1))
 
 
 _LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
@@ -89,6 +100,7 @@ class ParallelizedModel(nn.Module):
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
         self._grad_sync: OverlappedGradSync | None = None
+        self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         self._layer_cls = type(container[0]) if container is not None and len(container) else None
         if self.dims.pp == 1:
@@ -163,7 +175,7 @@ class ParallelizedModel(nn.Module):
             auto_partition=self.parallel_config.auto_partition,
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
-            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded),
+            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded, self._normalizer),
             keep_modules=keep,
             stage_transform=transform,
             overlap_grad_reduce=self._overlap_grad_reduce,
@@ -192,21 +204,44 @@ class ParallelizedModel(nn.Module):
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
-        out["loss"] = self.loss_fn(out.logits, labels, self.vocab_sharded)
+        out["loss"] = self.loss_fn(out.logits, labels, self.vocab_sharded, self._normalizer)
         return out
+
+    @contextlib.contextmanager
+    def _per_token_loss(self, labels: torch.Tensor) -> Iterator[None]:
+        """Normalise the summed token losses of every microbatch on every dp rank by the token count of the whole
+        global batch, so the step's loss and grads are exactly the mean over all scored tokens, as on one process:
+        a mean of per-microbatch (or per-replica) means would weigh the tokens of a padded microbatch more (the
+        gradient-accumulation loss bug). Costs one scalar all-reduce over dp."""
+        if self.loss_fn is None:
+            yield
+            return
+        count = (_scored(labels, self.plan.task == "causal_lm") != -100).sum()
+        if self.dims.dp > 1:
+            count = count.clone()
+            dist.all_reduce(count, group=self.dims.dp_mesh.get_group())
+        # each replica's grads are averaged over dp and each microbatch's loss is scaled by 1/m: undo both
+        microbatches = self.parallel_config.num_microbatches if self.pipeline is not None else 1
+        self._normalizer = count.clamp(min=1) / (self.dims.dp * microbatches)
+        try:
+            yield
+        finally:
+            self._normalizer = None
 
     def train_step(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch (all microbatches under pp), tied-weight and dp grad sync; returns the
-        mean loss. The optimizer step is yours."""
-        if self.pipeline is None:
-            loss = self(labels=labels, **inputs).loss
-            loss.backward()
-            loss = loss.detach()
-            self.allreduce_gradients()
-        else:
-            loss = self.pipeline.run_train(labels=labels, **inputs)
-            self.allreduce_gradients()  # dp mean and the tied-embedding sum commute; the dp one may be in flight
-            self._sync_tied_grads()
+        mean token loss of the global batch (all dp ranks), whose grads the parameters then hold. The optimizer step
+        is yours."""
+        with self._per_token_loss(labels):
+            if self.pipeline is None:
+                loss = self(labels=labels, **inputs).loss
+                loss.backward()
+                loss = loss.detach()
+                self.allreduce_gradients()
+            else:
+                loss = self.pipeline.run_train(labels=labels, **inputs)
+                self.allreduce_gradients()  # dp mean and the tied-embedding sum commute; the dp one may be in flight
+                self._sync_tied_grads()
         return self._mean_over_dp(loss)
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
@@ -219,11 +254,13 @@ class ParallelizedModel(nn.Module):
 
     @torch.no_grad()
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """The mean loss of one batch without gradients, on every rank (pipeline: forward-only schedule)."""
-        if self.pipeline is None:
-            loss = self(labels=labels, **inputs).loss
-        else:
-            loss = self.pipeline.run_eval(labels=labels, **inputs)
+        """The mean token loss of the global batch without gradients, on every rank (pipeline: forward-only
+        schedule)."""
+        with self._per_token_loss(labels):
+            if self.pipeline is None:
+                loss = self(labels=labels, **inputs).loss
+            else:
+                loss = self.pipeline.run_eval(labels=labels, **inputs)
         return self._mean_over_dp(loss)
 
     @torch.no_grad()
