@@ -8,12 +8,11 @@ but the inputs is saved for backward; the activation is recomputed in registers.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._triton import tl, triton
 
 _BLOCK = 1024
 _SQRT_2_OVER_PI = 0.7978845608028654

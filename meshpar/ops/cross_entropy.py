@@ -12,11 +12,10 @@ across tp ranks and calls these.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, run_triton
+from meshpar.ops._triton import tl, triton
 
 _MAX_BLOCK = 4096
 

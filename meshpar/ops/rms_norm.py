@@ -8,13 +8,12 @@ their partial ``dweight`` in registers (one fp32 row per program, summed afterwa
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
 from meshpar.ops._rows import as_rows, grid_programs
+from meshpar.ops._triton import tl, triton
 
 
 @triton.jit

@@ -9,12 +9,11 @@ duplicated) are accepted for rotate-half. ``x`` is ``[..., seq, ..., head_dim]``
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._triton import tl, triton
 
 
 @triton.jit

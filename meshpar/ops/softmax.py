@@ -10,12 +10,11 @@ Backward (both): ``dx = scale * y * (dy - sum(dy * y))``, one op ``meshpar::scal
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._triton import tl, triton
 
 _MASK_FILL = -10000.0
 

@@ -239,3 +239,24 @@ def _opcheck_cases() -> list:
 def test_opcheck(case: int) -> None:
     op, args = _opcheck_cases()[case]
     torch.library.opcheck(op, args)
+
+
+def test_meshpar_imports_and_runs_references_without_triton() -> None:
+    """No triton (macOS, slim CPU installs): ``import meshpar`` works and the ops run their torch references."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch, meshpar\n"
+        "from meshpar.ops import layer_norm, triton_available\n"
+        "x = torch.randn(3, 8, requires_grad=True)\n"
+        "y = layer_norm(x, torch.ones(8), torch.zeros(8))\n"
+        "y.sum().backward()\n"
+        "ref = torch.nn.functional.layer_norm(x.detach(), (8,))\n"
+        "assert not triton_available() and torch.allclose(y.detach(), ref, atol=1e-5)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
