@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import shutil
 import tempfile
@@ -55,7 +56,9 @@ def _tp_sharded(param: torch.Tensor) -> bool:
     return "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
 
 
-def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool = False, fsdp: bool = False) -> dict:
+def layout_case(
+    tp: int, pp: int, layers: int, hidden: int, auto_partition: bool = False, fsdp: bool = False, meta: bool = False
+) -> dict:
     """This rank's parameter and AdamW-state bytes, split into TP-sharded and TP-replicated dense sizes."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -65,7 +68,9 @@ def layout_case(tp: int, pp: int, layers: int, hidden: int, auto_partition: bool
     layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": pp}
     layout["auto_partition"] = auto_partition
     layout["fsdp"] = fsdp
-    model = meshpar.parallelize(GPT2LMHeadModel(config), layout)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        dense = GPT2LMHeadModel(config)
+    model = meshpar.parallelize(dense, layout)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
     local_bytes = sharded = replicated = 0
     for module in model.local_modules():
@@ -95,15 +100,17 @@ def layout_table(layers: int, hidden: int) -> None:
     dense = sum(p.numel() * p.element_size() for p in GPT2LMHeadModel(config).parameters())  # tied head counted once
     print(f"\nGPT-2 {layers} layers x hidden {hidden}, vocab 50304 ({dense / 2**20:.0f} MiB fp32 dense) under "
           "meshpar.parallelize on 4 processes (dp = 4 / (tp*pp)); fullest rank shown")  # fmt: skip
-    print(f"{'tp x pp':>16s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
+    print(f"{'tp x pp':>21s} {'params MiB':>11s} {'of dense':>9s} {'ideal':>6s} {'w/ repl.':>9s} {'AdamW MiB':>10s} "
           f"{'state/params':>13s} {'RSS MiB':>8s}")  # fmt: skip
-    layouts = [(1, 1, False, False), (2, 1, False, False), (4, 1, False, False), (1, 2, False, False),
-               (2, 2, False, False), (1, 4, False, False), (1, 4, True, False),
-               (1, 1, False, True), (2, 1, False, True), (1, 2, False, True)]  # fmt: skip
-    for tp, pp, auto, fsdp in layouts:
+    layouts = [(1, 1, False, False, False), (2, 1, False, False, False), (4, 1, False, False, False),
+               (1, 2, False, False, False), (2, 2, False, False, False), (1, 4, False, False, False),
+               (1, 4, True, False, False), (1, 1, False, True, False), (2, 1, False, True, False),
+               (1, 2, False, True, False), (4, 1, False, False, True), (1, 4, True, False, True),
+               (1, 1, False, True, True)]  # fmt: skip
+    for tp, pp, auto, fsdp, meta in layouts:
         pool = DistributedPool(4)  # fresh processes per layout, so peak RSS is this layout's own
         try:
-            ranks = pool.run(layout_case, tp, pp, layers, hidden, auto, fsdp, timeout=900)
+            ranks = pool.run(layout_case, tp, pp, layers, hidden, auto, fsdp, meta, timeout=900)
         finally:
             pool.close()
         fullest = max(ranks, key=lambda r: r["param_bytes"])
@@ -113,8 +120,8 @@ def layout_table(layers: int, hidden: int) -> None:
         stages = {r["stage"]: r for r in ranks if r["tp_rank"] == 0}
         bound = sum(r["sharded_dense"] / tp + r["replicated"] for r in stages.values()) / (shards // tp)
         ratio = fullest["state_bytes"] / fullest["param_bytes"]
-        name = f"{tp} x {pp}" + (" auto" if auto else "") + (" fsdp" if fsdp else "")
-        print(f"{name:>16s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
+        name = f"{tp} x {pp}" + (" auto" if auto else "") + (" fsdp" if fsdp else "") + (" meta" if meta else "")
+        print(f"{name:>21s} {fullest['param_bytes'] / 2**20:11.2f} {fullest['param_bytes'] / dense:9.3f} "
               f"{1 / shards:6.3f} {bound / dense:9.3f} {fullest['state_bytes'] / 2**20:10.2f} "
               f"{ratio:13.2f} {max(r['rss_mib'] for r in ranks):8.0f}")  # fmt: skip
 

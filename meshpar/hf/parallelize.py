@@ -32,6 +32,7 @@ from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
 from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
@@ -101,6 +102,7 @@ class ParallelizedModel(nn.Module):
         self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
         self._grad_sync: OverlappedGradSync | None = None
         self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
+        self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         self._layer_cls = type(container[0]) if container is not None and len(container) else None
         if self.dims.pp == 1:
@@ -117,6 +119,8 @@ class ParallelizedModel(nn.Module):
             self.pipeline = self._split(model)
             self.module = None
             self._tied_group = self._tied_embedding_group()
+            if self._from_meta:
+                self._broadcast_tied_weights()
 
     @property
     def _overlap_grad_reduce(self) -> bool:
@@ -140,6 +144,10 @@ class ParallelizedModel(nn.Module):
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
         apply_ties(module, present)
+        if self._from_meta and self.dims.pp == 1:
+            materialize_sharded(module, self.dims)
+        elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
+            make_replicas_agree(module, self.dims)
         if self.parallel_config.activation_checkpointing:
             layers = module.get_submodule(self.plan.layers) if self.plan.layers else None
             if layers is not None and len(layers):
@@ -180,6 +188,7 @@ class ParallelizedModel(nn.Module):
             stage_transform=transform,
             overlap_grad_reduce=self._overlap_grad_reduce,
             stage_kwargs=("attention_mask",),
+            param_init_fn=init_hf_weights,  # used only for a model built on "meta"
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -297,6 +306,20 @@ class ParallelizedModel(nn.Module):
             for sync in self.grad_syncs:
                 stack.enter_context(sync.no_sync())
             yield
+
+    @torch.no_grad()
+    def _broadcast_tied_weights(self) -> None:
+        """A meta-built model's first and last stage initialised their copies of the tied embedding separately: the
+        first stage's wins."""
+        if self._tied_group is None:
+            return
+        names = {n for pair in self.tied_parameters.items() for n in pair}
+        for module in self.local_modules():
+            for name in sorted(names):
+                if _has_param(module, name):
+                    param = module.get_parameter(name)
+                    local = param._local_tensor if isinstance(param, DTensor) else param
+                    dist.broadcast(local, group=self._tied_group, group_src=0)
 
     def _sync_tied_grads(self) -> None:
         if self._tied_group is None:

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import meshpar
 from meshpar._compat import DTensor
@@ -178,6 +179,53 @@ def masked_pipeline_case(family: str, tp: int = 1, sp: bool = False) -> None:
 def test_pipeline_applies_the_attention_mask_on_every_stage(family: str) -> None:
     run_distributed(masked_pipeline_case, 2, family)
     run_distributed(masked_pipeline_case, 4, family, 2, True)  # tp x pp with sequence-sharded stage inputs
+
+
+def _replicas_agree(model) -> None:
+    """Every rank holding the same piece of a parameter (dp replicas, tp-replicated tensors, both copies of a tied
+    embedding) holds the same values."""
+    ties = model.tied_parameters
+    mine = {}
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            sharded = isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+            key = (ties.get(name, name), model.dims.tp_rank if sharded else None)
+            mine[key] = (param.to_local() if isinstance(param, DTensor) else param).detach().clone()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for theirs in everyone:
+        for key, value in theirs.items():
+            if key in mine:
+                torch.testing.assert_close(value, mine[key], atol=0, rtol=0, msg=str(key))
+
+
+def meta_case(directory: str, family: str, tp: int, pp: int) -> None:
+    """A model built on "meta" is allocated shard by shard, initialised consistently, and loads checkpoints."""
+    setup_parallel(tp=tp, pp=pp)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": pp}
+    data = batch(family)
+    saved = meshpar.parallelize(build(family), config)
+    with torch.no_grad():
+        for p in saved.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).add_(0.01)
+    saved.save_parallelized(directory)
+    want = saved.eval_loss(**data)
+    with torch.device("meta"):
+        skeleton = build(family)
+    torch.manual_seed(dist.get_rank())  # ranks seeded apart (as for data order): the init must still agree
+    model = meshpar.parallelize(skeleton, config)
+    for module in model.local_modules():
+        assert not any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    _replicas_agree(model)
+    assert torch.isfinite(model.eval_loss(**data))
+    model.from_parallelized(directory)
+    torch.testing.assert_close(model.eval_loss(**data), want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (2, 1, 2), (4, 2, 1)])
+def test_meta_built_model_is_materialised_per_rank(tmp_path, family: str, world: int, tp: int, pp: int) -> None:
+    run_distributed(meta_case, world, str(tmp_path / "ckpt"), family, tp, pp)
 
 
 def generation_case() -> bool:
