@@ -69,9 +69,14 @@ def apply_fsdp(
     return model
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, block_cls: type | tuple[type, ...]) -> torch.nn.Module:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, block_cls: type | tuple[type, ...], *, replay_tp_rng: bool = True
+) -> torch.nn.Module:
     """Recompute every ``block_cls`` module in backward, replaying the tensor-parallel RNG state (dropout masks in
-    sharded regions come out the same). Apply after TP, before compile and FSDP."""
+    sharded regions come out the same). Apply after TP, before compile and FSDP.
+
+    ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint, which ``torch.compile`` can trace (the
+    replay cannot be traced); only for blocks without dropout in tensor-parallel regions."""
     from meshpar.random import activation_checkpoint
 
     for module in model.modules():
@@ -79,7 +84,9 @@ def apply_activation_checkpointing(model: torch.nn.Module, block_cls: type | tup
             forward = module.forward
 
             def checkpointed(*args: object, _forward=forward, **kwargs: object) -> object:  # noqa: ANN001
-                return activation_checkpoint(_forward, *args, **kwargs)
+                if replay_tp_rng:
+                    return activation_checkpoint(_forward, *args, **kwargs)
+                return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
             module.forward = checkpointed
             module._meshpar_checkpointed = True

@@ -148,12 +148,18 @@ class ParallelizedModel(nn.Module):
             materialize_sharded(module, self.dims)
         elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
             make_replicas_agree(module, self.dims)
-        if self.parallel_config.activation_checkpointing:
-            layers = module.get_submodule(self.plan.layers) if self.plan.layers else None
-            if layers is not None and len(layers):
-                apply_activation_checkpointing(module, type(next(iter(layers))))
+        layers = list(module.get_submodule(self.plan.layers)) if self.plan.layers else []
+        if self.parallel_config.activation_checkpointing and layers:
+            # dynamo cannot trace the TP-RNG replay of meshpar's checkpoint; without dropout there is nothing to replay
+            replay = not self.parallel_config.compile
+            if not replay and _has_dropout(layers):
+                raise ValueError(
+                    "compile with activation_checkpointing needs dropout-free layers (set the model's dropout "
+                    "probabilities to 0), or turn one of them off: recomputing dropout masks in tensor-parallel "
+                    "regions replays meshpar's TP RNG state, which torch.compile cannot trace"
+                )
+            apply_activation_checkpointing(module, type(layers[0]), replay_tp_rng=replay)
         if self.parallel_config.compile:
-            layers = module.get_submodule(self.plan.layers) if self.plan.layers else []
             for layer in layers:
                 layer.compile(fullgraph=False)
         if self._fsdp:  # last, as in torchtitan: TP -> activation checkpointing -> compile -> FSDP
@@ -399,6 +405,17 @@ class ParallelizedModel(nn.Module):
     def tied_parameters(self) -> dict[str, str]:
         """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
         return {target: source for target, source in self.plan.ties if target.endswith(_HEAD_WEIGHTS)}
+
+
+def _has_dropout(layers: list[nn.Module]) -> bool:
+    """Any dropout with p > 0 in ``layers``: ``nn.Dropout`` modules, or HF attention's ``attention_dropout``."""
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Dropout) and module.p > 0:
+                return True
+            if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+                return True
+    return False
 
 
 def _has_param(module: nn.Module, name: str) -> bool:
