@@ -3,7 +3,7 @@
 ``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` wraps any torch optimizer. It steps on each parameter's
 *local* tensor (the tp shard of a DTensor, or the plain tensor), so torch's fast ``foreach`` kernels run even when a
 model mixes DTensor and plain parameters (torch rejects such mixed groups). With ``zero1=True`` each dp rank keeps
-optimizer state for about ``1/dp`` of the parameters (whole tensors, balanced by size) and broadcasts its updated
+optimizer state for about ``1/dp`` of the parameters (whole tensors, balanced by size) and all-gathers the updated
 parameters after the step (NxD's ``use_zero1_optimizer``); grads must already be averaged over dp. With
 ``master_weights=True`` low-precision parameters are updated through fp32 copies.
 
@@ -100,20 +100,30 @@ class DistributedOptimizer:
             self._broadcast_updated_params()
 
     def _broadcast_updated_params(self) -> None:
-        """Every dp rank sends the parameters it owns to the others: one flat broadcast per owner."""
-        group = self.dp_mesh.get_group()
-        group_ranks = dist.get_process_group_ranks(group)
-        for owner in range(self.dp_mesh.size()):
-            tensors = [local_tensor(p) for i, (_, p) in enumerate(self.named_params) if self.owners[i] == owner]
-            if not tensors:
+        """Every dp rank hands the parameters it owns to the others: one all-gather per dtype, each rank's owned
+        tensors flattened into an equal-sized (zero-padded) segment, instead of one broadcast per owner."""
+        group, dp = self.dp_mesh.get_group(), self.dp_mesh.size()
+        tensors = [local_tensor(p) for _, p in self.named_params]
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            by_owner = [
+                [t for i, t in enumerate(tensors) if t.dtype == dtype and self.owners[i] == r] for r in range(dp)
+            ]
+            segment = max(sum(t.numel() for t in owned) for owned in by_owner)
+            if segment == 0:
                 continue
-            for dtype in sorted({t.dtype for t in tensors}, key=str):
-                bucket = [t for t in tensors if t.dtype == dtype]
-                flat = torch.cat([t.reshape(-1) for t in bucket])
-                dist.broadcast(flat, src=group_ranks[owner], group=group)
-                offset = 0
-                for t in bucket:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            me = self.dp_mesh.get_local_rank()
+            mine = by_owner[me]
+            send = torch.zeros(segment, dtype=dtype, device=tensors[0].device)
+            if mine:
+                torch.cat([t.reshape(-1) for t in mine], out=send[: sum(t.numel() for t in mine)])
+            gathered = send.new_empty(dp * segment)
+            dist.all_gather_into_tensor(gathered, send, group=group)
+            for owner, owned in enumerate(by_owner):
+                if owner == me:
+                    continue
+                offset = owner * segment
+                for t in owned:
+                    t.copy_(gathered[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
     def state_bytes(self) -> int:
