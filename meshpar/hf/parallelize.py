@@ -313,32 +313,28 @@ class ParallelizedModel(nn.Module):
                 stack.enter_context(sync.no_sync())
             yield
 
+    def _local_tied_parameters(self) -> list[nn.Parameter]:
+        """This rank's copies of the tied embedding / LM head, in the same (name) order on every rank of the
+        embedding group; none without such a group."""
+        if self._tied_group is None:
+            return []
+        names = sorted({n for pair in self.tied_parameters.items() for n in pair})
+        return [m.get_parameter(n) for m in self.local_modules() for n in names if _has_param(m, n)]
+
     @torch.no_grad()
     def _broadcast_tied_weights(self) -> None:
         """A meta-built model's first and last stage initialised their copies of the tied embedding separately: the
         first stage's wins."""
-        if self._tied_group is None:
-            return
-        names = {n for pair in self.tied_parameters.items() for n in pair}
-        for module in self.local_modules():
-            for name in sorted(names):
-                if _has_param(module, name):
-                    param = module.get_parameter(name)
-                    local = param._local_tensor if isinstance(param, DTensor) else param
-                    dist.broadcast(local, group=self._tied_group, group_src=0)
+        for param in self._local_tied_parameters():
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            dist.broadcast(local, group=self._tied_group, group_src=0)
 
     def _sync_tied_grads(self) -> None:
-        if self._tied_group is None:
-            return
-        names = {n for pair in self.tied_parameters.items() for n in pair}
-        for module in self.local_modules():
-            for name in sorted(names):
-                if _has_param(module, name):
-                    param = module.get_parameter(name)
-                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-                    dist.all_reduce(local, group=self._tied_group)
-                    param.grad = grad
+        for param in self._local_tied_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, group=self._tied_group)
+            param.grad = grad
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
