@@ -18,7 +18,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from _rounds import alternate
+from _rounds import alternate, model_arguments
 from bench_tp import GPT
 from torch.nn.parallel import DistributedDataParallel
 
@@ -67,15 +67,9 @@ def bench_case(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4, help="per dp rank")
+    parser = model_arguments(batch_help="per dp rank")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 4.0], help="OverlappedGradSync caps")
-    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     # each rank's round times: a step ends for everyone at the slowest rank, so take the per-round maximum
     per_rank = run_distributed(bench_case, 2, args, timeout=1800)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rounds import alternate
+from _rounds import alternate, model_arguments
 from bench_pipeline import SavedBytes
 
 from meshpar._compat import CommDebugMode
@@ -106,13 +106,7 @@ def sp_case(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser = model_arguments()
     args = parser.parse_args()
     result = run_distributed(sp_case, 2, args, timeout=1800)[0]
     layers = args.layers

@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _rounds import alternate
+from _rounds import alternate, model_arguments
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -254,13 +254,7 @@ def _label(key: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser = model_arguments()
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
     result = run_distributed(bench_case, 2, args, timeout=1800)[0]
