@@ -24,11 +24,8 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, DTensor
+from meshpar.optim import local_tensor as _local
 from meshpar.parallel_dims import get_parallel
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DTensor, Shard
+from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims
 
 
@@ -45,7 +46,7 @@ def make_replicas_agree(model: nn.Module, dims: ParallelDims) -> None:
     """Broadcast every local parameter from dp rank 0 of its dp group, and TP-replicated ones from tp rank 0, so
     that random initialisation done independently on each rank cannot leave replicas apart."""
     for param in model.parameters():
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = local_tensor(param)
         if dims.tp > 1 and not _tp_sharded(param):
             dist.broadcast(local, group=dims.tp_mesh.get_group(), group_src=0)
         if dims.dp > 1:

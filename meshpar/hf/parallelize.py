@@ -35,6 +35,7 @@ from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
 from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
+from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
 from meshpar.tensor_parallel import parallel_cross_entropy
@@ -326,14 +327,12 @@ class ParallelizedModel(nn.Module):
         """A meta-built model's first and last stage initialised their copies of the tied embedding separately: the
         first stage's wins."""
         for param in self._local_tied_parameters():
-            local = param._local_tensor if isinstance(param, DTensor) else param
-            dist.broadcast(local, group=self._tied_group, group_src=0)
+            dist.broadcast(local_tensor(param), group=self._tied_group, group_src=0)
 
     def _sync_tied_grads(self) -> None:
         for param in self._local_tied_parameters():
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            local = grad._local_tensor if isinstance(grad, DTensor) else grad
-            dist.all_reduce(local, group=self._tied_group)
+            dist.all_reduce(local_tensor(grad), group=self._tied_group)
             param.grad = grad
 
     @torch.no_grad()
