@@ -53,19 +53,22 @@ def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
     return labels[:, 1:] if causal else labels
 
 
+def _summed_over(loss: torch.Tensor, scored: torch.Tensor, normalizer: torch.Tensor | None) -> torch.Tensor:
+    """Summed token losses over ``normalizer`` (default: the scored tokens of this batch, i.e. the mean)."""
+    return loss.sum() / (normalizer if normalizer is not None else (scored != -100).sum().clamp(min=1))
+
+
 def _causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Summed token losses over ``normalizer`` (default: this batch's scored tokens, i.e. the mean)."""
-    loss = _token_losses(logits[:, :-1], _scored(labels, True).contiguous(), vocab_sharded)
-    return loss.sum() / (normalizer if normalizer is not None else (_scored(labels, True) != -100).sum().clamp(min=1))
+    scored = _scored(labels, True)
+    return _summed_over(_token_losses(logits[:, :-1], scored.contiguous(), vocab_sharded), scored, normalizer)
 
 
 def _masked_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
 ) -> torch.Tensor:
-    loss = _token_losses(logits, labels, vocab_sharded)
-    return loss.sum() / (normalizer if normalizer is not None else (labels != -100).sum().clamp(min=1))
+    return _summed_over(_token_losses(logits, labels, vocab_sharded), labels, normalizer)
 
 
 _LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
@@ -159,7 +162,7 @@ class ParallelizedModel(nn.Module):
                     "probabilities to 0), or turn one of them off: recomputing dropout masks in tensor-parallel "
                     "regions replays meshpar's TP RNG state, which torch.compile cannot trace"
                 )
-            apply_activation_checkpointing(module, type(layers[0]), replay_tp_rng=replay)
+            apply_activation_checkpointing(module, self._layer_cls, replay_tp_rng=replay)
         if self.parallel_config.compile:
             for layer in layers:
                 layer.compile(fullgraph=False)
@@ -181,10 +184,9 @@ class ParallelizedModel(nn.Module):
             stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
             return self._shard(install_stage_forward(stage, family))
 
-        container = model.get_submodule(self.plan.layers)
         return PipelineModel(
             model,
-            transformer_layer_cls=type(container[0]),
+            transformer_layer_cls=self._layer_cls,
             num_microbatches=self.parallel_config.num_microbatches,
             virtual_pipeline_size=self.parallel_config.virtual_pipeline_size,
             auto_partition=self.parallel_config.auto_partition,
