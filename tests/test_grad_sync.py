@@ -152,14 +152,18 @@ def test_bucket_layout_follows_backward_order_and_caps() -> None:
     assert single == [650_000]
 
 
-def mismatch_case() -> str:
-    dims = setup_parallel()
-    model = nn.Linear(4, 4 + dims.dp_rank)  # a different model on dp rank 1
+def _refusal(model: nn.Module) -> str:
+    """The ValueError message of building a sync over ``model`` on this rank ("" if it was accepted)."""
     try:
         OverlappedGradSync(model.parameters())
     except ValueError as error:
         return str(error)
     return ""
+
+
+def mismatch_case() -> str:
+    dims = setup_parallel()
+    return _refusal(nn.Linear(4, 4 + dims.dp_rank))  # a different model on dp rank 1
 
 
 def test_different_parameters_across_dp_ranks_raise_on_every_rank() -> None:
@@ -169,12 +173,7 @@ def test_different_parameters_across_dp_ranks_raise_on_every_rank() -> None:
 
 def fsdp_case() -> str:
     dims = setup_parallel()
-    model = apply_fsdp(nn.Sequential(nn.Linear(4, 4)), dims.dp_mesh)
-    try:
-        OverlappedGradSync(model.parameters())
-    except ValueError as error:
-        return str(error)
-    return ""
+    return _refusal(apply_fsdp(nn.Sequential(nn.Linear(4, 4)), dims.dp_mesh))
 
 
 def test_fsdp_parameters_are_refused() -> None:
