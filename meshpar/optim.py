@@ -102,7 +102,7 @@ class DistributedOptimizer:
     def _broadcast_updated_params(self) -> None:
         """Every dp rank hands the parameters it owns to the others: one all-gather per dtype, each rank's owned
         tensors flattened into an equal-sized (zero-padded) segment, instead of one broadcast per owner."""
-        group, dp = self.dp_mesh.get_group(), self.dp_mesh.size()
+        group, dp, me = self.dp_mesh.get_group(), self.dp_mesh.size(), self.dp_mesh.get_local_rank()
         tensors = [local_tensor(p) for _, p in self.named_params]
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             by_owner = [
@@ -111,7 +111,6 @@ class DistributedOptimizer:
             segment = max(sum(t.numel() for t in owned) for owned in by_owner)
             if segment == 0:
                 continue
-            me = self.dp_mesh.get_local_rank()
             mine = by_owner[me]
             send = torch.zeros(segment, dtype=dtype, device=tensors[0].device)
             if mine:
