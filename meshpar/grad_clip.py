@@ -2,7 +2,9 @@
 
 A grad that is sharded along a mesh dim (tp shards, FSDP/ZeRO-2 dp shards) contributes its local part and is summed
 over that dim; a replicated grad (``Replicate()`` DTensors and plain tensors of a tp model) counts once. Stages of a
-pipeline hold different parameters, so the per-stage totals are summed over pp. Every rank gets the same total norm.
+pipeline hold different parameters, so the per-stage totals are summed over pp; a parameter that a second stage holds
+a copy of (a tied embedding on the last stage, see :func:`mark_shared_copy`) counts once, on the stage that owns it.
+Every rank gets the same total norm.
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ import torch.distributed as dist
 
 from meshpar._compat import DTensor, Partial, Replicate
 from meshpar.parallel_dims import get_parallel, is_initialized
+
+_SHARED_COPY = "_meshpar_shared_copy"
+
+
+def mark_shared_copy(param: torch.Tensor) -> None:
+    """Mark ``param`` as a copy of a parameter another pipeline stage owns (the tied LM head of the last stage, kept
+    equal to the first stage's embedding by summing their grads). Grad norms skip it, as Megatron skips its
+    ``shared`` embedding copy: counting both copies would add the tied grad twice."""
+    setattr(param, _SHARED_COPY, True)
+
+
+def _counted(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p for p in params if p.grad is not None and not getattr(p, _SHARED_COPY, False)]
 
 
 def _local_power(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -30,10 +45,8 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     groups: dict[tuple, list[torch.Tensor]] = {}
     meshes: dict[tuple, object] = {}
-    for param in parameters:
+    for param in _counted(parameters):
         grad = param.grad
-        if grad is None:
-            continue
         if isinstance(grad, DTensor):
             if any(isinstance(p, Partial) for p in grad.placements):  # pending sums: reduce them first
                 placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
@@ -59,6 +72,33 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     if is_initialized() and get_parallel().pp > 1:
         dist.all_reduce(total, op=op, group=get_parallel().pp_mesh.get_group())
     return total if norm_type == float("inf") else total ** (1.0 / norm_type)
+
+
+def _counts_here(param: torch.Tensor) -> bool:
+    """Whether this rank's copy of ``param`` is the one counted in a sum over all ranks: a copy replicated over a mesh
+    dim counts at coordinate 0 of that dim only; a plain tensor of a tensor-parallel model is replicated over tp."""
+    if isinstance(param, DTensor):
+        coordinate = param.device_mesh.get_coordinate()
+        return all(c == 0 for c, p in zip(coordinate, param.placements, strict=True) if isinstance(p, Replicate))
+    return not is_initialized() or get_parallel().tp_rank == 0
+
+
+def partitioned_grad_norm(
+    owned: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The global grad norm when the dp ranks hold disjoint parts of the parameters (ZeRO-1 owners).
+
+    ``owned`` pairs each parameter this rank owns with its reduced local grad. Ranks own different sets, so grouping
+    grads by placement (as :func:`total_grad_norm` does) would issue different collectives on different ranks;
+    instead each rank adds up what it alone counts (see :func:`_counts_here`) and one scalar all-reduce over every
+    rank of ``group`` (default: the world, i.e. the whole dp x pp x tp mesh) sums the shares."""
+    norm_type = float(norm_type)
+    device = get_parallel().device if is_initialized() else torch.device("cpu")
+    counted = [grad for param, grad in owned if _counts_here(param) and not getattr(param, _SHARED_COPY, False)]
+    value = _local_power(counted, norm_type).to(device)
+    is_max = norm_type == float("inf")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
+    return value if is_max else value ** (1.0 / norm_type)
 
 
 @torch.no_grad()

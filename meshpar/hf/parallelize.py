@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar import checkpoint
 from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
+from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
@@ -125,6 +126,9 @@ class ParallelizedModel(nn.Module):
             self._tied_group = self._tied_embedding_group()
             if self._from_meta:
                 self._broadcast_tied_weights()
+            if self.dims.pp_rank == self.dims.pp - 1:  # grad norms count the tied embedding once, on stage 0
+                for param in self._local_tied_parameters():
+                    mark_shared_copy(param)
 
     @property
     def _overlap_grad_reduce(self) -> bool:
@@ -246,20 +250,27 @@ class ParallelizedModel(nn.Module):
         finally:
             self._normalizer = None
 
-    def train_step(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    def train_step(self, labels: torch.Tensor, *, sync_dp_grads: bool = True, **inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch (all microbatches under pp), tied-weight and dp grad sync; returns the
         mean token loss of the global batch (all dp ranks), whose grads the parameters then hold. The optimizer step
-        is yours."""
+        is yours. ``sync_dp_grads=False`` leaves each dp rank's grads un-averaged for an optimizer that reduces them
+        itself (``DistributedOptimizer(zero1=True, reduce_scatter_grads=True)``)."""
+        if not sync_dp_grads and self.grad_syncs:
+            raise ValueError(
+                "sync_dp_grads=False, but overlap_grad_reduce already all-reduces the grads during backward; build the "
+                "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
+            )
         with self._per_token_loss(labels):
             if self.pipeline is None:
                 loss = self(labels=labels, **inputs).loss
                 loss.backward()
                 loss = loss.detach()
-                self.allreduce_gradients()
             else:
                 loss = self.pipeline.run_train(labels=labels, **inputs)
-                self.allreduce_gradients()  # dp mean and the tied-embedding sum commute; the dp one may be in flight
-                self._sync_tied_grads()
+            if sync_dp_grads:
+                self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
+            if self.pipeline is not None:
+                self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
         return self._mean_over_dp(loss)
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:

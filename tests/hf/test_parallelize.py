@@ -169,6 +169,50 @@ def test_pp_x_dp_step_matches_dense(overlap: bool, vpp: int) -> None:
     assert run_distributed(data_parallel_case, 4, 1, 2, vpp, overlap, False) == [vpp * overlap] * 4
 
 
+def clipped_step_case(tp: int, pp: int, reduce_scatter: bool) -> None:
+    """A clipped step on dp=2: the global grad norm counts GPT-2's tied embedding once although the first and last
+    pipeline stage each hold a copy, with grads all-reduced by ``train_step`` or reduce-scattered by a ZeRO-1
+    optimizer (``sync_dp_grads=False``)."""
+    dims = setup_parallel(tp=tp, pp=pp)  # world 4: dp = 4 / (tp * pp) = 2
+    dense = build("gpt2", layers=2 * pp)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config | {"overlap_grad_reduce": False})
+    data = batch("gpt2", rows=8)
+    dense(**data).loss.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1)
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=reduce_scatter, lr=0.5)
+    model.train_step(
+        **{k: v[dims.dp_rank * 4 : (dims.dp_rank + 1) * 4] for k, v in data.items()}, sync_dp_grads=not reduce_scatter
+    )
+    norm = optimizer.clip_grad_norm(0.1)
+    torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
+    optimizer.step()
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            got = param.to_local() if isinstance(param, DTensor) else param
+            torch.testing.assert_close(got, _expected_param(dense, name, param), atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("tp", "pp", "reduce_scatter"), [(1, 2, False), (1, 2, True), (2, 1, True)])
+def test_clipped_zero1_step_matches_dense(tp: int, pp: int, reduce_scatter: bool) -> None:
+    run_distributed(clipped_step_case, 4, tp, pp, reduce_scatter)
+
+
+def overlap_with_reduce_scatter_case() -> str:
+    setup_parallel(tp=1)
+    model = meshpar.parallelize(build("gpt2"), {"overlap_grad_reduce": True})
+    try:
+        model.train_step(**batch("gpt2", rows=2), sync_dp_grads=False)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_sync_dp_grads_false_refuses_overlapped_all_reduce() -> None:
+    assert all("already all-reduces" in m for m in run_distributed(overlap_with_reduce_scatter_case, 2))
+
+
 def masked_pipeline_case(family: str, tp: int = 1, sp: bool = False) -> None:
     """Padded batches through the pipeline: every stage must mask what the HF model masks."""
     setup_parallel(tp=tp, pp=2)
