@@ -4,8 +4,11 @@
 *local* tensor (the tp shard of a DTensor, or the plain tensor), so torch's fast ``foreach`` kernels run even when a
 model mixes DTensor and plain parameters (torch rejects such mixed groups). With ``zero1=True`` each dp rank keeps
 optimizer state for about ``1/dp`` of the parameters (whole tensors, balanced by size) and all-gathers the updated
-parameters after the step (NxD's ``use_zero1_optimizer``); grads must already be averaged over dp. With
-``master_weights=True`` low-precision parameters are updated through fp32 copies.
+parameters after the step (NxD's ``use_zero1_optimizer``). Grads must then already be averaged over dp, unless
+``reduce_scatter_grads=True``: the optimizer then reduce-scatters the raw grads itself, so each rank receives only the
+averaged grads of what it owns (Megatron's distributed optimizer). A step then moves the bytes of one all-reduce
+(reduce-scatter + all-gather) instead of 1.5 (all-reduce + all-gather). With ``master_weights=True`` low-precision
+parameters are updated through fp32 copies.
 
 ``state_dict()`` is keyed by the model's parameter FQNs, with tensor states as DTensors carrying the parameter's
 placements, so :mod:`meshpar.checkpoint` saves and reshards it with DCP across any tp / pp / dp layout.
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor
+from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm
 from meshpar.parallel_dims import get_parallel, is_initialized
 
 
@@ -46,20 +50,31 @@ class DistributedOptimizer:
         optimizer_cls: Callable[..., torch.optim.Optimizer],
         *,
         zero1: bool = False,
+        reduce_scatter_grads: bool = False,
+        reduce_dtype: torch.dtype | None = None,
         master_weights: bool = False,
         dp_mesh: DeviceMesh | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
+        if reduce_scatter_grads and not zero1:
+            raise ValueError(
+                "reduce_scatter_grads=True needs zero1=True: without ZeRO-1 every dp rank steps every parameter and "
+                "needs all averaged grads (all-reduce them with meshpar.data_parallel.allreduce_gradients)"
+            )
         named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
         self.named_params = [(name, p) for name, p in named if p.requires_grad]
         if dp_mesh is None and is_initialized():
             dp_mesh = get_parallel().dp_mesh
         self.dp_mesh = dp_mesh
         self.zero1 = zero1 and dp_mesh is not None and dp_mesh.size() > 1
-        dp, dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if self.zero1 else (1, 0)
+        self.reduce_scatter_grads = reduce_scatter_grads and self.zero1
+        self.reduce_dtype = reduce_dtype
+        dp, self._dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if self.zero1 else (1, 0)
         sizes = [local_tensor(p).numel() for _, p in self.named_params]
         self.owners = _assign_owners(sizes, dp) if self.zero1 else [0] * len(sizes)
-        self.owned = [i for i, owner in enumerate(self.owners) if owner == dp_rank]
+        self.owned = [i for i, owner in enumerate(self.owners) if owner == self._dp_rank]
+        self._layouts = self._owner_layouts(dp) if self.zero1 else {}
+        self._reduced: dict[int, torch.Tensor] | None = None  # owned index -> averaged grad (reduce_scatter_grads)
         self.master_weights = master_weights
         self._leaves: dict[int, torch.Tensor] = {}
         self._has_master: set[int] = set()  # leaves that are fp32 copies, not views of the parameter's storage
@@ -72,12 +87,28 @@ class DistributedOptimizer:
                 self._leaves[i] = local
         self.optimizer = optimizer_cls([self._leaves[i] for i in self.owned], **optimizer_kwargs)
 
+    def _owner_layouts(self, dp: int) -> dict[torch.dtype, tuple[list[list[int]], int]]:
+        """Per dtype: the parameter indices each dp rank owns and the length of one rank's segment (the largest
+        owner's total, so every segment of a flat ``dp * segment`` buffer has the same size). The reduce-scatter of
+        the grads and the all-gather of the updated parameters share this layout."""
+        tensors = [local_tensor(p) for _, p in self.named_params]
+        layouts = {}
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            by_owner = [
+                [i for i, t in enumerate(tensors) if t.dtype == dtype and self.owners[i] == r] for r in range(dp)
+            ]
+            segment = max(sum(tensors[i].numel() for i in owned) for owned in by_owner)
+            if segment:
+                layouts[dtype] = (by_owner, segment)
+        return layouts
+
     # -- torch.optim.Optimizer surface -----------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = None
         for _, param in self.named_params:
             if set_to_none:
                 param.grad = None
@@ -85,45 +116,95 @@ class DistributedOptimizer:
                 param.grad.zero_()
 
     @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """``reduce_scatter_grads``: average the grads over dp, each rank receiving only the parameters it owns.
+
+        One reduce-scatter per dtype over a flat buffer laid out by owner (missing grads count as zeros). The averaged
+        grads are kept by the optimizer and every ``param.grad`` is freed: the local, un-averaged grads are no longer
+        what the step uses. Called by :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
+        if not self.reduce_scatter_grads or self._reduced is not None:
+            return
+        group, dp = self.dp_mesh.get_group(), self.dp_mesh.size()
+        params = [p for _, p in self.named_params]
+        self._reduced = {}
+        for dtype, (by_owner, segment) in self._layouts.items():
+            send = torch.zeros(dp * segment, dtype=self.reduce_dtype or dtype, device=local_tensor(params[0]).device)
+            for owner, indices in enumerate(by_owner):
+                offset = owner * segment
+                for i in indices:
+                    numel = local_tensor(params[i]).numel()
+                    if params[i].grad is not None:
+                        send[offset : offset + numel].copy_(local_tensor(params[i].grad).reshape(-1))
+                    offset += numel
+            send.div_(dp)  # pre-divide: the sum of dp means stays in range in low precision
+            received = send.new_empty(segment)
+            dist.reduce_scatter_tensor(received, send, group=group)
+            offset = 0
+            for i in by_owner[self._dp_rank]:
+                local = local_tensor(params[i])
+                self._reduced[i] = received[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+        for param in params:
+            param.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the grads so that their global norm (over tp, pp and dp, as on one device) is at most ``max_norm``;
+        returns the norm before clipping. With ``reduce_scatter_grads`` the norm is taken over the reduced grads each
+        rank owns (one scalar all-reduce over all ranks); otherwise this is :func:`meshpar.clip_grad_norm` over the
+        parameters."""
+        if not self.reduce_scatter_grads:
+            return clip_grad_norm([p for _, p in self.named_params], max_norm, norm_type)
+        self.reduce_grads()
+        owned = [(self.named_params[i][1], grad) for i, grad in self._reduced.items()]
+        norm = partitioned_grad_norm(owned, norm_type)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for grad in self._reduced.values():
+                grad.mul_(coef.to(grad.dtype))
+        return norm
+
+    def _grad_for(self, i: int) -> torch.Tensor | None:
+        if self._reduced is not None:
+            return self._reduced.get(i)
+        grad = self.named_params[i][1].grad
+        return None if grad is None else local_tensor(grad)
+
+    @torch.no_grad()
     def step(self) -> None:
+        self.reduce_grads()
         for i in self.owned:
-            param = self.named_params[i][1]
             leaf = self._leaves[i]
-            grad = None if param.grad is None else local_tensor(param.grad)
-            leaf.grad = None if grad is None else (grad.float() if leaf.dtype != grad.dtype else grad)
+            grad = self._grad_for(i)
+            leaf.grad = None if grad is None else (grad.to(leaf.dtype) if leaf.dtype != grad.dtype else grad)
         self.optimizer.step()
         for i in self.owned:
             if i in self._has_master:  # other leaves share the parameter's storage: the step already updated it
                 local_tensor(self.named_params[i][1]).copy_(self._leaves[i])
             self._leaves[i].grad = None
+        self._reduced = None
         if self.zero1:
-            self._broadcast_updated_params()
+            self._gather_updated_params()
 
-    def _broadcast_updated_params(self) -> None:
-        """Every dp rank hands the parameters it owns to the others: one all-gather per dtype, each rank's owned
-        tensors flattened into an equal-sized (zero-padded) segment, instead of one broadcast per owner."""
-        group, dp, me = self.dp_mesh.get_group(), self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+    def _gather_updated_params(self) -> None:
+        """Every dp rank hands the parameters it owns to the others: one all-gather per dtype over the owner layout,
+        instead of one broadcast per owner."""
+        group, dp, me = self.dp_mesh.get_group(), self.dp_mesh.size(), self._dp_rank
         tensors = [local_tensor(p) for _, p in self.named_params]
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            by_owner = [
-                [t for i, t in enumerate(tensors) if t.dtype == dtype and self.owners[i] == r] for r in range(dp)
-            ]
-            segment = max(sum(t.numel() for t in owned) for owned in by_owner)
-            if segment == 0:
-                continue
-            mine = by_owner[me]
+        for dtype, (by_owner, segment) in self._layouts.items():
             send = torch.zeros(segment, dtype=dtype, device=tensors[0].device)
+            mine = [tensors[i] for i in by_owner[me]]
             if mine:
                 torch.cat([t.reshape(-1) for t in mine], out=send[: sum(t.numel() for t in mine)])
             gathered = send.new_empty(dp * segment)
             dist.all_gather_into_tensor(gathered, send, group=group)
-            for owner, owned in enumerate(by_owner):
+            for owner, indices in enumerate(by_owner):
                 if owner == me:
                     continue
                 offset = owner * segment
-                for t in owned:
-                    t.copy_(gathered[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                for i in indices:
+                    tensors[i].copy_(gathered[offset : offset + tensors[i].numel()].view_as(tensors[i]))
+                    offset += tensors[i].numel()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (and fp32 master copies) held by this rank."""

@@ -47,16 +47,22 @@ def dp_tp_case(tp: int, mode: str, max_norm: float | None) -> dict:
     per_rank = BATCH // dims.dp
     rows = slice(dims.dp_rank * per_rank, (dims.dp_rank + 1) * per_rank)
     _loss(model, x[rows], target[rows]).backward()
-    if mode != "fsdp":
-        allreduce_gradients(model.parameters())
-    norm = total_grad_norm(model.parameters())
-    torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
-    if max_norm is not None:
-        clip_grad_norm(model.parameters(), max_norm)
     if mode == "fsdp":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     else:
-        opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=(mode == "zero1"), lr=1e-2, eps=1e-4)
+        zero1, reduce_scatter = mode in ("zero1", "zero1_rs"), mode == "zero1_rs"
+        opt = DistributedOptimizer(
+            model, torch.optim.AdamW, zero1=zero1, reduce_scatter_grads=reduce_scatter, lr=1e-2, eps=1e-4
+        )
+    if mode == "zero1_rs":  # the optimizer reduce-scatters the raw grads; it alone knows the norm
+        norm = opt.clip_grad_norm(max_norm if max_norm is not None else float("inf"))
+    else:
+        if mode != "fsdp":
+            allreduce_gradients(model.parameters())
+        norm = total_grad_norm(model.parameters())
+        if max_norm is not None:
+            clip_grad_norm(model.parameters(), max_norm)
+    torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
     opt.step()
     dense_params = dict(dense.named_parameters())
     for name, param in model.named_parameters():
@@ -69,7 +75,7 @@ def dp_tp_case(tp: int, mode: str, max_norm: float | None) -> dict:
     return {"state_bytes": opt.state_bytes() if mode != "fsdp" else 0}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero1_rs", "fsdp"])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
 def test_dp_x_tp_step_equals_dense_step(mode: str, max_norm: float | None) -> None:
     run_distributed(dp_tp_case, 4, 2, mode, max_norm)
@@ -77,6 +83,7 @@ def test_dp_x_tp_step_equals_dense_step(mode: str, max_norm: float | None) -> No
 
 def test_pure_dp_and_pure_tp_steps() -> None:
     run_distributed(dp_tp_case, 4, 1, "zero1", 0.05)
+    run_distributed(dp_tp_case, 4, 1, "zero1_rs", 0.05)
     run_distributed(dp_tp_case, 4, 4, "ddp", None)
 
 

@@ -1,0 +1,117 @@
+"""ZeRO-1 with reduce-scattered grads (``DistributedOptimizer(zero1=True, reduce_scatter_grads=True)``) vs the dense
+step: gradient accumulation, uneven tp shards, bf16 with fp32 masters, the collectives of a step, misuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshpar._compat import CommDebugMode
+from meshpar.data_parallel import allreduce_gradients
+from meshpar.optim import DistributedOptimizer
+from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
+from meshpar.testing.dispatch import comm_counts
+from tests._models import TinyTransformer, block_plan
+
+BATCH, MICROBATCHES = 8, 2
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - target) ** 2).mean()
+
+
+def accumulation_case(tp: int, layers: int, max_norm: float) -> None:
+    """Two microbatches per dp rank accumulate local grads; one reduce-scatter in the step averages them over dp and
+    the clipping norm comes from the owned parts alone (tp shards, tp-replicated norms, dp owners)."""
+    dims = setup_parallel(tp=tp)
+    torch.manual_seed(0)
+    dense = TinyTransformer(hidden=16, heads=4, ffn=24, layers=layers)
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan())
+    torch.manual_seed(1)
+    x, target = torch.randn(BATCH, 8, 16), torch.randn(BATCH, 8, 16)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2, eps=1e-4)
+    _loss(dense, x, target).backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+    dense_opt.step()
+
+    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=True, lr=1e-2, eps=1e-4)
+    per_rank = BATCH // dims.dp
+    mine = slice(dims.dp_rank * per_rank, (dims.dp_rank + 1) * per_rank)
+    for xs, ts in zip(x[mine].chunk(MICROBATCHES), target[mine].chunk(MICROBATCHES), strict=True):
+        (_loss(model, xs, ts) / MICROBATCHES).backward()
+    norm = opt.clip_grad_norm(max_norm)
+    assert all(p.grad is None for p in model.parameters())  # the local, un-averaged grads are freed
+    torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
+    opt.step()
+    dense_params = dict(dense.named_parameters())
+    for name, param in model.named_parameters():
+        assert_matches_dense(param.detach(), dense_params[name].detach(), atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("tp", "layers"), [(1, 2), (2, 3)])
+def test_accumulated_reduce_scattered_step_equals_dense(tp: int, layers: int) -> None:
+    run_distributed(accumulation_case, 4, tp, layers, 0.05)
+
+
+def bf16_case() -> None:
+    """bf16 parameters, fp32 masters and an fp32 reduction: the reduce-scattered step equals the ZeRO-1 step on
+    all-reduced grads (same fp32 arithmetic, so to the last bf16 bit)."""
+    dims = setup_parallel(tp=1)
+    torch.manual_seed(0)
+    base = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2).to(torch.bfloat16)
+    torch.manual_seed(1 + dims.dp_rank)
+    x, target = torch.randn(2, 8, 16, dtype=torch.bfloat16), torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    results = []
+    for reduce_scatter in (False, True):
+        model = copy.deepcopy(base)
+        opt = DistributedOptimizer(
+            model,
+            torch.optim.AdamW,
+            zero1=True,
+            reduce_scatter_grads=reduce_scatter,
+            reduce_dtype=torch.float32,
+            master_weights=True,
+            lr=1e-2,
+        )
+        _loss(model, x, target).float().backward()
+        if not reduce_scatter:
+            allreduce_gradients(model.parameters(), reduce_dtype=torch.float32)
+        opt.step()
+        results.append(model)
+    for (name, a), b in zip(results[0].named_parameters(), results[1].parameters(), strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=name)
+        assert not torch.equal(a, base.get_parameter(name)), name  # the step did move it
+
+
+def test_bf16_masters_with_fp32_reduce_scatter() -> None:
+    run_distributed(bf16_case, 2)
+
+
+def collectives_case(reduce_scatter: bool) -> dict:
+    """The dp collectives of one step: ``reduce_scatter`` makes them one reduce-scatter and one all-gather (the bytes
+    of one all-reduce); the other way is an all-reduce plus the same all-gather."""
+    dims = setup_parallel(tp=1)
+    torch.manual_seed(0)
+    model = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2)
+    opt = DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=reduce_scatter, lr=0.1)
+    _loss(model, torch.randn(2, 8, 16), torch.randn(2, 8, 16)).backward()
+    with CommDebugMode() as mode:
+        if not reduce_scatter:
+            allreduce_gradients(model.parameters(), dims.dp_mesh)
+        opt.step()
+    return dict(comm_counts(mode))
+
+
+def test_reduce_scattered_step_issues_one_reduce_scatter_and_one_all_gather() -> None:
+    assert run_distributed(collectives_case, 2, True)[0] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
+    assert run_distributed(collectives_case, 2, False)[0] == {"all_reduce": 1, "all_gather_into_tensor": 1}
+
+
+def test_reduce_scatter_without_zero1_is_refused() -> None:
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match="reduce_scatter_grads=True needs zero1=True"):
+        DistributedOptimizer(model, torch.optim.SGD, reduce_scatter_grads=True, lr=0.1)
