@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor
+from meshpar._compat import DeviceMesh
+from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar.optim import local_tensor as _local
 from meshpar.parallel_dims import get_parallel
 
@@ -73,12 +74,7 @@ class OverlappedGradSync:
         self._sync = True
         self._next = 0  # the first bucket not launched yet
         unique = {id(p): p for p in parameters if p.requires_grad}
-        for param in unique.values():
-            if isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ()):
-                raise ValueError(
-                    "OverlappedGradSync got parameters sharded over the 'dp' mesh dim (FSDP2?): fully_shard "
-                    "reduce-scatters its own grads; use OverlappedGradSync only for replicated-over-dp parameters"
-                )
+        refuse_dp_sharded(unique.values(), "OverlappedGradSync")
         caps = (int(min(first_bucket_mb, bucket_mb) * 2**20), int(bucket_mb * 2**20))
         self._buckets = self._cut(list(unique.values())[::-1], caps)
         self._slot = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
@@ -108,15 +104,13 @@ class OverlappedGradSync:
     def _check_same_buckets(self) -> None:
         """Every dp rank must cut identical buckets, or the all-reduces would pair buffers of different sizes (a hang
         or garbage): compare once, here, and fail on every rank with each rank's layout."""
-        layout = [(str(b.dtype), b.numels) for b in self._buckets]
-        layouts: list = [None] * self._size
-        dist.all_gather_object(layouts, layout, group=self._group)
-        if any(other != layouts[0] for other in layouts):
-            summary = "; ".join(
-                f"dp rank {r}: {len(lay)} buckets, {sum(sum(n) for _, n in lay)} elements"
-                for r, lay in enumerate(layouts)
-            )
-            raise ValueError(f"dp ranks hold different parameters, so their grad buckets differ ({summary})")
+        check_same_across_dp(
+            [(str(b.dtype), b.numels) for b in self._buckets],
+            self._group,
+            self._size,
+            lambda lay: f"{len(lay)} buckets, {sum(sum(n) for _, n in lay)} elements",
+            "their grad buckets",
+        )
 
     @property
     def num_buckets(self) -> int:

@@ -16,6 +16,7 @@ placements, so :mod:`meshpar.checkpoint` saves and reshards it with DCP across a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor
+from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm
 from meshpar.parallel_dims import get_parallel, is_initialized
 
@@ -67,6 +69,8 @@ class DistributedOptimizer:
             dp_mesh = get_parallel().dp_mesh
         self.dp_mesh = dp_mesh
         self.zero1 = zero1 and dp_mesh is not None and dp_mesh.size() > 1
+        if self.zero1:
+            self._check_zero1_layout()
         self.reduce_scatter_grads = reduce_scatter_grads and self.zero1
         self.reduce_dtype = reduce_dtype
         dp, self._dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if self.zero1 else (1, 0)
@@ -86,6 +90,18 @@ class DistributedOptimizer:
             else:
                 self._leaves[i] = local
         self.optimizer = optimizer_cls([self._leaves[i] for i in self.owned], **optimizer_kwargs)
+
+    def _check_zero1_layout(self) -> None:
+        """ZeRO-1 assigns owners from the parameter list and pairs every rank's segments in its collectives: refuse
+        dp-sharded (FSDP2) parameters, and check once that all dp ranks list the same parameters."""
+        refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
+        check_same_across_dp(
+            [(name, tuple(local_tensor(p).shape), str(p.dtype)) for name, p in self.named_params],
+            self.dp_mesh.get_group(),
+            self.dp_mesh.size(),
+            lambda lay: f"{len(lay)} tensors, {sum(math.prod(shape) for _, shape, _ in lay)} elements",
+            "their ZeRO-1 owner layouts",
+        )
 
     def _owner_layouts(self, dp: int) -> dict[torch.dtype, tuple[list[list[int]], int]]:
         """Per dtype: the parameter indices each dp rank owns and the length of one rank's segment (the largest

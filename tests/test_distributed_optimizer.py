@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import CommDebugMode
-from meshpar.data_parallel import allreduce_gradients
+from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from meshpar.testing.dispatch import comm_counts
@@ -109,6 +109,34 @@ def collectives_case(reduce_scatter: bool) -> dict:
 def test_reduce_scattered_step_issues_one_reduce_scatter_and_one_all_gather() -> None:
     assert run_distributed(collectives_case, 2, True)[0] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
     assert run_distributed(collectives_case, 2, False)[0] == {"all_reduce": 1, "all_gather_into_tensor": 1}
+
+
+def _refusal(model: torch.nn.Module) -> str:
+    """The ValueError message of building a ZeRO-1 optimizer over ``model`` on this rank ("" if it was accepted)."""
+    try:
+        DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=True, lr=0.1)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def mismatch_case() -> str:
+    dims = setup_parallel()
+    return _refusal(torch.nn.Linear(4, 4 + dims.dp_rank))  # a different model on dp rank 1
+
+
+def test_different_parameters_across_dp_ranks_raise_on_every_rank() -> None:
+    messages = run_distributed(mismatch_case, 2)
+    assert all("their ZeRO-1 owner layouts differ" in m and "dp rank 1: 2 tensors, 25 elements" in m for m in messages)
+
+
+def fsdp_case() -> str:
+    dims = setup_parallel()
+    return _refusal(apply_fsdp(torch.nn.Sequential(torch.nn.Linear(4, 4)), dims.dp_mesh))
+
+
+def test_fsdp_parameters_are_refused() -> None:
+    assert all("FSDP2" in m for m in run_distributed(fsdp_case, 2))
 
 
 def test_reduce_scatter_without_zero1_is_refused() -> None:

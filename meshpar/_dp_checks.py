@@ -1,0 +1,32 @@
+"""Checks that every dp rank can pair its collectives with the others', run once when a dp-reducing object is built,
+so that a misconfigured model fails with a clear error instead of hanging inside a collective."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DTensor
+
+
+def refuse_dp_sharded(parameters: Iterable[torch.Tensor], who: str) -> None:
+    """Raise if a parameter is already sharded over the ``dp`` mesh dim (FSDP2 reduce-scatters its own grads)."""
+    for param in parameters:
+        if isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"{who} got parameters sharded over the 'dp' mesh dim (FSDP2?): fully_shard reduce-scatters its own "
+                f"grads and shards its optimizer state; use {who} only for replicated-over-dp parameters"
+            )
+
+
+def check_same_across_dp(
+    layout: list, group: dist.ProcessGroup, size: int, summary: Callable[[list], str], what: str
+) -> None:
+    """Compare ``layout`` over the dp group and raise on every rank, with each rank's ``summary``, if they differ."""
+    layouts: list = [None] * size
+    dist.all_gather_object(layouts, layout, group=group)
+    if any(other != layouts[0] for other in layouts):
+        ranks = "; ".join(f"dp rank {r}: {summary(lay)}" for r, lay in enumerate(layouts))
+        raise ValueError(f"dp ranks hold different parameters, so {what} differ ({ranks})")
