@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rounds import alternate, model_arguments
+from _wire import WireBytes
 from bench_pipeline import SavedBytes
 
 from meshpar._compat import CommDebugMode
@@ -33,35 +32,6 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel, shard_of
 from meshpar.testing.dispatch import comm_counts
 from tests._models import TinyTransformer, block_plan
-
-
-class WireBytes(TorchDispatchMode):
-    """Bytes each rank sends per collective with ring algorithms over ``p`` ranks: all-reduce ``2 (p-1)/p N``,
-    all-gather and reduce-scatter ``(p-1)/p N`` for the full tensor ``N``. Activation collectives (>= 2-D) and the
-    small 1-D grad all-reduces are kept apart."""
-
-    def __init__(self, p: int) -> None:
-        super().__init__()
-        self.p = p
-        self.activations = 0.0
-        self.small = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        if func.namespace in ("c10d", "_c10d_functional") and not any(k in name for k in ("wait", "_wrap")):
-            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            largest = max(tensors, key=lambda t: t.numel())
-            full = largest.numel() * largest.element_size()
-            gather = "all_gather" in name or "allgather" in name
-            if gather and len(tensors) == 1:  # functional all-gather: only the input shard is an argument
-                full *= self.p
-            factor = (1 if gather or "reduce_scatter" in name else 2) * (self.p - 1) / self.p
-            if largest.dim() > 1:
-                self.activations += factor * full
-            else:
-                self.small += factor * full
-        return func(*args, **(kwargs or {}))
-
 
 # SP regather: the column linears save the input's sequence shard and all-gather it again in backward (Megatron)
 VARIANTS = ("TP", "SP", "SP regather")
@@ -89,7 +59,7 @@ def sp_case(args: argparse.Namespace) -> dict:
         report[key] = {
             "fwd": dict(comm_counts(fwd_mode)),
             "bwd": dict(comm_counts(bwd_mode)),
-            "bytes": (fwd_bytes.activations, bwd_bytes.activations, bwd_bytes.small),
+            "bytes": (fwd_bytes.activations, bwd_bytes.activations, bwd_bytes.flat),
             "saved": saved.peak,
         }
 

@@ -55,3 +55,14 @@ def test_bench_dp_prints_every_variant() -> None:
         assert f"{variant} " in out
     buckets = re.search(r"^overlapped 0\.01 MiB\s+(\d+)", out, re.MULTILINE).group(1)
     assert int(buckets) > 1
+
+
+def test_bench_zero_reduce_scatter_moves_the_minimum_bytes() -> None:
+    out = _run("bench_zero.py", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16", "--vocab", "64")
+    ratios = {
+        name: float(re.search(rf"^{name}\s+[\d.]+\s+([\d.]+)x", out, re.MULTILINE).group(1))
+        for name in ("replicated", "ZeRO-1 all-reduce", "ZeRO-1 reduce-scatter")
+    }
+    assert ratios["replicated"] == 1.0 and ratios["ZeRO-1 all-reduce"] == 1.5
+    assert 1.0 <= ratios["ZeRO-1 reduce-scatter"] < 1.05  # the minimum, plus the padding of the owners' segments
+    assert "{'reduce_scatter_tensor': 1, 'all_gather_into_tensor': 1}" in out
