@@ -106,9 +106,13 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_grad_norm(params, norm_type)
+    scale_to_max_norm([p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params], norm, max_norm)
+    return norm
+
+
+def scale_to_max_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale local ``grads`` in place by ``max_norm / norm`` when that is below 1 (torch's clipping coefficient)."""
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        for param in params:
-            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+        for grad in grads:
             grad.mul_(coef.to(grad.dtype))
-    return norm

@@ -17,7 +17,7 @@ placements, so :mod:`meshpar.checkpoint` saves and reshards it with DCP across a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
-from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm
+from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
 from meshpar.parallel_dims import get_parallel, is_initialized
 
 
@@ -118,6 +118,15 @@ class DistributedOptimizer:
                 layouts[dtype] = (by_owner, segment)
         return layouts
 
+    def _spans(self, by_owner: list[list[int]], segment: int) -> Iterator[tuple[int, int, slice]]:
+        """``(owner, parameter index, slice of the flat dp * segment buffer)`` for every tensor of one dtype layout."""
+        for owner, indices in enumerate(by_owner):
+            offset = owner * segment
+            for i in indices:
+                numel = local_tensor(self.named_params[i][1]).numel()
+                yield owner, i, slice(offset, offset + numel)
+                offset += numel
+
     # -- torch.optim.Optimizer surface -----------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
@@ -145,21 +154,17 @@ class DistributedOptimizer:
         self._reduced = {}
         for dtype, (by_owner, segment) in self._layouts.items():
             send = torch.zeros(dp * segment, dtype=self.reduce_dtype or dtype, device=local_tensor(params[0]).device)
-            for owner, indices in enumerate(by_owner):
-                offset = owner * segment
-                for i in indices:
-                    numel = local_tensor(params[i]).numel()
-                    if params[i].grad is not None:
-                        send[offset : offset + numel].copy_(local_tensor(params[i].grad).reshape(-1))
-                    offset += numel
+            for _, i, span in self._spans(by_owner, segment):
+                if params[i].grad is not None:
+                    send[span].copy_(local_tensor(params[i].grad).reshape(-1))
             send.div_(dp)  # pre-divide: the sum of dp means stays in range in low precision
             received = send.new_empty(segment)
             dist.reduce_scatter_tensor(received, send, group=group)
-            offset = 0
-            for i in by_owner[self._dp_rank]:
-                local = local_tensor(params[i])
-                self._reduced[i] = received[offset : offset + local.numel()].view(local.shape)
-                offset += local.numel()
+            mine = self._dp_rank * segment  # where this rank's segment starts in the flat layout
+            for owner, i, span in self._spans(by_owner, segment):
+                if owner == self._dp_rank:
+                    local = local_tensor(params[i])
+                    self._reduced[i] = received[span.start - mine : span.stop - mine].view(local.shape)
         for param in params:
             param.grad = None
 
@@ -174,10 +179,7 @@ class DistributedOptimizer:
         self.reduce_grads()
         owned = [(self.named_params[i][1], grad) for i, grad in self._reduced.items()]
         norm = partitioned_grad_norm(owned, norm_type)
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for grad in self._reduced.values():
-                grad.mul_(coef.to(grad.dtype))
+        scale_to_max_norm(list(self._reduced.values()), norm, max_norm)
         return norm
 
     def _grad_for(self, i: int) -> torch.Tensor | None:
@@ -214,13 +216,9 @@ class DistributedOptimizer:
                 torch.cat([t.reshape(-1) for t in mine], out=send[: sum(t.numel() for t in mine)])
             gathered = send.new_empty(dp * segment)
             dist.all_gather_into_tensor(gathered, send, group=group)
-            for owner, indices in enumerate(by_owner):
-                if owner == me:
-                    continue
-                offset = owner * segment
-                for i in indices:
-                    tensors[i].copy_(gathered[offset : offset + tensors[i].numel()].view_as(tensors[i]))
-                    offset += tensors[i].numel()
+            for owner, i, span in self._spans(by_owner, segment):
+                if owner != me:
+                    tensors[i].copy_(gathered[span].view_as(tensors[i]))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (and fp32 master copies) held by this rank."""
