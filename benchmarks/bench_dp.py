@@ -24,15 +24,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.grad_sync import OverlappedGradSync
+from meshpar.parallel_dims import ParallelDims
 from meshpar.testing import run_distributed, setup_parallel
 
 
-def bench_case(args: argparse.Namespace) -> dict:
+def dp_model_and_batch(args: argparse.Namespace) -> tuple[ParallelDims, GPT, torch.Tensor]:
+    """A pure-dp mesh, the benchmark GPT (same weights on every rank) and this dp rank's own token batch."""
     dims = setup_parallel(tp=1)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dense = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq)
+    model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(dims.dp_rank))
+    return dims, model, ids
+
+
+def bench_case(args: argparse.Namespace) -> dict:
+    dims, dense, ids = dp_model_and_batch(args)
     grad_mib = sum(p.numel() for p in dense.parameters()) * 4 / 2**20
     runs, syncs = {}, {}
     overlapped = {f"overlapped {mb:g} MiB": mb for mb in args.bucket_mb}

@@ -27,12 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _rounds import alternate, model_arguments
 from _wire import WireBytes
+from bench_dp import dp_model_and_batch
 from bench_tp import GPT
 
 from meshpar._compat import CommDebugMode
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.optim import DistributedOptimizer
-from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing import run_distributed
 from meshpar.testing.dispatch import comm_counts
 
 VARIANTS = {  # name: (zero1, reduce_scatter_grads)
@@ -46,11 +47,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def zero_case(args: argparse.Namespace) -> dict:
-    dims = setup_parallel(tp=1)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    base = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(dims.dp_rank))
+    dims, base, ids = dp_model_and_batch(args)
     runs, report = {}, {}
     for name, (zero1, reduce_scatter) in VARIANTS.items():
         model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq)
