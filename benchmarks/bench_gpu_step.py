@@ -9,7 +9,12 @@ against the dense bf16 peak given by ``--peak-tflops`` (989 for an H100 SXM). Th
 each variant dispatches per eager step, split into compute ops, collectives and host syncs, which is the same on
 any device: a meshpar step that launched more kernels or synchronised with the host would show up there. The
 "host ms" column is the time until the host has enqueued the step (on CPU it equals the step time); when it
-approaches the step time the GPU is starved and host overhead is what is being measured.
+approaches the step time the GPU is starved and host overhead is what is being measured. A synchronising op inside
+the step (on CUDA, the embedding backward copies a count to the host) makes the host wait for the device, so on
+CUDA the script also profiles a few steps of each variant: "device ms" is the sum of the step's kernel times, and
+"busy" is device ms over step ms. A step that is slower with the same device ms is paying host overhead; one whose
+device ms grew runs slower kernels, which ``--breakdown`` lists (kernels whose time differs most between dense
+eager and meshpar eager).
 
 ``--isolate`` exists to separate the layers' own cost from process state: in one process the four resident models
 and two compiled graphs share the caching allocator and the compiler's caches, which a step time in a fresh process
@@ -68,6 +73,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def profile_kernels(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
+    """Device microseconds per step of each kernel (by name), summed over its launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / steps for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
 def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
     """Step times and host (enqueue) times, alternating the variants round by round, and the per-step op counts
     of the eager variants. A host time close to the step time means the step is bound by the host, not the
@@ -92,6 +109,9 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, 
             host[variant].append(time.perf_counter() - start)  # until the host has enqueued the whole step
             _sync(args.device)
             times[variant].append(time.perf_counter() - start)
+    if args.device == "cuda":
+        for variant, step in steps.items():
+            ops.setdefault(variant, {})["kernels"] = profile_kernels(step)
     meshpar.destroy_parallel(destroy_process_group=True)
     return times, host, ops
 
@@ -123,6 +143,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--isolate", action="store_true", help="time each variant in its own fresh process")
+    parser.add_argument("--breakdown", action="store_true", help="CUDA: kernels that differ, dense vs meshpar eager")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
     if args.only:
@@ -143,17 +164,33 @@ def main() -> None:
     how = "each variant in its own process" if args.isolate else "all variants alternating in one process"
     print(f"{device} | GPT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch} | {how}")
     base = statistics.median(times["dense:eager"])
-    header = ("variant", "mode", "step ms", "host ms", "tokens/s", "MFU", "vs dense eager")
-    print("{:10s} {:8s} {:>8s} {:>8s} {:>10s} {:>6s} {:>15s}".format(*header))
+    kernels = {v: counts.pop("kernels") for v, counts in ops.items() if "kernels" in counts}
+    header = ("variant", "mode", "step ms", "host ms", "device ms", "busy", "tokens/s", "MFU", "vs dense eager")
+    print("{:10s} {:8s} {:>8s} {:>8s} {:>9s} {:>5s} {:>10s} {:>6s} {:>15s}".format(*header))
     for variant, values in times.items():
         kind, mode = variant.split(":")
         t, h = statistics.median(values), statistics.median(host[variant])
         mfu = f"{flops_per_token * tokens / t / (args.peak_tflops * 1e12):6.1%}" if args.device == "cuda" else "   n/a"
-        print(f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {h * 1e3:8.2f} {tokens / t:10.0f} {mfu} {t / base:14.2f}x")
-    if ops:
+        dev = sum(kernels[variant].values()) / 1e3 if variant in kernels else float("nan")
+        busy = f"{dev / (t * 1e3):5.0%}" if variant in kernels else "  n/a"
+        line = f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {h * 1e3:8.2f} {dev:9.2f} {busy} {tokens / t:10.0f} {mfu}"
+        print(f"{line} {t / base:14.2f}x")
+    if any(ops.values()):
         print("\naten ops per eager step (compute ops launch kernels; metadata-only views not counted)")
         for variant, counts in ops.items():
-            print(f"{variant.split(':')[0]:10s} {counts}")
+            if counts:
+                print(f"{variant.split(':')[0]:10s} {counts}")
+    if args.breakdown and {"dense:eager", "meshpar:eager"} <= kernels.keys():
+        print_kernel_diff(kernels["dense:eager"], kernels["meshpar:eager"])
+
+
+def print_kernel_diff(dense: dict[str, float], meshpar_: dict[str, float], top: int = 15) -> None:
+    """The kernels whose device time per step differs most between the dense and the meshpar eager step."""
+    names = sorted(dense.keys() | meshpar_.keys(), key=lambda k: -abs(meshpar_.get(k, 0.0) - dense.get(k, 0.0)))
+    print(f"\nkernels, device us per step: {'dense':>9s} {'meshpar':>9s} {'diff':>8s}  name")
+    for name in names[:top]:
+        a, b = dense.get(name, 0.0), meshpar_.get(name, 0.0)
+        print(f"{'':28s}{a:9.1f} {b:9.1f} {b - a:8.1f}  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Time and effective bandwidth of meshpar's Triton kernels vs the torch eager reference vs torch.compile of it.
 
-    python benchmarks/bench_kernels.py            # CUDA: all three columns; CPU: reference vs compiled only
+    python benchmarks/bench_kernels.py                 # CUDA: all three columns; CPU: reference vs compiled only
+    python benchmarks/bench_kernels.py --breakdown     # CUDA: also each variant's kernels, device us per call
 
 Each case is forward + backward. Ratios are measured in this one invocation, alternating the variants per round
-(A B C A B C ...) and taking the median, so machine noise hits all of them alike. Bandwidth counts the bytes each
-op must read and write at least once (inputs, outputs, grads), divided by the median time.
+(A B C A B C ...) and taking the median, so machine noise hits all of them alike. Two times per variant on CUDA:
+"call ms", one call timed on the host with a synchronize before and after (what a step pays when the op's host
+work is not hidden behind queued device work), and "device ms", the sum of the call's kernel times from the
+profiler (what it costs when the host runs ahead). Bandwidth counts the bytes each op must read and write at least
+once (inputs, outputs, grads), divided by the device time.
 """
 
 from __future__ import annotations
@@ -35,6 +39,24 @@ def _time(fn: Callable[[], object]) -> float:
     fn()
     _sync()
     return time.perf_counter() - start
+
+
+def _device_ms(fn: Callable[[], object], calls: int = 5) -> tuple[float, list[tuple[str, int, float]]]:
+    """Kernel time per call from the profiler, and (kernel, launches per call, us per call), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    kernels = [
+        (e.key, e.count // calls, e.self_device_time_total / calls)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k[2])
+    return sum(k[2] for k in kernels) / 1e3, kernels
 
 
 def _fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
@@ -128,13 +150,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--scale", type=int, default=1 if DEVICE == "cuda" else 8, help="divide the shapes by this")
+    parser.add_argument("--breakdown", action="store_true", help="CUDA: list each variant's kernels")
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}")
     header = f"{'op (fwd+bwd, bf16)':38s} {'eager ms':>9s} {'compile ms':>10s}"
     if DEVICE == "cuda":
-        header += f" {'triton ms':>9s} {'GB/s':>7s} {'vs eager':>8s} {'vs compile':>10s}"
+        header += f" {'triton ms':>9s} | device ms: {'eager':>7s} {'compile':>7s} {'triton':>7s} {'GB/s':>6s}"
+        header += f" | triton vs compile: {'call':>5s} {'device':>6s}"
     print(header)
+    breakdowns: list[str] = []
     for name, case in cases(args.scale).items():
+        if args.only and args.only not in name:
+            continue
         fused, reference, inputs, nbytes = case
         grad = torch.randn_like(reference(*inputs))
         variants = {
@@ -153,10 +181,19 @@ def main() -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         line = f"{name:38s} {med['eager']:9.3f} {med['compile']:10.3f}"
         if DEVICE == "cuda":
-            gbps = nbytes / (med["triton"] / 1e3) / 1e9
-            speedup, speedup_compiled = med["eager"] / med["triton"], med["compile"] / med["triton"]
-            line += f" {med['triton']:9.3f} {gbps:7.0f} {speedup:7.2f}x {speedup_compiled:9.2f}x"
-        print(line)
+            device = {key: _device_ms(fn) for key, fn in variants.items()}
+            dev = {key: ms for key, (ms, _) in device.items()}
+            gbps = nbytes / (dev["triton"] / 1e3) / 1e9
+            line += f" {med['triton']:9.3f} | {'':11s}{dev['eager']:7.3f} {dev['compile']:7.3f} {dev['triton']:7.3f}"
+            call_ratio, device_ratio = med["compile"] / med["triton"], dev["compile"] / dev["triton"]
+            line += f" {gbps:6.0f} | {'':19s}{call_ratio:4.2f}x {device_ratio:5.2f}x"
+            for key, (ms, kernels) in device.items():
+                breakdowns.append(f"{name} / {key}: {ms * 1e3:.1f} us")
+                breakdowns += [f"    {us:8.1f} us  x{count:<3d} {kernel[:110]}" for kernel, count, us in kernels]
+        print(line, flush=True)
+    if args.breakdown:
+        print("\nkernels per call (device us, launches, name):")
+        print("\n".join(breakdowns))
     if DEVICE == "cuda":
         print_ce_memory()
 

@@ -11,7 +11,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
-from meshpar.ops._rows import as_rows, grid_programs
+from meshpar.ops._rows import as_rows, grid_programs, sum_partials
 from meshpar.ops._triton import tl, triton
 
 
@@ -118,7 +118,7 @@ def layer_norm_bwd(
         dy_rows, rows, weight, mean, rstd, dx, dw_partial, db_partial, rows.stride(0), n_rows, n_cols,
         rows_per_program, BLOCK=block, num_warps=num_warps(block),
     )  # fmt: skip
-    return dx.view_as(x), dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+    return dx.view_as(x), sum_partials(dw_partial, weight.dtype), sum_partials(db_partial, weight.dtype)
 
 
 @layer_norm_fwd.register_fake

@@ -2,7 +2,7 @@
 
 Ops: ``meshpar::rms_norm_fwd(x, weight, eps) -> (y, rstd)`` and ``meshpar::rms_norm_bwd(dy, x, weight, rstd) ->
 (dx, dweight)``. One program per row forward; backward programs each own a contiguous block of rows and accumulate
-their partial ``dweight`` in registers (one fp32 row per program, summed afterwards).
+their partial ``dweight`` in registers (one fp32 row per program, summed afterwards by ``sum_partials``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
-from meshpar.ops._rows import as_rows, grid_programs
+from meshpar.ops._rows import as_rows, grid_programs, sum_partials
 from meshpar.ops._triton import tl, triton
 
 
@@ -96,7 +96,7 @@ def rms_norm_bwd(
         dy_rows, rows, weight, rstd, dx, dw_partial, rows.stride(0), n_rows, n_cols, rows_per_program,
         BLOCK=block, num_warps=num_warps(block),
     )  # fmt: skip
-    return dx.view_as(x), dw_partial.sum(0).to(weight.dtype)
+    return dx.view_as(x), sum_partials(dw_partial, weight.dtype)
 
 
 @rms_norm_fwd.register_fake

@@ -15,28 +15,35 @@ from meshpar.ops._dispatch import block_size, run_triton
 from meshpar.ops._dtensor import on_local_shards
 from meshpar.ops._triton import tl, triton
 
+# Elements per half-row tile of one program: 64 rows of a 128-wide head (one row per program left most threads idle
+# and ran at a third of torch.compile's speed on an H100).
+_ROTARY_TILE = 4096
+
 
 @triton.jit
 def _rotary_kernel(
-    X, COS, SIN, Y, n_seq, inner, half, sign, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr
+    X, COS, SIN, Y, n_rows, n_seq, inner, half, sign,
+    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    pos = (row // inner) % n_seq
-    i = tl.arange(0, BLOCK)
-    mask = i < half
-    c = tl.load(COS + pos * half + i, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + pos * half + i, mask=mask, other=0.0).to(tl.float32) * sign
+    """Program p rotates rows [p * BLOCK_R, (p + 1) * BLOCK_R) of ``x`` viewed as ``[rows, head_dim]``; a row's
+    sequence position is ``(row // inner) % n_seq``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < n_rows) & (i[None, :] < half)
+    angle = ((rows // inner) % n_seq)[:, None] * half + i[None, :]
+    c = tl.load(COS + angle, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + angle, mask=mask, other=0.0).to(tl.float32) * sign
     if INTERLEAVED:
         first = 2 * i
         second = 2 * i + 1
     else:
         first = i
         second = i + half
-    base = row * 2 * half
-    x1 = tl.load(X + base + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + base + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + base + first, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
-    tl.store(Y + base + second, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+    base = rows[:, None] * 2 * half
+    x1 = tl.load(X + base + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + base + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + base + first[None, :], (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + base + second[None, :], (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
 
 
 def rotary_reference(
@@ -65,9 +72,12 @@ def rotary_embedding_op(
     x = x.contiguous()
     y = torch.empty_like(x)
     half = x.shape[-1] // 2
-    wrap_triton(_rotary_kernel)[(x.numel() // x.shape[-1],)](
-        x, cos.contiguous(), sin.contiguous(), y, cos.shape[0], inner, half, -1.0 if inverse else 1.0,
-        INTERLEAVED=interleaved, BLOCK=block_size(half),
+    n_rows = x.numel() // x.shape[-1]
+    block_h = block_size(half)
+    block_r = max(1, min(_ROTARY_TILE // block_h, block_size(n_rows)))
+    wrap_triton(_rotary_kernel)[(triton.cdiv(n_rows, block_r),)](
+        x, cos.contiguous(), sin.contiguous(), y, n_rows, cos.shape[0], inner, half, -1.0 if inverse else 1.0,
+        INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4 if block_r * block_h <= 2048 else 8,
     )  # fmt: skip
     return y
 

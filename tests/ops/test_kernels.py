@@ -121,7 +121,7 @@ def test_scaled_upper_triang_masked_softmax(dtype: torch.dtype, shape: tuple) ->
     )
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 5, 37), (2, 3000)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5, 37), (2, 3000), (70, 130)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_gelu(shape: tuple, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -132,6 +132,19 @@ def test_bias_gelu(shape: tuple, dtype: torch.dtype) -> None:
         _randn(*shape, dtype=dtype),
         _tol(dtype, loose=4.0),
     )
+
+
+@pytest.mark.parametrize(("programs", "n_cols"), [(1, 1), (150, 70), (528, 33)])
+def test_sum_partials(programs: int, n_cols: int) -> None:
+    """The norm and bias-gelu backward kernels sum their per-program fp32 partials with this kernel."""
+    from meshpar.ops._rows import sum_partials
+
+    torch.manual_seed(0)
+    partials = _randn(programs, n_cols)
+    with ops.triton_enabled(True):
+        total = sum_partials(partials, torch.bfloat16)
+    assert total.dtype == torch.bfloat16 and total.shape == (n_cols,)
+    torch.testing.assert_close(total.float(), partials.sum(0).bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("shape", [(1,), (3, 5, 37), (2, 3000)])
@@ -164,7 +177,7 @@ def _gptj_interleaved(x, cos, sin, seq_dim):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("shape", "seq_dim"), [((2, 5, 3, 10), 1), ((2, 3, 5, 64), 2), ((1, 1, 1, 2), 1)])
+@pytest.mark.parametrize(("shape", "seq_dim"), [((2, 5, 3, 10), 1), ((2, 3, 5, 64), 2), ((1, 1, 1, 2), 1), ((3, 40, 5, 16), 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding(interleaved: bool, shape: tuple, seq_dim: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
