@@ -177,7 +177,9 @@ def _gptj_interleaved(x, cos, sin, seq_dim):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("shape", "seq_dim"), [((2, 5, 3, 10), 1), ((2, 3, 5, 64), 2), ((1, 1, 1, 2), 1), ((3, 40, 5, 16), 1)])
+@pytest.mark.parametrize(
+    ("shape", "seq_dim"), [((2, 5, 3, 10), 1), ((2, 3, 5, 64), 2), ((1, 1, 1, 2), 1), ((3, 40, 5, 16), 1)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_embedding(interleaved: bool, shape: tuple, seq_dim: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
