@@ -85,6 +85,23 @@ def profile_kernels(step: Callable[[], None], steps: int = 3) -> dict[str, float
     return {e.key: e.self_device_time_total / steps for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
+def print_host_profile(variant: str, step: Callable[[], None], steps: int = 5, top: int = 22) -> None:
+    """Where a step's host time goes: the Python functions with the most own time (cProfile, ``steps`` steps)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"\nhost profile of {variant}, {steps} steps, by own time:")
+    print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
+
+
 def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
     """Step times and host (enqueue) times, alternating the variants round by round, and the per-step op counts
     of the eager variants. A host time close to the step time means the step is bound by the host, not the
@@ -112,15 +129,20 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, 
     if args.device == "cuda":
         for variant, step in steps.items():
             ops.setdefault(variant, {})["kernels"] = profile_kernels(step)
+    for variant in args.cprofile or []:
+        print_host_profile(variant, steps[variant])
     meshpar.destroy_parallel(destroy_process_group=True)
     return times, host, ops
+
+
+_NOT_FORWARDED = ("isolate", "only", "breakdown", "cprofile", "passes")
 
 
 def time_isolated(args: argparse.Namespace) -> tuple[dict, dict]:
     """Each variant in a fresh process; ``--passes`` passes over the variants, alternating, medians pooled."""
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     host: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("isolate", "only")]
+    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in _NOT_FORWARDED]
     for _ in range(args.passes):
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, *forwarded, f"--only={variant}"]
@@ -144,6 +166,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--isolate", action="store_true", help="time each variant in its own fresh process")
     parser.add_argument("--breakdown", action="store_true", help="CUDA: kernels that differ, dense vs meshpar eager")
+    parser.add_argument("--cprofile", nargs="*", choices=VARIANTS, help="print these variants' host profiles")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
     if args.only:

@@ -134,13 +134,15 @@ class RowLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
         w = weight._local_tensor
+        b = bias._local_tensor if bias is not None else None
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias = weight, bias
+        if mesh.size() == 1:  # nothing to reduce: the bias goes into the matmul's epilogue (one addmm)
+            return torch.nn.functional.linear(x, w, b)
         y = torch.nn.functional.linear(x, w)
-        if mesh.size() > 1:
-            dist.all_reduce(y, group=mesh.get_group())
-        if bias is not None:
-            y.add_(bias._local_tensor)  # y is this function's own output buffer
+        dist.all_reduce(y, group=mesh.get_group())
+        if b is not None:
+            y.add_(b)  # y is this function's own output buffer
         return y
 
     @staticmethod
