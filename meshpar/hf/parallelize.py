@@ -49,6 +49,20 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
 
 
+def _move_unsharded(module: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers that ``parallelize_module`` left where the model was built (a CPU-built model
+    on a CUDA rank: embeddings, norms, buffers) to ``device``. Done after sharding, so no rank ever holds a full copy
+    of the model on its device. In place (``.data``), not ``module.to``: that swaps DTensor parameters for new
+    objects' contents and drops attributes set on them (the merged-export ``hf_shape``)."""
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            if param is not None and param.device != device:
+                param.data = param.data.to(device)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
+
+
 def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
     """The labels a token loss is computed for (causal LMs predict token t+1 from position t)."""
     return labels[:, 1:] if causal else labels
@@ -148,6 +162,8 @@ class ParallelizedModel(nn.Module):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
+        if not self._from_meta:
+            _move_unsharded(module, self.dims.device)
         for fixup in self.plan.fixups:
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
@@ -220,7 +236,19 @@ class ParallelizedModel(nn.Module):
         """The HF modules (or pipeline stages) this rank holds, with the original parameter names."""
         return [self.module] if self.module is not None else self.pipeline.local_modules()
 
+    def _on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The batch on this rank's device: a data loader's CPU tensors work on CUDA ranks as they do on CPU ones."""
+        device = self.dims.device
+
+        def move(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.device != device:
+                return value.to(device, non_blocking=True)
+            return value
+
+        return move(labels), {name: move(value) for name, value in inputs.items()}
+
     def forward(self, labels: torch.Tensor | None = None, **inputs: Any) -> Any:
+        labels, inputs = self._on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
         if labels is None or self.loss_fn is None:
@@ -260,6 +288,7 @@ class ParallelizedModel(nn.Module):
                 "sync_dp_grads=False, but overlap_grad_reduce already all-reduces the grads during backward; build the "
                 "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
             )
+        labels, inputs = self._on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
                 loss = self(labels=labels, **inputs).loss
@@ -285,6 +314,7 @@ class ParallelizedModel(nn.Module):
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The mean token loss of the global batch without gradients, on every rank (pipeline: forward-only
         schedule)."""
+        labels, inputs = self._on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
                 loss = self(labels=labels, **inputs).loss
@@ -297,6 +327,7 @@ class ParallelizedModel(nn.Module):
         """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``."""
         if self.pipeline is None:
             return self(labels=labels, **inputs).logits
+        labels, inputs = self._on_device(labels, inputs)
         _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None
 

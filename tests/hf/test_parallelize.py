@@ -531,3 +531,18 @@ def auto_partition_case() -> int:
 def test_auto_partition_counts_embedding_and_head_in_the_stage_balance() -> None:
     # an even split would give [2, 2, 1, 1] layers; the end stages also carry the embedding / the tied LM head
     assert run_distributed(auto_partition_case, 4) == [1, 2, 2, 1]
+
+
+def test_batches_move_to_the_ranks_device() -> None:
+    """A data loader's CPU batch goes to the rank's device (found on an H100: ``train_step`` with CPU ``input_ids``
+    failed in the embedding); tensors already there and non-tensor inputs pass through untouched."""
+    from types import SimpleNamespace
+
+    from meshpar.hf.parallelize import ParallelizedModel
+
+    holder = SimpleNamespace(dims=SimpleNamespace(device=torch.device("meta")))
+    ids, on_meta = torch.zeros(2, 3, dtype=torch.long), torch.empty(2, device="meta")
+    labels, inputs = ParallelizedModel._on_device(holder, ids, {"input_ids": ids, "mask": on_meta, "flag": True})
+    assert labels.device.type == "meta" and inputs["input_ids"].device.type == "meta"
+    assert inputs["mask"] is on_meta and inputs["flag"] is True
+    assert ParallelizedModel._on_device(holder, None, {})[0] is None
