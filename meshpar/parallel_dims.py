@@ -143,8 +143,41 @@ class ParallelDims:
 _PARALLEL: ParallelDims | None = None
 
 
+def _local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """CUDA when this host has a GPU for every local rank; else the CPU (with a warning if it has some GPUs), so
+    ``torchrun --nproc-per-node 4`` on a one-GPU workstation runs on gloo instead of failing in ``set_device``. An
+    existing process group decides by its backend (a gloo group, as the test harness starts, means the CPU)."""
+    if dist.is_initialized():
+        return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    gpus, local_ranks = torch.cuda.device_count(), _local_world_size()
+    if gpus >= local_ranks:
+        return "cuda"
+    logger.warning(
+        "%d local ranks but %d GPU(s): running on the CPU with gloo (pass device_type='cuda' to insist)",
+        local_ranks,
+        gpus,
+    )
+    return "cpu"
+
+
+def _check_devices(device_type: str) -> None:
+    """A CUDA layout needs one GPU per local rank; say so before ``set_device`` fails with an opaque ordinal error."""
+    if device_type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("device_type='cuda' but torch sees no CUDA device; use device_type='cpu' (gloo)")
+    gpus, local_ranks = torch.cuda.device_count(), _local_world_size()
+    if gpus < local_ranks:
+        raise ValueError(
+            f"device_type='cuda' needs one GPU per local rank: {local_ranks} local ranks but {gpus} GPU(s) on this "
+            "host; start fewer processes per node or use device_type='cpu' (gloo)"
+        )
 
 
 def _init_process_group(backend: str, device_type: str, timeout: datetime.timedelta | None) -> None:
@@ -180,6 +213,8 @@ def init_parallel(
     if _PARALLEL is not None:
         raise RuntimeError("meshpar is already initialised; call meshpar.destroy_parallel() first")
     device_type = device_type or _default_device_type()
+    if not dist.is_initialized():
+        _check_devices(device_type)
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims(

@@ -109,3 +109,39 @@ def double_init_case() -> None:
 def test_double_init_raises() -> None:
     with pytest.raises(AssertionError, match="already initialised"):
         run_distributed(double_init_case, 2)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_ranks", "expected"), [(0, 1, "cpu"), (1, 1, "cuda"), (1, 4, "cpu"), (8, 4, "cuda")]
+)
+def test_default_device_needs_a_gpu_per_local_rank(monkeypatch, gpus: int, local_ranks: int, expected: str) -> None:
+    """``torchrun --nproc-per-node 4`` on a one-GPU host falls back to the CPU instead of failing in set_device."""
+    from meshpar import parallel_dims
+
+    monkeypatch.setattr(parallel_dims.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(parallel_dims.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert parallel_dims._default_device_type() == expected
+
+
+def test_cuda_without_a_gpu_per_local_rank_raises_before_any_collective(monkeypatch) -> None:
+    from meshpar import parallel_dims
+
+    monkeypatch.setattr(parallel_dims.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(parallel_dims.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one GPU per local rank: 2 local ranks but 1 GPU"):
+        meshpar.init_parallel(device_type="cuda")
+    assert not meshpar.is_initialized()
+    monkeypatch.setattr(parallel_dims.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        meshpar.init_parallel(device_type="cuda")
+
+
+def default_device_case() -> str:
+    dims = meshpar.init_parallel(tp=2)
+    return dims.device_type
+
+
+def test_existing_gloo_group_means_cpu() -> None:
+    assert run_distributed(default_device_case, 2) == ["cpu", "cpu"]

@@ -38,6 +38,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     dist.init_process_group(
