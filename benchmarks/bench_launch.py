@@ -66,11 +66,13 @@ def variants(rows: int, hidden: int) -> dict[str, Callable[[], object]]:
     if DEVICE == "cuda":
         block = 1 << (hidden - 1).bit_length()
         runs = {
+            "meshpar.ops.rms_norm (eager fast path), forward": no_grad(lambda: ops.rms_norm(x, w)),
             "raw Triton launch, forward kernel": lambda: _rms_norm_fwd_kernel[(rows,)](
                 x, w, y, rstd, x.stride(0), y.stride(0), hidden, 1e-6, BLOCK=block, num_warps=4
             ),
             "meshpar::rms_norm_fwd op, forward": no_grad(lambda: torch.ops.meshpar.rms_norm_fwd(x, w, 1e-6)),
-            "meshpar rms_norm, fwd+bwd": fwd_bwd(ops.rms_norm),
+            "meshpar::rms_norm_fwd op, fwd+bwd": fwd_bwd(lambda t, ww: torch.ops.meshpar.rms_norm_fwd(t, ww, 1e-6)[0]),
+            "meshpar.ops.rms_norm (eager fast path), fwd+bwd": fwd_bwd(ops.rms_norm),
             **runs,
         }
     return runs

@@ -61,6 +61,24 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
                                   stride=like.stride())  # fmt: skip
 
 
+def custom_op_body(op: object) -> object | None:
+    """The Python function behind a ``torch.library`` custom op (for a ``triton_op``, the wrapper that launches its
+    kernels without HOP dispatch), or ``None`` if this torch keeps it elsewhere."""
+    return getattr(op, "_init_fn", None)
+
+
+def plain_eager_context(tensors: tuple) -> bool:
+    """Whether ``tensors`` are plain tensors outside every tracer: not compiling, no dispatch mode (fake tensors,
+    make_fx, CommDebugMode, op counters), no functorch transform, no tensor subclass."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(t) is torch.Tensor for t in tensors if isinstance(t, torch.Tensor))
+
+
 def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward from ``output`` without the shape check, for outputs whose data was freed after sending
     (Megatron's ``custom_backward``)."""
@@ -93,10 +111,12 @@ __all__ = [
     "Replicate",
     "Shard",
     "all_gather_single",
+    "custom_op_body",
     "distribute_tensor",
     "dtensor_like",
     "funcol",
     "init_device_mesh",
+    "plain_eager_context",
     "reduce_scatter_single",
     "run_backward_unchecked",
 ]

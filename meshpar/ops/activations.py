@@ -13,6 +13,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._rows import as_rows, grid_programs, sum_partials
 from meshpar.ops._triton import tl, triton
 
@@ -183,27 +184,27 @@ def _save_inputs(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
 
 def _bias_gelu_backward(ctx: object, dy: torch.Tensor) -> tuple:
     x, bias = ctx.saved_tensors
-    return torch.ops.meshpar.bias_gelu_bwd(dy, x, bias)
+    return call(bias_gelu_bwd, dy, x, bias)
 
 
 def _swiglu_backward(ctx: object, dy: torch.Tensor) -> tuple:
     gate, up = ctx.saved_tensors
-    return torch.ops.meshpar.swiglu_bwd(dy, gate, up)
+    return call(swiglu_bwd, dy, gate, up)
 
 
-bias_gelu_fwd.register_autograd(_bias_gelu_backward, setup_context=_save_inputs)
-swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_save_inputs)
+register_autograd(bias_gelu_fwd, _bias_gelu_backward, _save_inputs)
+register_autograd(swiglu_fwd, _swiglu_backward, _save_inputs)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x + bias)``, bias over the last dim (e.g. the local fc1 shard of a column-parallel layer)."""
     if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias must be [{x.shape[-1]}] for x of shape {tuple(x.shape)}, got {tuple(bias.shape)}")
-    return on_local_shards(lambda t, b: torch.ops.meshpar.bias_gelu_fwd(t, b), x, bias)
+    return on_local_shards(lambda t, b: call(bias_gelu_fwd, t, b), x, bias)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (Llama's MLP), elementwise; shapes must match."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    return on_local_shards(lambda g, u: torch.ops.meshpar.swiglu_fwd(g, u), gate, up)
+    return on_local_shards(lambda g, u: call(swiglu_fwd, g, u), gate, up)

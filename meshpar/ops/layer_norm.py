@@ -11,6 +11,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._rows import as_rows, grid_programs, sum_partials
 from meshpar.ops._triton import tl, triton
 
@@ -139,15 +140,13 @@ def _setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: object, dy: torch.Tensor, _dmean: torch.Tensor, _drstd: torch.Tensor) -> tuple:
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.meshpar.layer_norm_bwd(dy.contiguous(), x, weight, mean, rstd)
+    dx, dw, db = call(layer_norm_bwd, dy.contiguous(), x, weight, mean, rstd)
     return dx, dw, db, None
 
 
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(layer_norm_fwd, _backward, _setup_context)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dim; DTensor ``x`` (sharded over rows) works on local shards."""
-    return on_local_shards(
-        lambda t, w, b: torch.ops.meshpar.layer_norm_fwd(t.contiguous(), w, b, eps)[0], x, weight, bias
-    )
+    return on_local_shards(lambda t, w, b: call(layer_norm_fwd, t.contiguous(), w, b, eps)[0], x, weight, bias)

@@ -12,6 +12,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._rows import as_rows, grid_programs, sum_partials
 from meshpar.ops._triton import tl, triton
 
@@ -116,13 +117,13 @@ def _setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: object, dy: torch.Tensor, _drstd: torch.Tensor) -> tuple:
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.meshpar.rms_norm_bwd(dy.contiguous(), x, weight, rstd)
+    dx, dw = call(rms_norm_bwd, dy.contiguous(), x, weight, rstd)
     return dx, dw, None
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(rms_norm_fwd, _backward, _setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim; DTensor ``x`` (sharded over rows) works on local shards."""
-    return on_local_shards(lambda t, w: torch.ops.meshpar.rms_norm_fwd(t.contiguous(), w, eps)[0], x, weight)
+    return on_local_shards(lambda t, w: call(rms_norm_fwd, t.contiguous(), w, eps)[0], x, weight)

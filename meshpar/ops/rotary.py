@@ -13,6 +13,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
 
 # Elements per half-row tile of one program: 64 rows of a 128-wide head (one row per program left most threads idle
@@ -96,11 +97,11 @@ def _setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
 
 def _backward(ctx: object, dy: torch.Tensor) -> tuple:
     cos, sin = ctx.saved_tensors
-    dx = torch.ops.meshpar.rotary_embedding(dy, cos, sin, ctx.interleaved, ctx.inner, not ctx.inverse)
+    dx = call(rotary_embedding_op, dy, cos, sin, ctx.interleaved, ctx.inner, not ctx.inverse)
     return dx, None, None, None, None, None
 
 
-rotary_embedding_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(rotary_embedding_op, _backward, _setup_context)
 
 
 def rotary_embedding(
@@ -122,5 +123,5 @@ def rotary_embedding(
     for size in x.shape[seq_dim + 1 : -1]:
         inner *= size
     return on_local_shards(
-        lambda t: torch.ops.meshpar.rotary_embedding(t, cos.detach(), sin.detach(), interleaved, inner, False), x
+        lambda t: call(rotary_embedding_op, t, cos.detach(), sin.detach(), interleaved, inner, False), x
     )

@@ -14,6 +14,7 @@ from torch.library import triton_op, wrap_triton
 
 from meshpar.ops._dispatch import block_size, num_warps, run_triton
 from meshpar.ops._dtensor import on_local_shards
+from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
 
 _MASK_FILL = -10000.0
@@ -147,18 +148,18 @@ def _save_output_and_mask(ctx: object, inputs: tuple, output: torch.Tensor) -> N
 
 def _masked_backward(ctx: object, dy: torch.Tensor) -> tuple:
     y, mask = ctx.saved_tensors
-    dx = torch.ops.meshpar.scaled_softmax_bwd(dy, y, ctx.scale)
+    dx = call(scaled_softmax_bwd, dy, y, ctx.scale)
     # Masked scores are constants: their grad is 0. (Only fully masked rows need this; elsewhere y is exactly 0.)
     return (dx if mask is None else dx.masked_fill(mask, 0.0)), None, None
 
 
 def _causal_backward(ctx: object, dy: torch.Tensor) -> tuple:
     (y,) = ctx.saved_tensors
-    return torch.ops.meshpar.scaled_softmax_bwd(dy, y, ctx.scale), None
+    return call(scaled_softmax_bwd, dy, y, ctx.scale), None
 
 
-scaled_masked_softmax_op.register_autograd(_masked_backward, setup_context=_save_output_and_mask)
-scaled_upper_triang_masked_softmax_op.register_autograd(_causal_backward, setup_context=_save_output)
+register_autograd(scaled_masked_softmax_op, _masked_backward, _save_output_and_mask)
+register_autograd(scaled_upper_triang_masked_softmax_op, _causal_backward, _save_output)
 
 
 def _check_4d(x: torch.Tensor) -> None:
@@ -171,10 +172,10 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     _check_4d(x)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool (True = masked out), got {mask.dtype}")
-    return on_local_shards(lambda t: torch.ops.meshpar.scaled_masked_softmax(t, mask, scale), x)
+    return on_local_shards(lambda t: call(scaled_masked_softmax_op, t, mask, scale), x)
 
 
 def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """apex ``scaled_upper_triang_masked_softmax`` (causal) on ``[b, h, sq, sk]`` scores."""
     _check_4d(x)
-    return on_local_shards(lambda t: torch.ops.meshpar.scaled_upper_triang_masked_softmax(t, scale), x)
+    return on_local_shards(lambda t: call(scaled_upper_triang_masked_softmax_op, t, scale), x)

@@ -275,3 +275,53 @@ def test_meshpar_imports_and_runs_references_without_triton() -> None:
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _public_op_cases() -> list[tuple[str, object, list[torch.Tensor]]]:
+    x, w, b = _randn(6, 40), _randn(40), _randn(40)
+    q = _randn(2, 5, 3, 16)
+    angles = torch.randn(5, 8, device=DEVICE)
+    scores, mask = _randn(2, 3, 5, 5), torch.rand(2, 1, 5, 5, device=DEVICE) > 0.7
+    return [
+        ("rms_norm", lambda t, ww: ops.rms_norm(t, ww), [x, w]),
+        ("layer_norm", lambda t, ww, bb: ops.layer_norm(t, ww, bb), [x, w, b]),
+        ("bias_gelu", ops.bias_gelu, [x, b]),
+        ("swiglu", ops.swiglu, [x, _randn(6, 40)]),
+        ("rotary", lambda t: ops.rotary_embedding(t, angles.cos(), angles.sin(), seq_dim=1), [q]),
+        ("masked_softmax", lambda t: ops.scaled_masked_softmax(t, mask, 0.5), [scores]),
+        ("causal_softmax", lambda t: ops.scaled_upper_triang_masked_softmax(t, 0.5), [scores]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_eager_fast_path_matches_the_dispatched_op(case: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain eager calls skip the dispatcher (``ops._eager.call``); the outputs and grads are bit-identical to the
+    dispatched op's, whose autograd is the one ``torch.compile`` and the tracers use."""
+    from meshpar.ops import _eager
+
+    torch.manual_seed(0)
+    name, fn, inputs = _public_op_cases()[case]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        with ops.triton_enabled(True):
+            out = fn(*leaves)
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return out, out.grad_fn, grads
+
+    out, grad_fn, grads = run()
+    assert type(grad_fn).__name__.startswith("Eager_"), (name, grad_fn)  # the fast path ran
+    monkeypatch.setattr(_eager, "plain_eager_context", lambda _args: False)
+    dispatched, dispatched_fn, dispatched_grads = run()
+    assert not type(dispatched_fn).__name__.startswith("Eager_"), (name, dispatched_fn)
+    torch.testing.assert_close(out, dispatched, rtol=0, atol=0)
+    for grad, want in zip(grads, dispatched_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+def test_tracers_see_the_custom_op() -> None:
+    """Under a dispatch mode (here: make_fx) the op is dispatched, so graphs record ``meshpar::rms_norm_fwd``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda t, ww: ops.rms_norm(t, ww))(_randn(4, 8), _randn(8))
+    assert "meshpar.rms_norm_fwd" in str(graph.code)
