@@ -1,6 +1,6 @@
 """Host cost of one fused-op call: where the microseconds go between a raw Triton launch and a training step's op.
 
-    python benchmarks/bench_launch.py        # CUDA (the Triton rows need a GPU); on CPU only the torch rows run
+    python benchmarks/bench_launch.py        # CUDA; on CPU the ops run their torch references (no raw-launch row)
 
 On a tiny input (device work of a few microseconds) the time per call of many back-to-back calls is the host's
 cost: Triton's launcher, the custom-op dispatcher, the registered autograd, torch.compile's guards and wrappers.
@@ -58,23 +58,21 @@ def variants(rows: int, hidden: int) -> dict[str, Callable[[], object]]:
 
         return run
 
-    runs = {
+    runs: dict[str, Callable[[], object]] = {}
+    if DEVICE == "cuda":
+        block = 1 << (hidden - 1).bit_length()
+        runs["raw Triton launch, forward kernel"] = lambda: _rms_norm_fwd_kernel[(rows,)](
+            x, w, y, rstd, x.stride(0), y.stride(0), hidden, 1e-6, BLOCK=block, num_warps=4
+        )
+    runs |= {
+        "meshpar::rms_norm_fwd op, forward": no_grad(lambda: torch.ops.meshpar.rms_norm_fwd(x, w, 1e-6)),
+        "meshpar.ops.rms_norm (eager fast path), forward": no_grad(lambda: ops.rms_norm(x, w)),
+        "meshpar::rms_norm_fwd op, fwd+bwd": fwd_bwd(lambda t, ww: torch.ops.meshpar.rms_norm_fwd(t, ww, 1e-6)[0]),
+        "meshpar.ops.rms_norm (eager fast path), fwd+bwd": fwd_bwd(ops.rms_norm),
         "torch reference, forward": no_grad(lambda: reference(x, w)),
         "torch reference, fwd+bwd": fwd_bwd(reference),
         "torch.compile(reference), fwd+bwd": fwd_bwd(compiled),
     }
-    if DEVICE == "cuda":
-        block = 1 << (hidden - 1).bit_length()
-        runs = {
-            "meshpar.ops.rms_norm (eager fast path), forward": no_grad(lambda: ops.rms_norm(x, w)),
-            "raw Triton launch, forward kernel": lambda: _rms_norm_fwd_kernel[(rows,)](
-                x, w, y, rstd, x.stride(0), y.stride(0), hidden, 1e-6, BLOCK=block, num_warps=4
-            ),
-            "meshpar::rms_norm_fwd op, forward": no_grad(lambda: torch.ops.meshpar.rms_norm_fwd(x, w, 1e-6)),
-            "meshpar::rms_norm_fwd op, fwd+bwd": fwd_bwd(lambda t, ww: torch.ops.meshpar.rms_norm_fwd(t, ww, 1e-6)[0]),
-            "meshpar.ops.rms_norm (eager fast path), fwd+bwd": fwd_bwd(ops.rms_norm),
-            **runs,
-        }
     return runs
 
 

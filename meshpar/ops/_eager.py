@@ -1,12 +1,14 @@
 """The eager fast path of meshpar's custom ops: the op's own Python body, without the dispatcher.
 
-A ``torch.library`` custom op costs about 85 us of host time per call in eager mode on an H100 host (110 us for the
-op against 26 us for the raw Triton launch, ``benchmarks/bench_launch.py``). In a plain eager call (plain tensors, no
-tracer, no dispatch mode, not compiling) nothing needs the dispatcher: :func:`call` runs the op's body directly, and
-through a ``torch.autograd.Function`` built from the same ``setup_context`` / ``backward`` that are registered on the
-op, so gradients are computed by the same code either way. Everywhere else (``torch.compile``, ``make_fx``, fake
-tensors, DTensor, ``CommDebugMode``, functorch transforms) the op itself is called, so the compiler and the tracers
-still see ``meshpar::*`` ops.
+A ``torch.library`` custom op with registered autograd goes through the dispatcher twice per call (the autograd
+kernel, then the redispatch to the backend), around the same ``autograd.Function`` machinery that a plain Function
+uses. In a plain eager call (plain tensors, no tracer, no dispatch mode, not compiling) nothing needs the
+dispatcher: :func:`call` runs the op's body through a ``torch.autograd.Function`` built from the same
+``setup_context`` / ``backward`` that are registered on the op (so gradients come from the same code either way),
+or the bare body when no graph is recorded. ``benchmarks/bench_launch.py`` measures the two paths.
+
+Everywhere else (``torch.compile``, ``make_fx``, fake tensors, DTensor, ``CommDebugMode``, functorch transforms) the
+op itself is called, so the compiler and the tracers still see ``meshpar::*`` ops.
 """
 
 from __future__ import annotations
@@ -52,9 +54,13 @@ def call(op: Any, *args: Any) -> Any:
     """``op(*args)``; in a plain eager call, its body without the dispatcher (with its autograd if registered)."""
     if plain_eager_context(args):
         function = _FUNCTIONS.get(id(op))
-        if function is not None:
+        if function is not None and torch.is_grad_enabled() and _any_requires_grad(args):
             return function.apply(*args)
-        body = _body(op)
+        body = _body(op)  # no graph to record: autograd.Function.apply alone costs more than the dispatcher
         if body is not None:
             return body(*args)
     return op(*args)
+
+
+def _any_requires_grad(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
