@@ -57,7 +57,13 @@ def _move_unsharded(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for param in sub._parameters.values():
             if param is not None and param.device != device:
-                param.data = param.data.to(device)
+                moved = param.data.to(device)
+                try:
+                    param.data = moved
+                except RuntimeError:  # another tensor type there (meta, XLA): swap the data, keep the attributes
+                    attributes = dict(param.__dict__)
+                    torch.utils.swap_tensors(param, nn.Parameter(moved, requires_grad=param.requires_grad))
+                    param.__dict__.update(attributes)
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.device != device:
                 sub._buffers[name] = buffer.to(device)
