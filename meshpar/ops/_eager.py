@@ -53,11 +53,12 @@ def _body(op: Any) -> Callable[..., Any] | None:
 def call(op: Any, *args: Any) -> Any:
     """``op(*args)``; in a plain eager call, its body without the dispatcher (with its autograd if registered)."""
     if plain_eager_context(args):
+        records_graph = torch.is_grad_enabled() and _any_requires_grad(args)
         function = _FUNCTIONS.get(id(op))
-        if function is not None and torch.is_grad_enabled() and _any_requires_grad(args):
+        if records_graph and function is not None:
             return function.apply(*args)
         body = _body(op)  # no graph to record: autograd.Function.apply alone costs more than the dispatcher
-        if body is not None:
+        if body is not None and not records_graph:  # (an op without autograd keeps torch's behaviour for grads)
             return body(*args)
     return op(*args)
 
