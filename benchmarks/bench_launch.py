@@ -37,7 +37,7 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def variants(rows: int, hidden: int) -> dict[str, Callable[[], object]]:
+def variants(rows: int, hidden: int, compile_reference: bool = True) -> dict[str, Callable[[], object]]:
     x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     y, rstd = torch.empty_like(x), torch.empty(rows, device=DEVICE)
@@ -46,7 +46,7 @@ def variants(rows: int, hidden: int) -> dict[str, Callable[[], object]]:
     def reference(t: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
         return rms_norm_fwd_reference(t, ww, 1e-6)[0]
 
-    compiled = torch.compile(reference)
+    compiled = torch.compile(reference) if compile_reference else None
 
     def fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], object]:
         return lambda: torch.autograd.grad(fn(x, w), [x, w], dy)
@@ -71,8 +71,9 @@ def variants(rows: int, hidden: int) -> dict[str, Callable[[], object]]:
         "meshpar.ops.rms_norm (eager fast path), fwd+bwd": fwd_bwd(ops.rms_norm),
         "torch reference, forward": no_grad(lambda: reference(x, w)),
         "torch reference, fwd+bwd": fwd_bwd(reference),
-        "torch.compile(reference), fwd+bwd": fwd_bwd(compiled),
     }
+    if compiled is not None:
+        runs["torch.compile(reference), fwd+bwd"] = fwd_bwd(compiled)
     return runs
 
 
@@ -82,8 +83,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     args = parser.parse_args()
-    runs = variants(args.rows, args.hidden)
+    runs = variants(args.rows, args.hidden, compile_reference=not args.no_compile)
     for fn in runs.values():  # compile, autotune and warm the caches
         for _ in range(3):
             fn()

@@ -36,10 +36,18 @@ def test_bench_tp_prints_every_variant_and_the_collective_ratios() -> None:
 def test_bench_gpu_step_runs_on_cpu(isolate: bool) -> None:
     args = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1",
             "--rounds", "1", "--passes", "1"]  # fmt: skip
-    out = _run("bench_gpu_step.py", *args, *(["--isolate"] if isolate else []))
-    assert out.count("compile") == 2 and out.count("eager") >= 2
+    extra = ["--isolate"] if isolate else ["--cprofile", "meshpar:eager"]
+    out = _run("bench_gpu_step.py", *args, *extra)
+    assert out.count("compile ") == 2 and out.count("eager ") >= 2
     if not isolate:
         assert "host syncs" in out
+        assert "host profile of meshpar:eager" in out
+
+
+def test_bench_launch_compares_the_dispatched_op_and_the_fast_path() -> None:
+    out = _run("bench_launch.py", "--no-compile", "--rounds", "1", "--calls", "2")
+    for row in ("meshpar::rms_norm_fwd op, fwd+bwd", "meshpar.ops.rms_norm (eager fast path), fwd+bwd"):
+        assert row in out
 
 
 def test_bench_sp_moves_the_same_bytes_as_tp() -> None:
