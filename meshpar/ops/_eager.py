@@ -21,13 +21,12 @@ import torch
 from meshpar._compat import custom_op_body, plain_eager_context
 
 _FUNCTIONS: dict[int, type[torch.autograd.Function]] = {}
-_BODIES: dict[int, Callable[..., Any]] = {}
 
 
 def register_autograd(op: Any, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
     """``op.register_autograd(backward, setup_context=...)``, plus the same pair as the eager fast path's autograd."""
     op.register_autograd(backward, setup_context=setup_context)
-    body = _body(op)
+    body = custom_op_body(op)
     if body is None:
         return
 
@@ -41,15 +40,6 @@ def register_autograd(op: Any, backward: Callable[..., Any], setup_context: Call
     _FUNCTIONS[id(op)] = type(name, (torch.autograd.Function,), methods)
 
 
-def _body(op: Any) -> Callable[..., Any] | None:
-    if id(op) not in _BODIES:
-        body = custom_op_body(op)
-        if body is None:
-            return None
-        _BODIES[id(op)] = body
-    return _BODIES[id(op)]
-
-
 def call(op: Any, *args: Any) -> Any:
     """``op(*args)``; in a plain eager call, its body without the dispatcher (with its autograd if registered)."""
     if plain_eager_context(args):
@@ -57,7 +47,7 @@ def call(op: Any, *args: Any) -> Any:
         function = _FUNCTIONS.get(id(op))
         if records_graph and function is not None:
             return function.apply(*args)
-        body = _body(op)  # no graph to record: autograd.Function.apply alone costs more than the dispatcher
+        body = custom_op_body(op)  # no graph to record: autograd.Function.apply alone costs more than the dispatcher
         if body is not None and not records_graph:  # (an op without autograd keeps torch's behaviour for grads)
             return body(*args)
     return op(*args)
