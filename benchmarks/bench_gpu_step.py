@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _profile import kernel_times
 from bench_tp import GPT, MESHPAR_PLAN
 
 import meshpar
@@ -73,18 +74,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_kernels(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
-    """Device microseconds per step of each kernel (by name), summed over its launches."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / steps for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
 def print_host_profile(variant: str, step: Callable[[], None], steps: int = 5, top: int = 22) -> None:
     """Where a step's host time goes: the Python functions with the most own time (cProfile, ``steps`` steps)."""
     import cProfile
@@ -102,7 +91,7 @@ def print_host_profile(variant: str, step: Callable[[], None], steps: int = 5, t
     print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
 
 
-def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
+def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
     """Step times and host (enqueue) times, alternating the variants round by round, and the per-step op counts
     of the eager variants. A host time close to the step time means the step is bound by the host, not the
     device: Python and dispatch overhead then shows up one to one in the step time."""
@@ -126,13 +115,14 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, 
             host[variant].append(time.perf_counter() - start)  # until the host has enqueued the whole step
             _sync(args.device)
             times[variant].append(time.perf_counter() - start)
+    kernels = {}  # variant -> {kernel: device us per step}
     if args.device == "cuda":
         for variant, step in steps.items():
-            ops.setdefault(variant, {})["kernels"] = profile_kernels(step)
+            kernels[variant] = {name: us for name, (_, us) in kernel_times(step, calls=3).items()}
     for variant in args.cprofile or []:
         print_host_profile(variant, steps[variant])
     meshpar.destroy_parallel(destroy_process_group=True)
-    return times, host, ops
+    return times, host, ops, kernels
 
 
 _NOT_FORWARDED = ("isolate", "only", "breakdown", "cprofile", "passes")
@@ -170,14 +160,14 @@ def main() -> None:
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
     if args.only:
-        times, host, _ = time_variants([args.only], args)
+        times, host, _, _ = time_variants([args.only], args)
         print(json.dumps([times[args.only], host[args.only]]))
         return
-    ops = {}
+    ops, kernels = {}, {}
     if args.isolate:
         times, host = time_isolated(args)
     else:
-        times, host, ops = time_variants(list(VARIANTS), args)
+        times, host, ops, kernels = time_variants(list(VARIANTS), args)
 
     n_params = sum(p.numel() for n, p in GPT(256, args.hidden, args.heads, args.layers, args.seq).named_parameters()
                    if "tok" not in n and "pos" not in n)  # fmt: skip
@@ -187,7 +177,6 @@ def main() -> None:
     how = "each variant in its own process" if args.isolate else "all variants alternating in one process"
     print(f"{device} | GPT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch} | {how}")
     base = statistics.median(times["dense:eager"])
-    kernels = {v: counts.pop("kernels") for v, counts in ops.items() if "kernels" in counts}
     header = ("variant", "mode", "step ms", "host ms", "device ms", "busy", "tokens/s", "MFU", "vs dense eager")
     print("{:10s} {:8s} {:>8s} {:>8s} {:>9s} {:>5s} {:>10s} {:>6s} {:>15s}".format(*header))
     for variant, values in times.items():
@@ -198,11 +187,10 @@ def main() -> None:
         busy = f"{dev / (t * 1e3):5.0%}" if variant in kernels else "  n/a"
         line = f"{kind:10s} {mode:8s} {t * 1e3:8.2f} {h * 1e3:8.2f} {dev:9.2f} {busy} {tokens / t:10.0f} {mfu}"
         print(f"{line} {t / base:14.2f}x")
-    if any(ops.values()):
+    if ops:
         print("\naten ops per eager step (compute ops launch kernels; metadata-only views not counted)")
         for variant, counts in ops.items():
-            if counts:
-                print(f"{variant.split(':')[0]:10s} {counts}")
+            print(f"{variant.split(':')[0]:10s} {counts}")
     if args.breakdown and {"dense:eager", "meshpar:eager"} <= kernels.keys():
         print_kernel_diff(kernels["dense:eager"], kernels["meshpar:eager"])
 

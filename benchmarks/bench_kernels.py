@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _profile import kernel_times
 
 from meshpar import ops
 from meshpar.ops import softmax as softmax_ops
@@ -42,20 +43,8 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def _device_ms(fn: Callable[[], object], calls: int = 5) -> tuple[float, list[tuple[str, int, float]]]:
-    """Kernel time per call from the profiler, and (kernel, launches per call, us per call), longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        _sync()
-    kernels = [
-        (e.key, e.count // calls, e.self_device_time_total / calls)
-        for e in prof.key_averages()
-        if e.self_device_time_total > 0
-    ]
-    kernels.sort(key=lambda k: -k[2])
+    """Kernel time per call, and (kernel, launches per call, us per call), longest first."""
+    kernels = sorted(((name, n, us) for name, (n, us) in kernel_times(fn, calls).items()), key=lambda k: -k[2])
     return sum(k[2] for k in kernels) / 1e3, kernels
 
 
