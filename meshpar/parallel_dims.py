@@ -143,8 +143,12 @@ class ParallelDims:
 _PARALLEL: ParallelDims | None = None
 
 
-def _local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def _gpu_shortfall() -> str | None:
+    """Why this host cannot give each local rank its own GPU (``None`` when it can)."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    gpus, local_ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return f"{local_ranks} local ranks but {gpus} GPU(s) on this host" if gpus < local_ranks else None
 
 
 def _default_device_type() -> str:
@@ -153,30 +157,21 @@ def _default_device_type() -> str:
     existing process group decides by its backend (a gloo group, as the test harness starts, means the CPU)."""
     if dist.is_initialized():
         return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    if not torch.cuda.is_available():
-        return "cpu"
-    gpus, local_ranks = torch.cuda.device_count(), _local_world_size()
-    if gpus >= local_ranks:
+    shortfall = _gpu_shortfall()
+    if shortfall is None:
         return "cuda"
-    logger.warning(
-        "%d local ranks but %d GPU(s): running on the CPU with gloo (pass device_type='cuda' to insist)",
-        local_ranks,
-        gpus,
-    )
+    if torch.cuda.is_available():
+        logger.warning("%s: running on the CPU with gloo (pass device_type='cuda' to insist)", shortfall)
     return "cpu"
 
 
 def _check_devices(device_type: str) -> None:
     """A CUDA layout needs one GPU per local rank; say so before ``set_device`` fails with an opaque ordinal error."""
-    if device_type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError("device_type='cuda' but torch sees no CUDA device; use device_type='cpu' (gloo)")
-    gpus, local_ranks = torch.cuda.device_count(), _local_world_size()
-    if gpus < local_ranks:
+    shortfall = _gpu_shortfall() if device_type == "cuda" else None
+    if shortfall is not None:
         raise ValueError(
-            f"device_type='cuda' needs one GPU per local rank: {local_ranks} local ranks but {gpus} GPU(s) on this "
-            "host; start fewer processes per node or use device_type='cpu' (gloo)"
+            f"device_type='cuda' needs one GPU per local rank: {shortfall}; start fewer processes per node or use "
+            "device_type='cpu' (gloo)"
         )
 
 
