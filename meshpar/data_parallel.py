@@ -70,18 +70,28 @@ def apply_fsdp(
 
 
 def apply_activation_checkpointing(
-    model: torch.nn.Module, block_cls: type | tuple[type, ...], *, replay_tp_rng: bool = True
+    model: torch.nn.Module,
+    block_cls: type | tuple[type, ...],
+    *,
+    replay_tp_rng: bool = True,
+    compile_blocks: bool = False,
 ) -> torch.nn.Module:
     """Recompute every ``block_cls`` module in backward, replaying the tensor-parallel RNG state (dropout masks in
-    sharded regions come out the same). Apply after TP, before compile and FSDP.
+    sharded regions come out the same). Apply after TP, before FSDP.
 
-    ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint, which ``torch.compile`` can trace (the
-    replay cannot be traced); only for blocks without dropout in tensor-parallel regions."""
+    ``compile_blocks`` compiles each block's forward with ``torch.compile`` and checkpoints *around* the compiled
+    graph, so the recompute in backward runs the compiled graph too. The other order (checkpoint inside a compiled
+    block, torchtitan's) does not compile in torch 2.13 once DTensor parameters enter the checkpointed region: AOT
+    autograd saves the ``DeviceMesh`` among the tensors for backward and fails, so dynamo falls back to eager. With the
+    checkpoint outside, its RNG handling stays in eager code: the default generator (which Inductor draws its dropout
+    seeds from) and the TP tracker are restored before the recompute, so dropout masks replay exactly.
+
+    ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint (no tracker replay)."""
     from meshpar.random import activation_checkpoint
 
     for module in model.modules():
         if isinstance(module, block_cls) and not getattr(module, "_meshpar_checkpointed", False):
-            forward = module.forward
+            forward = torch.compile(module.forward) if compile_blocks else module.forward
 
             def checkpointed(*args: object, _forward=forward, **kwargs: object) -> object:  # noqa: ANN001
                 if replay_tp_rng:

@@ -74,3 +74,20 @@ def test_bench_zero_reduce_scatter_moves_the_minimum_bytes() -> None:
     assert ratios["replicated"] == 1.0 and ratios["ZeRO-1 all-reduce"] == 1.5
     assert 1.0 <= ratios["ZeRO-1 reduce-scatter"] < 1.05  # the minimum, plus the padding of the owners' segments
     assert "{'reduce_scatter_tensor': 1, 'all_gather_into_tensor': 1}" in out
+
+
+def test_bench_checkpoint_compiles_checkpointed_blocks_and_drops_activations() -> None:
+    out = _run("bench_checkpoint.py", "--rounds", "1", "--layers", "2", "--hidden", "32", "--seq", "16",
+               "--batch", "2", "--vocab", "64")  # fmt: skip
+    row = re.compile(
+        r"^(eager|compile|eager \+ checkpointing|compile \+ checkpointing)\s+(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$"
+    )
+    rows = {
+        m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+        for m in (row.match(line) for line in out.splitlines())
+        if m
+    }
+    assert set(rows) == {"eager", "compile", "eager + checkpointing", "compile + checkpointing"}
+    assert rows["compile + checkpointing"][0] > 0 and rows["eager + checkpointing"][0] == 0  # graphs
+    assert rows["compile + checkpointing"][1] < rows["compile"][1]  # saved MiB
+    assert len({loss for _, _, loss in rows.values()}) == 1  # every variant trains the same model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,23 +77,34 @@ class Net(nn.Module):
         return x
 
 
-def checkpointing_case() -> bool:
+def checkpointing_case(compile: bool) -> tuple[bool, int]:
     dims = setup_parallel(tp=2, seed=5)
     plan = {"blocks.*.fc1": ColumnParallel(), "blocks.*.fc2": RowParallel()}
     torch.manual_seed(0)
     plain = parallelize_module(Net(), dims.tp_mesh, plan)
-    recomputed = apply_activation_checkpointing(copy.deepcopy(plain), DropoutMLP)
+    recomputed = apply_activation_checkpointing(copy.deepcopy(plain), DropoutMLP, compile_blocks=compile)
+    if compile:  # the reference: the same blocks compiled, without checkpointing
+        for block in plain.blocks:
+            block.forward = torch.compile(block.forward)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     x = torch.randn(4, 16)
     grads = []
     for model in (plain, recomputed):
         setup_parallel(tp=2, seed=5)  # same RNG streams for both runs
         model(x).square().sum().backward()
         grads.append([p.grad.to_local().clone() for p in model.parameters()])
-    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), graphs
 
 
-def test_activation_checkpointing_reproduces_tp_dropout_exactly() -> None:
-    assert run_distributed(checkpointing_case, 2) == [True, True]
+@pytest.mark.parametrize("compile", [False, True])
+def test_activation_checkpointing_reproduces_tp_dropout_exactly(compile: bool) -> None:
+    """Sharded-region dropout (TP RNG tracker) and replicated dropout replay exactly on recompute, also with each
+    block compiled inside the checkpoint (``compile_blocks``)."""
+    for equal, graphs in run_distributed(checkpointing_case, 2, compile, timeout=600):
+        assert equal
+        assert (graphs > 0) == compile
 
 
 def bf16_case() -> float:

@@ -180,16 +180,9 @@ class ParallelizedModel(nn.Module):
             make_replicas_agree(module, self.dims)
         layers = list(module.get_submodule(self.plan.layers)) if self.plan.layers else []
         if self.parallel_config.activation_checkpointing and layers:
-            # dynamo cannot trace the TP-RNG replay of meshpar's checkpoint; without dropout there is nothing to replay
-            replay = not self.parallel_config.compile
-            if not replay and _has_dropout(layers):
-                raise ValueError(
-                    "compile with activation_checkpointing needs dropout-free layers (set the model's dropout "
-                    "probabilities to 0), or turn one of them off: recomputing dropout masks in tensor-parallel "
-                    "regions replays meshpar's TP RNG state, which torch.compile cannot trace"
-                )
-            apply_activation_checkpointing(module, self._layer_cls, replay_tp_rng=replay)
-        if self.parallel_config.compile:
+            # with compile, each block's forward is compiled inside the checkpoint (see apply_activation_checkpointing)
+            apply_activation_checkpointing(module, self._layer_cls, compile_blocks=self.parallel_config.compile)
+        elif self.parallel_config.compile:
             for layer in layers:
                 layer.compile(fullgraph=False)
         if self._fsdp:  # last, as in torchtitan: TP -> activation checkpointing -> compile -> FSDP
@@ -257,6 +250,11 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
+        if self.parallel_config.activation_checkpointing and torch.is_grad_enabled() and _has_kv_cache(self.module):
+            # as HF does under gradient checkpointing: a recompute would append its keys and values to the cache
+            # again (and breaks the compiled recompute's guards), and a cache kept by the output holds every
+            # layer's keys and values alive, which is the memory checkpointing frees
+            inputs.setdefault("use_cache", False)
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
@@ -452,17 +450,6 @@ class ParallelizedModel(nn.Module):
         return {target: source for target, source in self.plan.ties if target.endswith(_HEAD_WEIGHTS)}
 
 
-def _has_dropout(layers: list[nn.Module]) -> bool:
-    """Any dropout with p > 0 in ``layers``: ``nn.Dropout`` modules, or HF attention's ``attention_dropout``."""
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, nn.Dropout) and module.p > 0:
-                return True
-            if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
-                return True
-    return False
-
-
 def _has_param(module: nn.Module, name: str) -> bool:
     with contextlib.suppress(AttributeError):
         module.get_parameter(name)
@@ -485,3 +472,8 @@ def parallelize(
 
 def write_config(path: str | Path, config: ParallelConfig) -> None:
     Path(path).write_text(json.dumps(config.__dict__, indent=2))
+
+
+def _has_kv_cache(model: nn.Module) -> bool:
+    """The HF model builds a key/value cache in its forward unless told ``use_cache=False``."""
+    return bool(getattr(getattr(model, "config", None), "use_cache", False))
