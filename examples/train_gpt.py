@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--out", default="outputs/train_gpt")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     args = parser.parse_args()
 
     dims = meshpar.init_parallel(tp=args.tp, pp=args.pp, seed=0)
@@ -82,7 +84,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = meshpar.parallelize(
         GPT2LMHeadModel(config),
-        {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp, "num_microbatches": args.microbatches},
+        {
+            "tensor_parallel_size": args.tp,
+            "pipeline_parallel_size": args.pp,
+            "num_microbatches": args.microbatches,
+            "compile": args.compile,
+            "activation_checkpointing": args.activation_checkpointing,
+        },
     )
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
     if rank0:

@@ -185,7 +185,7 @@ class ParallelizedModel(nn.Module):
         elif self.parallel_config.compile:
             for layer in layers:
                 layer.compile(fullgraph=False)
-        if self._fsdp:  # last, as in torchtitan: TP -> activation checkpointing -> compile -> FSDP
+        if self._fsdp:  # last, as in torchtitan: TP -> compile inside activation checkpointing -> FSDP
             hf_shapes = {n: p.hf_shape for n, p in module.named_parameters() if hasattr(p, "hf_shape")}
             apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls)
             for name, shape in hf_shapes.items():  # fully_shard makes new parameters: keep the merged-export layout
@@ -250,10 +250,11 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
-        if self.parallel_config.activation_checkpointing and torch.is_grad_enabled() and _has_kv_cache(self.module):
-            # as HF does under gradient checkpointing: a recompute would append its keys and values to the cache
-            # again (and breaks the compiled recompute's guards), and a cache kept by the output holds every
-            # layer's keys and values alive, which is the memory checkpointing frees
+        if torch.is_grad_enabled() and _has_kv_cache(self.module):
+            # a training forward needs no key/value cache, and one costs: compiled blocks guard on their layer's cache
+            # slot, so each layer compiles its own graph and past dynamo's recompile limit (8) the rest run eagerly;
+            # a checkpoint's recompute appends to it again (HF turns it off under gradient checkpointing too); and an
+            # output that keeps it holds every layer's keys and values alive. Pass use_cache=True to get one anyway.
             inputs.setdefault("use_cache", False)
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))

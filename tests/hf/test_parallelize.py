@@ -77,6 +77,23 @@ def test_compiled_and_checkpointed_layers_match_dense() -> None:
     run_distributed(equivalence_case, 2, "llama", 2, 1, False, True, True, timeout=600)
 
 
+def deep_compile_case(checkpointing: bool) -> int:
+    setup_parallel(tp=2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = {"tensor_parallel_size": 2, "compile": True, "activation_checkpointing": checkpointing}
+    model = meshpar.parallelize(build("gpt2", layers=10), config)
+    model(**batch("gpt2")).loss.backward()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_blocks_share_one_graph_however_deep(checkpointing: bool) -> None:
+    """Ten compiled blocks, one graph: a training forward builds no KV cache, whose per-layer slot would make each
+    block recompile until dynamo's recompile limit (8) and leave the deeper blocks eager."""
+    assert run_distributed(deep_compile_case, 2, checkpointing, timeout=600) == [1, 1]
+
+
 def _saved_bytes_and_grads(dense: torch.nn.Module, config: dict) -> tuple[int, dict[str, torch.Tensor]]:
     """Bytes autograd saves for backward outside checkpointed regions in one forward, and the grads after it."""
     torch._dynamo.reset()
