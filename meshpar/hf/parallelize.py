@@ -15,6 +15,7 @@ computed from vocab-sharded logits with :func:`meshpar.parallel_cross_entropy`; 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import warnings
 from collections.abc import Iterator
@@ -128,6 +129,7 @@ class ParallelizedModel(nn.Module):
         self._grad_sync: OverlappedGradSync | None = None
         self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
+        self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         self._layer_cls = type(container[0]) if container is not None and len(container) else None
         if self.dims.pp == 1:
@@ -250,12 +252,12 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
-        if torch.is_grad_enabled() and _has_kv_cache(self.module):
+        if torch.is_grad_enabled():
             # a training forward needs no key/value cache, and one costs: compiled blocks guard on their layer's cache
             # slot, so each layer compiles its own graph and past dynamo's recompile limit (8) the rest run eagerly;
             # a checkpoint's recompute appends to it again (HF turns it off under gradient checkpointing too); and an
             # output that keeps it holds every layer's keys and values alive. Pass use_cache=True to get one anyway.
-            inputs.setdefault("use_cache", False)
+            inputs = {**self._no_kv_cache, **inputs}
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
@@ -475,6 +477,8 @@ def write_config(path: str | Path, config: ParallelConfig) -> None:
     Path(path).write_text(json.dumps(config.__dict__, indent=2))
 
 
-def _has_kv_cache(model: nn.Module) -> bool:
-    """The HF model builds a key/value cache in its forward unless told ``use_cache=False``."""
-    return bool(getattr(getattr(model, "config", None), "use_cache", False))
+def _builds_kv_cache(model: nn.Module) -> bool:
+    """The HF model's forward takes ``use_cache`` and builds a key/value cache unless told not to (decoders; BERT's
+    heads take no such argument)."""
+    takes_it = "use_cache" in inspect.signature(type(model).forward).parameters
+    return takes_it and bool(getattr(getattr(model, "config", None), "use_cache", False))

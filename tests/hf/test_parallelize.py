@@ -77,6 +77,19 @@ def test_compiled_and_checkpointed_layers_match_dense() -> None:
     run_distributed(equivalence_case, 2, "llama", 2, 1, False, True, True, timeout=600)
 
 
+def kv_cache_case() -> tuple[bool, bool, bool]:
+    setup_parallel(tp=2)
+    model = meshpar.parallelize(build("llama"), {"tensor_parallel_size": 2})
+    data = batch("llama")
+    with torch.no_grad():
+        generating = model(**data).past_key_values is not None
+    return model(**data).past_key_values is None, model(**data, use_cache=True).past_key_values is not None, generating
+
+
+def test_training_forward_builds_no_kv_cache_unless_asked() -> None:
+    assert run_distributed(kv_cache_case, 2) == [(True, True, True)] * 2
+
+
 def deep_compile_case(checkpointing: bool) -> int:
     setup_parallel(tp=2)
     torch._dynamo.reset()
