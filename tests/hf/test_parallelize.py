@@ -13,7 +13,7 @@ from meshpar._compat import DTensor
 from meshpar._shards import local_slice
 from meshpar.hf import load_config
 from meshpar.optim import DistributedOptimizer
-from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing import SavedForBackward, run_distributed, setup_parallel
 from tests.hf._configs import batch, build
 
 
@@ -112,19 +112,13 @@ def _saved_bytes_and_grads(dense: torch.nn.Module, config: dict) -> tuple[int, d
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = meshpar.parallelize(copy.deepcopy(dense), config)
-    saved = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved[0] += tensor.numel() * tensor.element_size()
-        return tensor
-
     torch.manual_seed(3)  # the same dropout masks in every variant
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedForBackward() as saved:
         loss = model(**batch("gpt2")).loss
     loss.backward()
     grads = {n: (p.grad.to_local() if isinstance(p, DTensor) else p.grad) for n, p in model.module.named_parameters()}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
-    return saved[0], grads
+    return saved.bytes, grads
 
 
 def compiled_checkpoint_dropout_case() -> tuple[float, float]:

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import CommDebugMode
 from meshpar.optim import DistributedOptimizer
-from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel, shard_of
+from meshpar.testing import SavedForBackward, assert_matches_dense, run_distributed, setup_parallel, shard_of
 from meshpar.testing.dispatch import AtenOps, comm_counts
 from tests._models import TinyTransformer, block_plan
 
@@ -56,17 +56,11 @@ def comm_case(sp: bool, regather: bool = False) -> tuple[dict, dict, int]:
     plan = block_plan(sequence_parallel=sp, regather=regather)
     model = parallelize_module(TinyTransformer(layers=1, bias=False), dims.tp_mesh, plan)
     x = torch.randn(2, 4 if sp else 8, 16, requires_grad=True)
-    saved = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with CommDebugMode() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with CommDebugMode() as fwd, SavedForBackward() as saved:
         y = model(x)
     with CommDebugMode() as bwd:
         y.sum().backward()
-    return dict(comm_counts(fwd)), dict(comm_counts(bwd)), sum(saved)
+    return dict(comm_counts(fwd)), dict(comm_counts(bwd)), saved.bytes
 
 
 def test_megatron_block_issues_one_all_reduce_per_pair_each_way() -> None:

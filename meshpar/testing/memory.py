@@ -1,0 +1,32 @@
+"""Counting what autograd keeps for backward in a region: the activation-memory side of the dense comparisons."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+
+
+class SavedForBackward:
+    """Total bytes of the tensors autograd saves for backward while the context is active.
+
+    A checkpointed region installs its own hooks, which take precedence inside it, so what a checkpoint drops is not
+    counted: comparing a run with and without checkpointing shows the activations it frees.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __enter__(self) -> SavedForBackward:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._hooks.__exit__(kind, error, trace)
