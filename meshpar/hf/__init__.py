@@ -1,14 +1,17 @@
-"""HuggingFace integration: ``meshpar.parallelize(model, config)``, family plans, head padding."""
+"""HuggingFace integration: ``meshpar.parallelize(model, config)``, plans (meshpar tables, transformers' own plans,
+user plans), plan verification, head padding."""
 
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.parallelize import ParallelizedModel, parallelize
-from meshpar.hf.plans import automatic_plan, plan_for, plan_summary
+from meshpar.hf.plans import metadata_plan, plan_for, plan_summary
+from meshpar.hf.verify import PlanVerificationError
 
 __all__ = [
     "ParallelConfig",
     "ParallelizedModel",
-    "automatic_plan",
+    "PlanVerificationError",
     "load_config",
+    "metadata_plan",
     "parallelize",
     "plan_for",
     "plan_summary",

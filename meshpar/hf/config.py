@@ -25,6 +25,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool | None = None
     fsdp: bool = False  # dp > 1: shard parameters, grads and optimizer state over dp (FSDP2 per layer, then the root)
     seed: int = 1234
+    # prove the plan on one sharded block against the dense block (None: for plans not from a meshpar table)
+    verify: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "num_microbatches"):
@@ -51,6 +53,8 @@ class ParallelConfig:
         for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise ValueError(f"config key 'verify' must be true, false or null, got {self.verify!r}")
         if self.fsdp and self.overlap_grad_reduce:
             raise ValueError(
                 "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "

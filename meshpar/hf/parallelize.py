@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,13 +35,17 @@ from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpoi
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.hf_plan import text_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
 from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
+from meshpar.hf.verify import verify_plan
 from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
 from meshpar.tensor_parallel import parallel_cross_entropy
+
+_log = logging.getLogger(__name__)
 
 
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
@@ -116,19 +121,19 @@ class ParallelizedModel(nn.Module):
     def __init__(self, model: nn.Module, config: ParallelConfig, plan: dict | None = None) -> None:
         super().__init__()
         self.parallel_config = config
+        # the plan (and its head-count checks) before the mesh: a bad layout fails before any process group exists
+        self.plan: HFPlan = plan_for(model, config.tensor_parallel_size, config.sequence_parallel, plan)
         self.dims = _init_mesh(config)
         self.hf_config = model.config
         self.model_class = type(model)
-        self.plan: HFPlan = plan_for(model, self.dims.tp, config.sequence_parallel)
-        if plan is not None:
-            self.plan.styles = dict(plan)
         self.loss_fn = _LOSSES.get(self.plan.task)
-        head_name = next((n for n in ("lm_head", "cls.predictions.decoder") if n in self.plan.styles), None)
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
-        self.vocab_sharded = self.hf_config.vocab_size if self.dims.tp > 1 and head_name is not None else 0
+        vocab = getattr(text_config(self.hf_config), "vocab_size", None)
+        self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
         self._grad_sync: OverlappedGradSync | None = None
         self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
+        self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         self._layer_cls = type(container[0]) if container is not None and len(container) else None
@@ -151,6 +156,17 @@ class ParallelizedModel(nn.Module):
             if self.dims.pp_rank == self.dims.pp - 1:  # grad norms count the tied embedding once, on stage 0
                 for param in self._local_tied_parameters():
                     mark_shared_copy(param)
+
+    def _verify(self, model: nn.Module) -> None:
+        """Prove a plan that is not one of meshpar's tables on one block (see :mod:`meshpar.hf.verify`)."""
+        wanted = self.parallel_config.verify
+        if not (self.plan.verify if wanted is None else wanted) or self.dims.tp == 1 or not self.plan.styles:
+            return
+        if self._from_meta or self.parallel_config.sequence_parallel:
+            why = "built on the meta device" if self._from_meta else "sequence_parallel"
+            _log.warning("%s: the tensor-parallel plan is not verified (%s)", type(model).__name__, why)
+            return
+        verify_plan(model, self.plan, self.dims)
 
     @property
     def _overlap_grad_reduce(self) -> bool:
@@ -469,7 +485,8 @@ def _find_param(module: nn.Module, name: str) -> torch.Tensor | None:
 def parallelize(
     model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | None = None
 ) -> ParallelizedModel:
-    """Shard a HuggingFace model (GPT-2, BERT, Llama families; others by an automatic or user ``plan``)."""
+    """Shard a HuggingFace model: GPT-2, BERT and Llama by meshpar's tables, every other family by the plan the
+    installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both."""
     return ParallelizedModel(model, load_config(config), plan)
 
 

@@ -1,4 +1,5 @@
-"""Tensor-parallel plans for HuggingFace models: GPT-2, BERT and Llama families, user plans and an automatic plan.
+"""Tensor-parallel plans for HuggingFace models: meshpar's GPT-2, BERT and Llama tables, transformers' own plans, user
+plans.
 
 A plan is a dict ``module FQN pattern -> style`` for ``parallelize_module``, plus the attribute fix-ups the model's
 attention needs afterwards (GPT-2 splits its fused QKV output by ``split_size``, which becomes per rank). Embedding
@@ -16,6 +17,16 @@ from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
 from meshpar.hf.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from meshpar.hf.hf_plan import (
+    attention_heads,
+    check_heads,
+    embedding_and_head,
+    fqn_matches,
+    hf_tp_plan,
+    kv_group_fixup,
+    layer_container,
+    resolve_entries,
+)
 from meshpar.tensor_parallel import (
     ColumnParallel,
     GatherSequenceInput,
@@ -97,6 +108,8 @@ class HFPlan:
     fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
     layers: str = ""  # FQN of the transformer layer container (pipeline splitting)
+    verify: bool = False  # prove one sharded block against the dense block at parallelize time (not from a table)
+    head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
 
 
 def _gpt2_fix_attention(model: nn.Module, tp: int) -> None:
@@ -234,46 +247,105 @@ def bert_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
 
 _FAMILIES = {"gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
 
-_COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "gate_proj", "up_proj", "fc1", "c_fc", "wi")
-_ROW_NAMES = ("o_proj", "out_proj", "down_proj", "fc2", "wo", "c_proj")
+
+def task_of(model: nn.Module) -> str:
+    """Which loss meshpar computes from the model's logits, by the HF head class."""
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    return "masked_lm" if name.endswith("ForMaskedLM") else "base"
 
 
-def automatic_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
-    """Guess a plan from module names: attention q/k/v and MLP up projections are column-parallel, attention output
-    and MLP down projections row-parallel, everything else replicated. Raises where a layer cannot be classified."""
+def _vocab_head(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
+    """The LM head's FQN when the plan makes it emit vocab-sharded logits (column-parallel, not gathered)."""
+    _, head, _ = embedding_and_head(model)
+    style = styles.get(head) if head else None
+    return head if isinstance(style, ColumnParallel) and not style.gather_output else ""
+
+
+def _check_ties(model: nn.Module, plan: HFPlan) -> None:
+    """Tied embedding and head share one parameter: sharding only one of them would untie them."""
+    for target, source in plan.ties:
+        owners = [name.rpartition(".")[0] for name in (target, source)]
+        sharded = [any(fqn_matches(pattern, owner) for pattern in plan.styles) for owner in owners]
+        if sharded[0] != sharded[1]:
+            raise ValueError(
+                f"{type(model).__name__}: {target} is tied to {source}, but the plan shards only "
+                f"{owners[sharded.index(True)]}; give both the same vocab-parallel style or neither"
+            )
+
+
+def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
+    """The plan the model's family ships (transformers' ``tp_plan``, else meshpar's table in the same format),
+    mapped onto meshpar's styles, with a vocab-parallel input embedding and LM head (see
+    :mod:`meshpar.hf.hf_plan`)."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
     if sp:
-        raise ValueError("config key 'sequence_parallel': the automatic plan does not support it; pass plan={...}")
-    styles: dict[str, ParallelStyle] = {}
-    undecided = []
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if not isinstance(module, (nn.Linear, Conv1D)) or "lm_head" in name or "classifier" in name:
-            continue
-        if leaf in _COLUMN_NAMES:
-            styles[name] = ColumnParallel() if isinstance(module, nn.Linear) else Conv1DColumn()
-        elif leaf in _ROW_NAMES:
-            styles[name] = RowParallel() if isinstance(module, nn.Linear) else Conv1DRow()
-        elif leaf == "dense":
-            parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-            styles[name] = RowParallel() if parent == "output" else ColumnParallel()
-        elif isinstance(module, Conv1D) and leaf == "c_attn":
-            undecided.append(f"{name} (fused QKV: register a family plan)")
-        else:
-            undecided.append(name)
-    if undecided:
         raise ValueError(
-            f"automatic plan cannot decide how to shard {undecided[:8]} of {type(model).__name__}; pass plan={{...}}"
+            f"config key 'sequence_parallel': supported for the families {sorted(_FAMILIES)}, not yet for "
+            f"{model_type}; pass plan={{...}} with sequence-parallel styles or turn it off"
         )
-    if not styles:
-        raise ValueError(f"automatic plan found no attention or MLP projections in {type(model).__name__}")
-    return HFPlan("auto", "base", styles)
+    entries = hf_tp_plan(model)
+    replicate_kv = check_heads(model.config, entries, tp, model_type)
+    embedding, head, tied = embedding_and_head(model)
+    task = task_of(model)
+    # meshpar's own embedding and head styles replace the plan's (transformers gathers full-vocabulary logits)
+    entries = {p: s for p, s in entries.items() if p not in (embedding, head)}
+    styles, fixups = resolve_entries(model, entries, tp, replicate_kv=replicate_kv)
+    ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+    if head is not None and task == "causal_lm":
+        styles[head] = ColumnParallel(allow_uneven=True)
+    if embedding is not None and (not tied or task == "causal_lm"):
+        styles[embedding] = VocabParallel()
+    if replicate_kv:
+        fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
+    return HFPlan(model_type, task, styles, fixups, ties, layer_container(model), verify=True)
 
 
-def plan_for(model: nn.Module, tp: int, sequence_parallel: bool = False) -> HFPlan:
-    family = getattr(getattr(model, "config", None), "model_type", None)
-    if family in _FAMILIES:
-        return _FAMILIES[family](model, tp, sequence_parallel)
-    return automatic_plan(model, tp, sequence_parallel)
+def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
+    """A plan the user passed: it replaces meshpar's entirely (nothing automatic is built or checked first). Values
+    are meshpar or torch ``ParallelStyle`` objects, transformers style strings (``"colwise"``, ``"rowwise"``, ...)
+    or fix-ups ``fn(module, tp)`` run on every matching module after sharding (e.g. dividing an attention's
+    ``num_heads`` by tp: :func:`meshpar.hf.hf_plan.divide_attribute`)."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [pattern for pattern in plan if not any(fqn_matches(pattern, name) for name in names)]
+    if unmatched:
+        raise ValueError(f"plan entries {unmatched[:6]} match no module of {type(model).__name__}")
+    styles, fixups = resolve_entries(model, plan, tp, replicate_kv=False)
+    embedding, head, tied = embedding_and_head(model)
+    ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return HFPlan(model_type, task_of(model), styles, fixups, ties, layer_container(model), verify=True)
+
+
+def plan_for(
+    model: nn.Module, tp: int, sequence_parallel: bool = False, plan: dict[str, object] | None = None
+) -> HFPlan:
+    """The plan ``parallelize`` applies: the user's ``plan`` if given; else meshpar's GPT-2, BERT and Llama plans
+    (with sequence parallelism); else the plan the family ships (transformers' own, or meshpar's table in the same
+    format); at tp=1 nothing needs sharding. A model with none of these is refused: meshpar does not guess from
+    module names."""
+    if plan is not None:
+        built = user_plan(model, plan, tp)
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in _FAMILIES:
+            built = _FAMILIES[model_type](model, tp, sequence_parallel)
+            built.head = _vocab_head(model, built.styles)
+            return built
+        if tp == 1 and not sequence_parallel:  # nothing to shard: data and pipeline parallelism need no plan
+            built = HFPlan(model_type or type(model).__name__, task_of(model), {}, layers=layer_container(model))
+        elif hf_tp_plan(model):
+            built = metadata_plan(model, tp, sequence_parallel)
+        else:
+            raise ValueError(
+                f"{type(model).__name__} (model type {model_type!r}) has neither a tensor-parallel plan in the "
+                f"installed transformers nor a meshpar table: pass plan={{module FQN pattern: style}} (README: 'A "
+                "plan for a model no table covers'), or use tp=1"
+            )
+    built.head = _vocab_head(model, built.styles)
+    _check_ties(model, built)
+    return built
 
 
 def apply_ties(model: nn.Module, ties: list[tuple[str, str]]) -> None:

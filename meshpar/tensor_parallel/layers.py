@@ -489,6 +489,52 @@ def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_d
     return module
 
 
+class _VocabParallelLookup:
+    """Mixin for an ``nn.Embedding`` subclass with its own forward (Gemma's scaled word embedding), sharded over the
+    vocabulary without replacing that forward: each rank runs it on the ids it owns (the others read row 0 of its
+    shard), zeroes the tokens it does not own and the partial results are all-reduced. Exact for any forward whose
+    output for a token depends only on that token's row (scaling, casting), which is what such subclasses do."""
+
+    tp_mesh: DeviceMesh
+    vocab_start_index: int
+    vocab_end_index: int
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        params, saved_weight, saved_padding = self._parameters, self._parameters["weight"], self.padding_idx
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        try:
+            params["weight"] = saved_weight.to_local()
+            self.padding_idx = ParallelEmbedding._local_padding_idx(self)
+            out = super().forward(local_ids)  # type: ignore[misc]
+        finally:
+            params["weight"], self.padding_idx = saved_weight, saved_padding
+        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_mesh)
+
+
+_VOCAB_CLASSES: dict[type, type] = {}
+
+
+def make_vocab_parallel_subclass(
+    embedding: nn.Embedding, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0
+) -> nn.Module:
+    """Shard an ``nn.Embedding`` subclass over the vocabulary in place, keeping its own forward (see
+    :class:`_VocabParallelLookup`); a plain ``nn.Embedding`` becomes :class:`ParallelEmbedding` instead."""
+    cls = type(embedding)
+    if embedding.max_norm is not None or embedding.sparse:
+        raise ValueError(f"{cls.__name__}: vocab parallelism does not support max_norm or sparse embeddings")
+    embedding.weight = _distribute_param(embedding.weight, tp_mesh, [Shard(0)], src_data_rank)
+    if cls not in _VOCAB_CLASSES:
+        _VOCAB_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (_VocabParallelLookup, cls), {})
+    embedding.__class__ = _VOCAB_CLASSES[cls]
+    if embedding.padding_idx is not None and embedding.padding_idx < 0:
+        embedding.padding_idx += embedding.num_embeddings
+    embedding.tp_mesh = tp_mesh
+    start, length = shard_range(embedding.num_embeddings, tp_mesh)
+    embedding.vocab_start_index, embedding.vocab_end_index = start, start + length
+    return embedding
+
+
 class ReplicatedKVLinear(nn.Linear):
     """Key or value projection of grouped-query attention when there are fewer KV heads than tp ranks.
 

@@ -20,16 +20,18 @@ dicts for modules meshpar does not cover.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle
-from meshpar.tensor_parallel._collectives import gather_from_sp
+from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_sp, reduce_from_tp
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
     ReplicatedKVLinear,
     RowParallelLinear,
     make_sequence_parallel_norm,
+    make_vocab_parallel_subclass,
 )
 
 
@@ -125,6 +127,14 @@ class VocabParallel(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding) and type(module) is not nn.Embedding:
+            # a subclass with its own forward (Gemma's scaled embedding) keeps it; see make_vocab_parallel_subclass
+            if self.shard_across_embedding or self.sequence_parallel:
+                raise ValueError(
+                    f"VocabParallel on {type(module).__name__} (an nn.Embedding subclass) shards the vocabulary "
+                    "only: shard_across_embedding and sequence_parallel need a plain nn.Embedding"
+                )
+            return make_vocab_parallel_subclass(module, device_mesh, src_data_rank=self.src_data_rank)
         _require(module, nn.Embedding, type(self).__name__)
         return ParallelEmbedding.from_embedding(
             module,
@@ -163,4 +173,43 @@ class GatherSequenceInput(ParallelStyle):
             return (gather_from_sp(args[0], device_mesh, 1), *args[1:]), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+class ReplicatedGradSum(ParallelStyle):
+    """Replicated parameters whose grads are partial over tp and must be summed: a norm between a column and a row
+    layer that normalises each rank's own heads (Qwen3 / Gemma3 ``q_norm`` / ``k_norm``, transformers'
+    ``replicated_with_grad_allreduce``). Forward unchanged; backward all-reduces the module's grads as one buffer
+    (the mechanism of :class:`SequenceParallelNorm`, whose grads are partial over sequence shards instead)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return make_sequence_parallel_norm(module, device_mesh, src_data_rank=self.src_data_rank)
+
+
+class AllReduceOutput(ParallelStyle):
+    """The module's output is a partial sum over tp ranks (its inputs were feature shards): all-reduce it forward,
+    identity backward (transformers' ``all_reduce``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, device_mesh))
+        return module
+
+
+class RopeGradSum(ParallelStyle):
+    """DeepSeek-style MLA ``kv_a_proj_with_mqa`` (transformers' ``mla_kv_a_proj``): the last ``qk_rope_head_dim``
+    output features bypass the column-parallel ``kv_b_proj`` and feed every rank's heads directly, so their grad is
+    partial over tp and is all-reduced in backward; the rest of the output is left alone."""
+
+    def __init__(self, *, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rope_dim = self.rope_dim
+
+        def hook(_module: nn.Module, _args: tuple, out: object) -> object:
+            passed, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+            return torch.cat([passed, copy_to_tp(rope, device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
         return module

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import (
     BertConfig,
@@ -14,6 +16,50 @@ from transformers import (
 )
 
 VOCAB = 64
+
+# Families sharded from transformers' own tp plans (config class, model class, extra config keys). Gemma ties its
+# scaled embedding to the head; its vocab (67) is one tp does not divide.
+GENERIC = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # q_norm / k_norm: grads partial over tp
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"vocab_size": 67, "tie_word_embeddings": True, "attn_implementation": "eager"},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # packed qkv / gate_up: gathered column outputs
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {}),  # no transformers plan
+}
+
+
+def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, layers: int = 2) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config_cls, model_cls, extra = GENERIC[family]
+    keys = dict(
+        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa", tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "opt":
+        keys = dict(
+            vocab_size=VOCAB, hidden_size=8 * heads, ffn_dim=48, num_hidden_layers=layers, num_attention_heads=heads,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, dropout=0.0,
+            word_embed_proj_dim=8 * heads, attn_implementation="sdpa",
+        )  # fmt: skip
+    keys.update({k: v for k, v in extra.items() if v is not None})
+    keys = {k: v for k, v in keys.items() if (k, None) not in extra.items()}
+    config_type = getattr(transformers, config_cls)
+    if "head_dim" in inspect.signature(config_type.__init__).parameters:
+        keys["head_dim"] = 8  # some families default to 128 whatever the hidden size
+    config = config_type(**keys)
+    return getattr(transformers, model_cls)(config).eval()
 
 
 def build(
@@ -41,6 +87,8 @@ def build(
         )  # fmt: skip
         cls = BertForMaskedLM if family == "bert" else BertForSequenceClassification
         return cls(config).eval()
+    if family in GENERIC:
+        return build_generic(family, heads=heads, kv_heads=kv_heads, layers=layers)
     raise ValueError(family)
 
 

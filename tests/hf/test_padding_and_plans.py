@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import meshpar
-from meshpar.hf import automatic_plan
+from meshpar.hf import plan_for
 from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
@@ -58,21 +58,21 @@ class ToyModel(nn.Module):
         self.mlp = nn.ModuleDict({"up_proj": nn.Linear(16, 32), "down_proj": nn.Linear(32, 16)})
 
 
-def test_automatic_plan_from_module_names() -> None:
-    plan = automatic_plan(ToyModel(), 2)
-    kinds = {name: type(style).__name__ for name, style in plan.styles.items()}
-    assert kinds == {
-        "attn.q_proj": "ColumnParallel",
-        "attn.k_proj": "ColumnParallel",
-        "attn.v_proj": "ColumnParallel",
-        "attn.o_proj": "RowParallel",
+def test_no_plan_is_guessed_from_module_names() -> None:
+    """Names that look like attention and MLP projections are not a plan: a model with neither a transformers plan
+    nor a meshpar table is refused at tp > 1, naming the way out, and needs no plan at tp=1."""
+    with pytest.raises(ValueError, match="neither a tensor-parallel plan in the installed transformers nor a meshpar"):
+        plan_for(ToyModel(), 2)
+    assert plan_for(ToyModel(), 1).styles == {}
+    user = plan_for(ToyModel(), 2, plan={"mlp.up_proj": "colwise", "mlp.down_proj": RowParallel()})
+    assert {name: type(style).__name__ for name, style in user.styles.items()} == {
         "mlp.up_proj": "ColumnParallel",
         "mlp.down_proj": "RowParallel",
     }
-    odd = ToyModel()
-    odd.attn.mystery = nn.Linear(16, 16)
-    with pytest.raises(ValueError, match=r"cannot decide how to shard \['attn.mystery'\]"):
-        automatic_plan(odd, 2)
+    with pytest.raises(ValueError, match=r"plan entries \['attn.mystery'\] match no module"):
+        plan_for(ToyModel(), 2, plan={"attn.mystery": "colwise"})
+    with pytest.raises(ValueError, match="'packed_colwise'"):
+        plan_for(ToyModel(), 2, plan={"mlp.up_proj": "packed_colwise"})
 
 
 def user_plan_case() -> bool:

@@ -1,0 +1,284 @@
+"""Tensor-parallel plans from a HuggingFace model's own metadata (transformers' ``tp_plan``).
+
+transformers keeps, per model family, ``config.base_model_tp_plan`` (module FQN pattern -> style string) and on each
+head class a ``_tp_plan``; ``model.tp_plan`` merges them under full FQNs. This module maps every style string onto
+meshpar's DTensor styles and adds what transformers lacks: a vocab-parallel LM head feeding
+:func:`meshpar.parallel_cross_entropy` (transformers gathers full-vocabulary logits on every rank), a vocab-parallel
+input embedding for every family, key/value heads replicated where tp exceeds them, and head-count checks that need
+only the config, so they run before any process group exists. A style meshpar cannot apply exactly is refused with
+the modules that use it; nothing is guessed from module names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshpar._compat import ParallelStyle
+from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
+from meshpar.tensor_parallel.style import AllReduceOutput, ReplicatedGradSum, RopeGradSum
+
+# transformers style strings meshpar does not apply yet, with the reason a user reads in the refusal
+UNSUPPORTED_STYLES = {
+    "packed_colwise": "fused (packed) gate/up or expert weights split per part",
+    "packed_rowwise": "fused (packed) weights split per part along the input",
+    "moe_tp_experts": "mixture-of-experts expert weights",
+    "moe_identity_expert": "identity experts of a mixture-of-experts layer",
+    "local_params": "bare parameters sharded by their own plan entry",
+    "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
+}
+
+# the projections whose outputs hold whole attention heads (separate q/k/v or fused), by transformers' names
+_QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
+_KEY_VALUE = ("k_proj", "v_proj", "key", "value")
+_FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
+# styles whose output is this rank's feature shard (the ones that split heads)
+_LOCAL_OUTPUT = ("colwise",)
+
+
+def fqn_matches(pattern: str, name: str) -> bool:
+    """``parallelize_module``'s rule: dot-separated atoms, each matched with fnmatch (``*`` is one atom)."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts, strict=True))
+
+
+def text_config(config: object) -> object:
+    """The language-model part of a composite config (the config itself for plain LMs)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+@dataclass(frozen=True)
+class divide_attribute:  # noqa: N801 - used like a function in plan dicts
+    """A plan fix-up for attentions that reshape with a head count of their own: each rank holds ``1/tp`` of the
+    heads, so the count ``name`` is divided by tp (without it the view silently reads features as sequence
+    positions). A class rather than a closure so that plans pickle."""
+
+    name: str
+
+    def __call__(self, module: nn.Module, tp: int) -> None:
+        setattr(module, self.name, getattr(module, self.name) // tp)
+
+
+# meshpar's tables for families the installed transformers ships no plan for: data in transformers' format
+# (base-model-relative FQN patterns -> style strings), plus fix-ups fn(module, tp) where the attention keeps a head
+# count. Every table plan is verified on one block like transformers' plans.
+TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
+    "opt": {
+        "decoder.layers.*.self_attn.q_proj": "colwise",
+        "decoder.layers.*.self_attn.k_proj": "colwise",
+        "decoder.layers.*.self_attn.v_proj": "colwise",
+        "decoder.layers.*.self_attn.out_proj": "rowwise",
+        "decoder.layers.*.self_attn": divide_attribute("num_heads"),
+        "decoder.layers.*.fc1": "colwise",
+        "decoder.layers.*.fc2": "rowwise",
+    },
+    "gptj": {
+        "h.*.attn.q_proj": "colwise",
+        "h.*.attn.k_proj": "colwise",
+        "h.*.attn.v_proj": "colwise",
+        "h.*.attn.out_proj": "rowwise",
+        "h.*.attn": divide_attribute("num_attention_heads"),
+        "h.*.mlp.fc_in": "colwise",
+        "h.*.mlp.fc_out": "rowwise",
+    },
+}
+
+
+def _under_base_model(model: nn.Module, plan: dict) -> dict:
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        return {f"{prefix}.{key}": style for key, style in plan.items()}
+    return dict(plan)
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, object]:
+    """The model's own plan under full FQNs: transformers' merged plan (base plan under the base model's prefix,
+    heads' plans), else meshpar's table for the family; empty when there is neither."""
+    plan = getattr(model, "tp_plan", None)
+    config = getattr(model, "config", None)
+    if not plan and getattr(config, "base_model_tp_plan", None):  # transformers before 5 merges nothing itself
+        plan = {**_under_base_model(model, config.base_model_tp_plan), **(getattr(type(model), "_tp_plan", None) or {})}
+    if not plan:
+        plan = _under_base_model(model, TABLES.get(getattr(config, "model_type", None), {}))
+    return dict(plan)
+
+
+def fixup_on(pattern: str, fn: Callable[[nn.Module, int], None]) -> Callable[[nn.Module, int], None]:
+    """Run ``fn(module, tp)`` on every module matching ``pattern`` of the module it is given (the whole model, a
+    pipeline stage, or the block :mod:`meshpar.hf.verify` checks)."""
+
+    def fix(model: nn.Module, tp: int) -> None:
+        for name, module in model.named_modules():
+            if fqn_matches(pattern, name):
+                fn(module, tp)
+
+    return fix
+
+
+def attention_heads(config: object) -> tuple[int | None, int | None]:
+    """(attention heads, key/value heads) of a model config; ``None`` where the config does not say."""
+    text = text_config(config)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return heads, kv_heads
+
+
+def _leaf(pattern: str) -> str:
+    return pattern.rsplit(".", 1)[-1]
+
+
+def _allowed(count: int, tp: int) -> str:
+    return ", ".join(str(t) for t in range(1, count + 1) if count % t == 0)
+
+
+def check_heads(config: object, plan: dict[str, str], tp: int, model_type: str) -> bool:
+    """Raise before any collective when tp splits attention heads unevenly; returns whether key/value heads must be
+    replicated (fewer of them than tp ranks, grouped-query attention)."""
+    if tp == 1:
+        return False
+    heads, kv_heads = attention_heads(config)
+    splits = [p for p, s in plan.items() if s in _LOCAL_OUTPUT and _leaf(p) in _QUERY_LIKE + _KEY_VALUE]
+    if not splits or heads is None:
+        return False
+    if heads % tp:
+        raise ValueError(
+            f"{model_type}: {heads} attention heads cannot be split over tp={tp} ({splits[0]} is column-parallel); "
+            f"use tp in {{{_allowed(heads, tp)}}} or pad the heads with meshpar.pad_model"
+        )
+    if kv_heads % tp == 0:
+        return False
+    fused = [p for p in splits if _leaf(p) in _FUSED_QKV]
+    if fused or tp % kv_heads:
+        raise ValueError(
+            f"{model_type}: {kv_heads} key/value heads can neither be split over tp={tp} nor replicated evenly"
+            + (f" inside the fused projection {fused[0]}" if fused else "")
+            + f"; use tp in {{{_allowed(kv_heads, tp)}}}"
+            + ("" if fused else f" or a multiple of {kv_heads} that divides {heads}")
+        )
+    return True
+
+
+def _style_for(style: str, pattern: str, context: dict) -> ParallelStyle | None:
+    """meshpar's style for one transformers style string (``None``: the module stays replicated)."""
+    if style == "colwise":
+        if context["replicate_kv"] and _leaf(pattern) in _KEY_VALUE:
+            return ReplicatedKV(num_kv_heads=context["kv_heads"])
+        return ColumnParallel()
+    if style in ("colwise_gather_output", "colwise_rep"):
+        return ColumnParallel(gather_output=True)
+    if style == "rowwise":
+        return RowParallel()
+    if style in ("rowwise_split_input", "rowwise_rep"):
+        return RowParallel(input_is_parallel=False)
+    if style == "embedding_rowwise":
+        return VocabParallel()
+    if style == "embedding_colwise":
+        return VocabParallel(shard_across_embedding=True)
+    if style == "replicated_with_grad_allreduce":
+        return ReplicatedGradSum()
+    if style == "all_reduce":
+        return AllReduceOutput()
+    if style == "mla_kv_a_proj":
+        return RopeGradSum(rope_dim=text_config(context["config"]).qk_rope_head_dim)
+    if style == "replicate":
+        return None
+    raise KeyError(style)
+
+
+def _names(items: Iterable[tuple[str, object]]) -> list[str]:
+    return [name for name, _ in items]
+
+
+def resolve_entries(
+    model: nn.Module, plan: dict[str, object], tp: int, *, replicate_kv: bool
+) -> tuple[dict[str, ParallelStyle], list[Callable[[nn.Module, int], None]]]:
+    """meshpar styles and fix-ups for a plan's entries: ``ParallelStyle`` objects as they are, transformers style
+    strings mapped onto meshpar's styles, callables as fix-ups ``fn(module, tp)``. Entries that match no module of
+    this model (``q_norm`` switched off, say) are skipped. Raises naming every entry meshpar cannot apply (packed or
+    expert weights, bare parameters, unknown strings)."""
+    modules = _names(model.named_modules())
+    params = _names(model.named_parameters(remove_duplicate=False))
+    config = getattr(model, "config", None)
+    _, kv_heads = attention_heads(config)
+    context = {"replicate_kv": replicate_kv, "kv_heads": kv_heads, "config": config}
+    styles: dict[str, ParallelStyle] = {}
+    fixups: list[Callable[[nn.Module, int], None]] = []
+    refused = []
+    for pattern, style in plan.items():
+        on_modules = any(fqn_matches(pattern, name) for name in modules)
+        on_params = not on_modules and any(fqn_matches(pattern, name) for name in params)
+        if not on_modules and not on_params:
+            continue
+        if isinstance(style, ParallelStyle):
+            styles[pattern] = style
+        elif callable(style):
+            fixups.append(fixup_on(pattern, style))
+        elif not isinstance(style, str):
+            raise TypeError(
+                f"plan[{pattern!r}] must be a ParallelStyle, a transformers style string or a fix-up fn(module, tp), "
+                f"got {type(style).__name__}"
+            )
+        elif style in UNSUPPORTED_STYLES:
+            refused.append(f"{pattern}: '{style}' ({UNSUPPORTED_STYLES[style]})")
+        elif on_params:
+            refused.append(f"{pattern}: '{style}' on a bare parameter")
+        else:
+            try:
+                mapped = _style_for(style, pattern, context)
+            except KeyError:
+                refused.append(f"{pattern}: '{style}' (a style string meshpar does not know)")
+                continue
+            if mapped is not None:
+                styles[pattern] = mapped
+    if refused:
+        raise ValueError(
+            f"{type(model).__name__} at tp={tp}: meshpar cannot yet apply these entries of the model's "
+            f"tensor-parallel plan: {'; '.join(refused)}. Use tp=1 (data or pipeline parallelism need no plan) or "
+            "pass plan={...} with styles for these modules"
+        )
+    return styles, fixups
+
+
+def embedding_and_head(model: nn.Module) -> tuple[str | None, str | None, bool]:
+    """FQNs of the input embedding and of the output (LM) head, and whether they share one weight."""
+    names = {id(module): name for name, module in model.named_modules()}
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    embedding_name = names.get(id(embedding)) if isinstance(embedding, nn.Embedding) else None
+    head_name = names.get(id(head)) if type(head) is nn.Linear else None
+    tied = embedding_name is not None and head_name is not None and head.weight is embedding.weight
+    return embedding_name, head_name, tied
+
+
+def kv_group_fixup(heads: int) -> Callable[[nn.Module, int], None]:
+    """With replicated key/value heads each rank holds one of them for all its query heads: attention modules that
+    repeat key/value heads (``num_key_value_groups``) repeat it for ``heads / tp`` query heads."""
+
+    def fix(model: nn.Module, tp: int) -> None:
+        for module in model.modules():
+            if hasattr(module, "num_key_value_groups") and any(hasattr(module, n) for n in _KEY_VALUE):
+                module.num_key_value_groups = heads // tp
+
+    return fix
+
+
+def layer_container(model: nn.Module) -> str:
+    """FQN of the transformer-layer list: the ``nn.ModuleList`` of the model's transformers pipeline plan, else its
+    largest ``nn.ModuleList`` ("" when it has none)."""
+    pp_plan = getattr(model, "pp_plan", None) or {}
+    for name in pp_plan:
+        try:
+            if isinstance(model.get_submodule(name), nn.ModuleList):
+                return name
+        except AttributeError:
+            continue
+    lists = [
+        (sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+    ]
+    return max(lists)[1] if lists else ""

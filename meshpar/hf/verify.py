@@ -1,0 +1,185 @@
+"""Prove a tensor-parallel plan on one transformer block before the model is sharded with it.
+
+A plan that is not one of meshpar's tables (transformers' own plan, or a user's) can be wrong for a model in ways no
+error shows: an attention that reshapes with a head count sharding changed reads half the features as half the
+sequence; a norm between column and row layers gets each rank's partial grad. So ``parallelize`` runs the model's
+first block twice on the block's real inputs (captured from a short dense forward): once dense, once sharded with the
+plan on the tp mesh, and compares the block's output, its input grad and every parameter grad. On a mismatch every
+tp rank raises, naming the submodules whose outputs differ first and the parameters whose grads differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from meshpar._compat import DTensor
+from meshpar._shards import local_slice
+from meshpar.hf.hf_plan import text_config
+from meshpar.hf.plans import HFPlan
+from meshpar.parallel_dims import ParallelDims
+
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # relative norm error; half precision: 2e-2
+
+
+class PlanVerificationError(ValueError):
+    """The sharded block does not compute what the dense block computes."""
+
+
+class _CapturedError(Exception):  # stops the dense forward at the block
+    pass
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _capture_block_inputs(model: nn.Module, block: nn.Module) -> tuple[tuple, dict]:
+    """The positional and keyword arguments the model passes its first block, from a dense forward on 2 x 8
+    random token ids that stops at the block."""
+    captured: dict[str, Any] = {}
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured["call"] = (args, kwargs)
+        raise _CapturedError
+
+    vocab = getattr(text_config(model.config), "vocab_size", None) or 2
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
+    device = next(iter(model.parameters())).device
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(device), **extra)
+    except _CapturedError:
+        pass
+    finally:
+        handle.remove()
+    if "call" not in captured:
+        raise PlanVerificationError(f"{type(model).__name__}: its forward never reached the first transformer block")
+    return captured["call"]
+
+
+def _skeleton(layers: str, block: nn.Module) -> nn.Module:
+    """A module tree in which ``block`` sits at ``{layers}.0``, so the plan's full-FQN patterns and fix-ups apply
+    to it unchanged."""
+    root = node = nn.Module()
+    *path, last = layers.split(".")
+    for part in path:
+        child = nn.Module()
+        node.add_module(part, child)
+        node = child
+    node.add_module(last, nn.ModuleList([block]))
+    return root
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict, cotangent_seed: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Outputs of every submodule (by name), the block output and the input grad, after one backward."""
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [
+        module.register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, _first_tensor(out)))
+        for name, module in block.named_modules()
+        if name
+    ]
+    hidden = args[0].clone().requires_grad_(True)
+    try:
+        out = _first_tensor(block(hidden, *args[1:], **kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    generator = torch.Generator().manual_seed(cotangent_seed)
+    cotangent = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
+    (out * cotangent).sum().backward()
+    return outputs, out.detach(), hidden.grad
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
+    """``|actual - expected| / max(|expected|, floor)``: a grad that is zero in exact arithmetic (a key bias under
+    softmax) holds only rounding noise, which is judged against ``floor`` instead of its own norm."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
+
+
+def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
+    """Raise :class:`PlanVerificationError` on every tp rank unless the plan's sharded first block equals the dense
+    one (outputs, input grad, parameter grads). The model itself is not changed."""
+    if not plan.layers:
+        raise PlanVerificationError(
+            f"{type(model).__name__}: cannot verify the plan, no transformer-layer list was found; pass "
+            "'verify': false if you have checked the plan yourself"
+        )
+    block = model.get_submodule(plan.layers)[0]
+    device = dims.device
+    with torch.random.fork_rng(devices=[]):
+        args, kwargs = _capture_block_inputs(model, block)
+        if not args:  # transformers passes hidden_states by keyword in some families
+            args, kwargs = (kwargs["hidden_states"],), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        args, kwargs = _to(args, device), _to(kwargs, device)
+        dense = copy.deepcopy(block).to(device).eval()
+        root = _skeleton(plan.layers, copy.deepcopy(block).to(device).eval())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Parallelize plan key")
+            parallelize_module(root, dims.tp_mesh, plan.styles)
+        for fixup in plan.fixups:
+            fixup(root, dims.tp)
+        sharded = root.get_submodule(plan.layers)[0]
+        dense_outputs, dense_out, dense_grad = _run(dense, args, kwargs, cotangent_seed=1)
+        sharded_outputs, sharded_out, sharded_grad = _run(sharded, args, kwargs, cotangent_seed=1)
+    tolerance = _TOLERANCE.get(dense_out.dtype, 2e-2)
+    problems = []
+    differing = [
+        name
+        for name, got in sharded_outputs.items()
+        if got is not None
+        and (want := dense_outputs.get(name)) is not None
+        and got.shape == want.shape
+        and _relative_error(got, want) > tolerance
+    ]
+    if dense_out.shape != sharded_out.shape or _relative_error(sharded_out, dense_out) > tolerance:
+        problems.append("the block's output")
+    if sharded_grad is None or _relative_error(sharded_grad, dense_grad) > tolerance:
+        problems.append("the block's input grad")
+    # grads far below the block's largest one are compared against 1% of it (see _relative_error)
+    floor = 1e-2 * max((p.grad.norm().item() for p in dense.parameters() if p.grad is not None), default=0.0)
+    for name, param in sharded.named_parameters():
+        want = dense.get_parameter(name).grad
+        got = param.grad
+        if want is None or got is None:
+            if (want is None) != (got is None):
+                problems.append(f"grad of {name} (missing on one side)")
+            continue
+        if isinstance(got, DTensor):
+            got, want = got.to_local(), local_slice(want, param)
+        if got.shape != want.shape or _relative_error(got, want, max(floor, 1e-30)) > tolerance:
+            problems.append(f"grad of {name}")
+    failed = torch.tensor([1 if problems else 0], device=device)
+    dist.all_reduce(failed, group=dims.tp_mesh.get_group())
+    if failed.item():
+        where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
+        what = ", ".join(problems[:8]) if problems else "another tp rank's shards"
+        raise PlanVerificationError(
+            f"{type(model).__name__}: the plan's sharded block {plan.layers}.0 does not match the dense block at "
+            f"tp={dims.tp}: {what} differ(s){where}. The modules named compute with something sharding changed "
+            "(a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
+        )

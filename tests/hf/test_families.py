@@ -1,0 +1,146 @@
+"""HF families sharded from their own plans (transformers' ``tp_plan``, meshpar's tables in the same format, user
+plans): loss, logits, every grad and the parameters after an optimizer step equal the dense model's; what cannot be
+sharded exactly is refused before any process group exists, or by the one-block verification."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import BloomConfig, BloomForCausalLM
+
+import meshpar
+from meshpar._compat import DTensor
+from meshpar._shards import local_slice
+from meshpar.hf import PlanVerificationError
+from meshpar.hf.hf_plan import divide_attribute
+from meshpar.optim import DistributedOptimizer
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import batch, build
+
+# every family here has a transformers plan except OPT (meshpar's table); Qwen3 has q/k norms between column and
+# row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed projections
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "olmo2", "phi", "opt"]
+
+_OPT_ATTENTION = {
+    "model.decoder.layers.*.self_attn.q_proj": "colwise",
+    "model.decoder.layers.*.self_attn.k_proj": "colwise",
+    "model.decoder.layers.*.self_attn.v_proj": "colwise",
+    "model.decoder.layers.*.self_attn.out_proj": "rowwise",
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def family_case(family: str, tp: int, kv_heads: int | None = None, plan: dict | None = None) -> str:
+    """One training step at tp (the rest of the world is dp, each dp rank on its rows) against the dense model."""
+    dims = setup_parallel(tp=tp)
+    dense = build(family, kv_heads=kv_heads)
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp}, plan=plan)
+    data = batch(family, rows=4)
+    data["labels"][0, :7] = -100  # dp rank 0 scores fewer tokens: the step weighs every token alike
+    expected = dense(**data)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+    rows = 4 // dims.dp
+    mine = {k: v[dims.dp_rank * rows : (dims.dp_rank + 1) * rows] for k, v in data.items()}
+    with torch.no_grad():
+        logits = model(**mine).logits
+    want = expected.logits.detach()[dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
+    if model.vocab_sharded:
+        want = want.chunk(tp, -1)[dims.tp_rank]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    loss = model.train_step(**mine)
+    torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    for name, param in model.module.named_parameters():
+        dense_grad = dense.get_parameter(name).grad
+        want = local_slice(dense_grad, param) if isinstance(param, DTensor) else dense_grad
+        torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+    optimizer.step()
+    for name, param in model.module.named_parameters():
+        full = dense.get_parameter(name).detach()
+        want = local_slice(full, param) if isinstance(param, DTensor) else full
+        torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
+    return model.plan_summary().splitlines()[-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_matches_dense(family: str) -> None:
+    summary = run_distributed(family_case, 2, family, 2)[0]
+    local, total = (int(n.replace(",", "")) for n in summary.split()[3:6:2])
+    assert local < 0.6 * total, summary  # embedding, head and every block's projections are sharded
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral"])
+def test_data_parallel_needs_no_plan(family: str) -> None:
+    """tp=1: nothing is sharded, so families whose plan meshpar cannot apply (Mixtral's experts) train too."""
+    run_distributed(family_case, 2, family, 1)
+
+
+def test_key_value_heads_below_tp_are_replicated() -> None:
+    run_distributed(family_case, 2, "qwen2", 2, 1)  # one KV head, tp=2
+    run_distributed(family_case, 4, "mistral", 4, 2)  # two KV heads, tp=4
+
+
+def test_user_plan_with_fixup_shards_a_model_no_table_covers() -> None:
+    """OPT's attention reshapes with its own head count: a user plan divides it with a fix-up."""
+    plan = {**_OPT_ATTENTION, "model.decoder.layers.*.self_attn": divide_attribute("num_heads")}
+    run_distributed(family_case, 2, "opt", 2, None, plan)
+
+
+def verification_case() -> str:
+    setup_parallel(tp=2)
+    try:
+        meshpar.parallelize(build("opt"), {"tensor_parallel_size": 2}, plan=_OPT_ATTENTION)
+    except PlanVerificationError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_verification_refuses_a_plan_that_changes_the_math() -> None:
+    """Without the fix-up OPT's attention reads each rank's half of the features as half the sequence: no error
+    would show it, so the one-block verification refuses on every rank and names the attention."""
+    messages = run_distributed(verification_case, 2)
+    for message in messages:
+        assert "does not match the dense block at tp=2" in message, message
+        assert "self_attn" in message and "grad of self_attn.q_proj.weight" in message, message
+
+
+def _refusal(model: torch.nn.Module, config: dict) -> str:
+    with pytest.raises(ValueError) as error:  # no process group exists in this process: the plan fails first
+        meshpar.parallelize(model, config)
+    return str(error.value)
+
+
+def test_bad_layouts_are_refused_before_any_process_group() -> None:
+    assert "6 attention heads cannot be split over tp=4" in _refusal(
+        build("qwen3", heads=6), {"tensor_parallel_size": 4}
+    )
+    message = _refusal(build("qwen2", heads=6, kv_heads=3), {"tensor_parallel_size": 2})
+    assert "3 key/value heads can neither be split over tp=2 nor replicated evenly" in message
+    message = _refusal(build("mixtral"), {"tensor_parallel_size": 2})
+    assert "mlp.experts.gate_up_proj: 'packed_colwise'" in message and "mlp.experts.down_proj" in message
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+    assert "neither a tensor-parallel plan in the installed transformers nor a meshpar table" in _refusal(
+        bloom, {"tensor_parallel_size": 2}
+    )
+    message = _refusal(build("qwen3"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    assert "'sequence_parallel': supported for the families" in message
+
+
+def generation_case(family: str) -> bool:
+    setup_parallel(tp=2)
+    dense = build(family)
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2})
+    prompt = batch(family, rows=2, seq=5)["input_ids"]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    return torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_greedy_generation_matches_dense(family: str) -> None:
+    assert run_distributed(generation_case, 2, family) == [True, True]
