@@ -99,7 +99,6 @@ def _masked_lm_loss(
 
 
 _LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
-_HEAD_WEIGHTS = ("lm_head.weight", "cls.predictions.decoder.weight")
 
 
 def _init_mesh(config: ParallelConfig) -> ParallelDims:
@@ -466,7 +465,7 @@ class ParallelizedModel(nn.Module):
     @property
     def tied_parameters(self) -> dict[str, str]:
         """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
-        return {target: source for target, source in self.plan.ties if target.endswith(_HEAD_WEIGHTS)}
+        return {target: source for target, source in self.plan.ties if target.endswith(".weight")}
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

@@ -263,6 +263,12 @@ def _vocab_head(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
     return head if isinstance(style, ColumnParallel) and not style.gather_output else ""
 
 
+def _head_ties(model: nn.Module) -> list[tuple[str, str]]:
+    """(LM head weight, input embedding weight) when the model ties them: one parameter, saved once."""
+    embedding, head, tied = embedding_and_head(model)
+    return [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+
+
 def _check_ties(model: nn.Module, plan: HFPlan) -> None:
     """Tied embedding and head share one parameter: sharding only one of them would untie them."""
     for target, source in plan.ties:
@@ -292,14 +298,13 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     # meshpar's own embedding and head styles replace the plan's (transformers gathers full-vocabulary logits)
     entries = {p: s for p, s in entries.items() if p not in (embedding, head)}
     styles, fixups = resolve_entries(model, entries, tp, replicate_kv=replicate_kv)
-    ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
     if head is not None and task == "causal_lm":
         styles[head] = ColumnParallel(allow_uneven=True)
     if embedding is not None and (not tied or task == "causal_lm"):
         styles[embedding] = VocabParallel()
     if replicate_kv:
         fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
-    return HFPlan(model_type, task, styles, fixups, ties, layer_container(model), verify=True)
+    return HFPlan(model_type, task, styles, fixups, _head_ties(model), layer_container(model), verify=True)
 
 
 def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
@@ -312,10 +317,8 @@ def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
     if unmatched:
         raise ValueError(f"plan entries {unmatched[:6]} match no module of {type(model).__name__}")
     styles, fixups = resolve_entries(model, plan, tp, replicate_kv=False)
-    embedding, head, tied = embedding_and_head(model)
-    ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    return HFPlan(model_type, task_of(model), styles, fixups, ties, layer_container(model), verify=True)
+    return HFPlan(model_type, task_of(model), styles, fixups, _head_ties(model), layer_container(model), verify=True)
 
 
 def plan_for(
@@ -334,7 +337,8 @@ def plan_for(
             built.head = _vocab_head(model, built.styles)
             return built
         if tp == 1 and not sequence_parallel:  # nothing to shard: data and pipeline parallelism need no plan
-            built = HFPlan(model_type or type(model).__name__, task_of(model), {}, layers=layer_container(model))
+            name = model_type or type(model).__name__
+            built = HFPlan(name, task_of(model), {}, ties=_head_ties(model), layers=layer_container(model))
         elif hf_tp_plan(model):
             built = metadata_plan(model, tp, sequence_parallel)
         else:

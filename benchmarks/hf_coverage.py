@@ -1,0 +1,181 @@
+"""Which HuggingFace families ``meshpar.parallelize`` shards exactly: every causal-LM model type of the installed
+transformers that ships a tensor-parallel plan, plus meshpar's own tables, built tiny from its config (never
+downloaded) and run against the same model on one process.
+
+For each family and layout (tp=2, dp=2 on 2 gloo processes; pp=2 and tp2 x pp2 on 2 and 4) one training step:
+the loss, every parameter grad (this rank's shard of the dense grad) and the parameters after an SGD step must equal
+dense within 1e-4 relative. Verdicts: ``OK``; ``refused`` (meshpar raised a clear error before computing anything:
+the reason is listed); ``FAIL`` (a mismatch or a crash: a defect); ``-`` (the tiny model could not be built from
+the config alone, e.g. a multimodal family, so nothing was run).
+
+    .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYOUTS = {"tp2": (2, 1, 2), "dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}  # tp, pp, world
+
+
+def _families() -> dict[str, str]:
+    """model type -> causal-LM class name, for every type with a transformers tp plan or a meshpar table."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from meshpar.hf.hf_plan import TABLES
+
+    found = {}
+    for model_type, config_name in CONFIG_MAPPING_NAMES.items():
+        config_cls = getattr(transformers, config_name, None)
+        has_plan = bool(getattr(config_cls, "base_model_tp_plan", None)) or model_type in TABLES
+        model_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if has_plan and model_name:
+            found[model_type] = model_name if isinstance(model_name, str) else model_name[0]
+    return dict(sorted(found.items()))
+
+
+def tiny(model_type: str) -> torch.nn.Module:
+    """The family's causal LM at tiny size: 2 layers, hidden 32, 4 heads (2 KV heads) of 8, vocab 64."""
+    import transformers
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type)
+    sizes = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, ffn_dim=48, moe_intermediate_size=16, num_local_experts=4,
+        num_experts=4, num_experts_per_tok=2, use_cache=False,
+    )  # fmt: skip
+    text = config.get_text_config()
+    for key, value in sizes.items():
+        if hasattr(text, key) or key in inspect.signature(type(text).__init__).parameters:
+            setattr(text, key, value)
+    if hasattr(text, "layer_types"):
+        text.layer_types = None  # re-derived for 2 layers below
+    text = type(text)(**text.to_dict())  # re-run the config's own derivations (layer types, head dims)
+    text._attn_implementation = "eager"
+    model_cls = getattr(transformers, _families()[model_type])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_cls(text).eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()  # the dense model itself runs at this size
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def _case(model_type: str, tp: int, pp: int) -> str:
+    import meshpar
+    from meshpar._compat import DTensor
+    from meshpar._shards import local_slice
+    from meshpar.optim import DistributedOptimizer
+    from meshpar.testing import setup_parallel
+
+    setup_parallel(tp=tp, pp=pp)
+    dense = tiny(model_type)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
+    try:
+        model = meshpar.parallelize(copy.deepcopy(dense), config)
+    except (ValueError, NotImplementedError) as error:
+        return "refused: " + str(error).split(". ")[0][:160]
+    ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    expected = dense(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.1).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    dims = model.dims
+    rows = 4 // dims.dp
+    mine = ids[dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
+    loss = model.train_step(input_ids=mine, labels=mine)
+    worst = abs(loss.item() - expected.loss.item()) / abs(expected.loss.item())
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = dense.get_parameter(name).grad
+            if isinstance(param, DTensor):
+                want = local_slice(want, param)
+            got = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-6)).item())
+    optimizer.step()
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = dense.get_parameter(name).detach()
+            if isinstance(param, DTensor):
+                want = local_slice(want, param)
+            got = param.to_local() if isinstance(param, DTensor) else param
+            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-6)).item())
+    return "OK" if worst < 1e-4 else f"FAIL: max relative error {worst:.1e}"
+
+
+def run(model_type: str, layout: str) -> str:
+    from meshpar.testing import run_distributed
+
+    tp, pp, world = LAYOUTS[layout]
+    try:
+        tiny(model_type)
+    except Exception as error:
+        return f"-: not built ({type(error).__name__})"
+    try:
+        results = run_distributed(_case, world, model_type, tp, pp, timeout=300)
+    except AssertionError as error:
+        lines = [line for line in str(error).splitlines() if line.strip() and "Error" in line]
+        return "FAIL: " + (lines[-1].strip()[:160] if lines else "crash")
+    verdicts = sorted(set(results))
+    return verdicts[0] if len(verdicts) == 1 else "FAIL: ranks disagree " + " | ".join(verdicts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", help="comma-separated model types (default: all with a plan)")
+    parser.add_argument("--layouts", default="tp2,dp2,pp2,tp2pp2")
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    args = parser.parse_args()
+    families = _families()
+    types = args.types.split(",") if args.types else list(families)
+    layouts = args.layouts.split(",")
+    rows, reasons = [], {}
+    start = time.time()
+    for model_type in types:
+        cells = []
+        for layout in layouts:
+            verdict = run(model_type, layout)
+            head, _, why = verdict.partition(": ")
+            if why:
+                key = f"{head}: {why}"
+                reasons.setdefault(key, len(reasons) + 1)
+                cells.append(f"{head} [{reasons[key]}]")
+            else:
+                cells.append(head)
+        rows.append((model_type, cells))
+        print(f"{model_type:24s} " + "  ".join(f"{c:14s}" for c in cells), flush=True)
+    counts = {layout: {} for layout in layouts}
+    for _, cells in rows:
+        for layout, cell in zip(layouts, cells, strict=True):
+            kind = cell.split(" ")[0]
+            counts[layout][kind] = counts[layout].get(kind, 0) + 1
+    print(f"\n{len(rows)} families in {time.time() - start:.0f} s")
+    for layout in layouts:
+        print(f"{layout}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts[layout].items())))
+    if args.markdown:
+        print("\n| model type | " + " | ".join(layouts) + " |\n|---|" + "---|" * len(layouts))
+        for model_type, cells in rows:
+            print(f"| {model_type} | " + " | ".join(cells) + " |")
+    print("\nreasons:")
+    for key, number in reasons.items():
+        print(f"[{number}] {key}")
+
+
+if __name__ == "__main__":
+    main()
