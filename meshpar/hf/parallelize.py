@@ -38,11 +38,18 @@ from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.hf_plan import text_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
-from meshpar.hf.stages import STAGE_FORWARDS, install_stage_forward
+from meshpar.hf.stages import (
+    STAGE_FORWARDS,
+    check_stage_composition,
+    install_decoder_stage,
+    install_stage_forward,
+    pipeline_layout,
+)
 from meshpar.hf.verify import verify_plan
 from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
+from meshpar.pipeline.split import plan_stages
 from meshpar.tensor_parallel import parallel_cross_entropy
 
 _log = logging.getLogger(__name__)
@@ -142,11 +149,6 @@ class ParallelizedModel(nn.Module):
             if self.dims.dp > 1 and self._overlap_grad_reduce:
                 self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
         else:
-            if self.loss_fn is None or self.plan.family not in STAGE_FORWARDS:
-                raise ValueError(
-                    f"pipeline parallelism supports the LM heads of the families {sorted(STAGE_FORWARDS)}, "
-                    f"not {type(model).__name__}"
-                )
             self.pipeline = self._split(model)
             self.module = None
             self._tied_group = self._tied_embedding_group()
@@ -210,27 +212,54 @@ class ParallelizedModel(nn.Module):
         return module
 
     def _split(self, model: nn.Module) -> PipelineModel:
-        family = self.plan.family
-        keep = STAGE_FORWARDS[family][1]
+        """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
+        pipeline plan runs its own forward per stage (:func:`meshpar.hf.stages.decoder_stage_forward`), proven on
+        the dense model first."""
+        family, config = self.plan.family, self.parallel_config
         loss_fn, sharded = self.loss_fn, self.vocab_sharded
+        if family in STAGE_FORWARDS and loss_fn is not None:
+            keep = STAGE_FORWARDS[family][1]
+            shards = self.dims.tp if config.sequence_parallel else 1
 
-        shards = self.dims.tp if self.parallel_config.sequence_parallel else 1
+            def install(stage: nn.Module) -> nn.Module:
+                stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
+                return install_stage_forward(stage, family)
 
-        def transform(stage: nn.Module) -> nn.Module:
-            stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
-            return self._shard(install_stage_forward(stage, family))
+        else:
+            layout = pipeline_layout(model)
+            if layout is None or self.plan.task != "causal_lm":
+                raise ValueError(
+                    f"pipeline parallelism needs a causal LM whose config carries transformers' pipeline plan "
+                    f"(base_model_pp_plan), or one of {sorted(STAGE_FORWARDS)}; {type(model).__name__} has neither"
+                )
+            if config.sequence_parallel:
+                raise ValueError(f"sequence_parallel with pipeline stages is supported for {sorted(STAGE_FORWARDS)}")
+            keep = layout.keep
+            if self._from_meta:
+                _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
+            else:
+                stages = plan_stages(
+                    model,
+                    self.dims.pp * config.virtual_pipeline_size,
+                    transformer_layer_cls=self._layer_cls,
+                    auto_partition=config.auto_partition,
+                )
+                check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+
+            def install(stage: nn.Module) -> nn.Module:
+                return install_decoder_stage(stage, layout)
 
         return PipelineModel(
             model,
             transformer_layer_cls=self._layer_cls,
-            num_microbatches=self.parallel_config.num_microbatches,
-            virtual_pipeline_size=self.parallel_config.virtual_pipeline_size,
-            auto_partition=self.parallel_config.auto_partition,
+            num_microbatches=config.num_microbatches,
+            virtual_pipeline_size=config.virtual_pipeline_size,
+            auto_partition=config.auto_partition,
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded, self._normalizer),
             keep_modules=keep,
-            stage_transform=transform,
+            stage_transform=lambda stage: self._shard(install(stage)),
             overlap_grad_reduce=self._overlap_grad_reduce,
             stage_kwargs=("attention_mask",),
             param_init_fn=init_hf_weights,  # used only for a model built on "meta"

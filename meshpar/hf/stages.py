@@ -1,16 +1,24 @@
-"""Pipeline stage forwards for HuggingFace families (GPT-2, Llama causal LMs; BERT masked LM).
+"""Pipeline stage forwards for HuggingFace models.
 
-HF models' own ``forward`` cannot run with pieces missing, so each family gets a stage forward that runs whatever the
-stage owns: embeddings (first stage), its decoder blocks, final norm and LM head (last stage). Every stage receives
-the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend) and builds the same 4-D mask as the HF model
-(``transformers.masking_utils``): causal and padding for GPT-2 and Llama, padding for BERT. Without a mask,
-attention is causal (BERT: full) through SDPA.
+Every causal LM whose config carries transformers' ``base_model_pp_plan`` runs the model's *own* forward on each
+stage (:func:`decoder_stage_forward`): the layer list is swapped for a view of the full depth in which the stage's
+layers sit at their global indices and every other index passes its input through, so per-layer data the forward
+reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables) stays right; the pieces
+before the layers (embedding, dropout) act only on the first stage and those after them (final norm) only on the
+last, which returns the head's logits. Masks, positions and rotary tables are built by the model's forward itself,
+with the user's attention implementation. :func:`check_stage_composition` proves, on the dense model before it is
+split, that the stages composed reproduce its forward.
+
+GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the same
+4-D mask as the HF model from the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -100,4 +108,173 @@ def install_stage_forward(stage: nn.Module, family: str) -> nn.Module:
         raise ValueError(f"pipeline parallelism supports the families {sorted(STAGE_FORWARDS)}, not {family!r}")
     stage.forward = types.MethodType(STAGE_FORWARDS[family][0], stage)
     stage.config._attn_implementation = "sdpa"  # causal attention without a mask
+    return stage
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a causal LM's pieces are, from transformers' pipeline plan (full FQNs)."""
+
+    container: str  # the transformer-layer list, e.g. "model.layers"
+    before: tuple[str, ...]  # plan entries that run before the layers: first stage only (embedding, dropout)
+    after: tuple[str, ...]  # plan entries after them: last stage only (final norm)
+    keep: tuple[str, ...]  # parameter-free base-model modules every stage needs (rotary embeddings)
+    base: str  # the base model, whose forward non-last stages run
+    num_layers: int
+
+
+def _holds_parameters(module: nn.Module, name: str) -> bool:
+    return any(True for _ in module.get_submodule(name).parameters())
+
+
+def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
+    """The layout of a causal LM with transformers' ``base_model_pp_plan``; ``None`` when it has none. Raises when
+    the plan does not describe the model (a base-model module outside the plan holds parameters)."""
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    if not plan or not prefix or not hasattr(model, prefix) or not type(model).__name__.endswith("ForCausalLM"):
+        return None
+    base = model.get_submodule(prefix)
+    lists = [name for name in plan if isinstance(getattr(base, name, None), nn.ModuleList)]
+    if len(lists) != 1:
+        return None
+    names = list(plan)
+    index = names.index(lists[0])
+    others = [n for n, m in base.named_children() if n not in plan]
+    holding = [n for n in others if _holds_parameters(base, n)]
+    if holding:
+        raise ValueError(
+            f"{type(model).__name__}: transformers' pipeline plan {names} leaves out {holding}, which hold "
+            "parameters; pipeline parallelism cannot place them (use pipeline_parallel_size 1)"
+        )
+    full = [f"{prefix}.{n}" for n in names]
+    # parameter-free plan pieces (dropouts) go to every stage too: where they must not act they become identities,
+    # so it does not matter which side of the layers the model registered them on
+    free = [f for f, n in zip(full, names, strict=True) if n != lists[0] and not _holds_parameters(base, n)]
+    return PipelineLayout(
+        container=full[index],
+        before=tuple(full[:index]),
+        after=tuple(full[index + 1 :]),
+        keep=tuple(f"{prefix}.{n}" for n in others) + tuple(free),
+        base=prefix,
+        num_layers=len(base.get_submodule(lists[0])),
+    )
+
+
+def _present(model: nn.Module, fqn: str) -> bool:
+    """Whether this stage holds the module ``fqn`` (the splitter sets the pieces of other stages to ``None``)."""
+    parent, _, name = fqn.rpartition(".")
+    return (model.get_submodule(parent) if parent else model)._modules.get(name) is not None
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a layer another stage owns: hands its hidden states on unchanged."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return hidden_states
+
+
+_PASS = _PassThrough()
+
+
+@contextlib.contextmanager
+def _stage_view(
+    model: nn.Module, layout: PipelineLayout, owned: dict[int, nn.Module], first: bool, last: bool
+) -> Iterator[None]:
+    """Temporarily make ``model`` (a stage, or the dense model in the composition check) compute one stage."""
+    saved = []
+
+    def swap(fqn: str, new: nn.Module) -> None:
+        parent, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        saved.append((owner, name, owner._modules[name]))
+        owner._modules[name] = new
+
+    for fqn in () if first else layout.before:
+        swap(fqn, nn.Identity())
+    for fqn in () if last else layout.after:
+        swap(fqn, nn.Identity())
+    swap(layout.container, nn.ModuleList([owned.get(i, _PASS) for i in range(layout.num_layers)]))
+    try:
+        yield
+    finally:
+        for owner, name, module in reversed(saved):
+            owner._modules[name] = module
+
+
+def _run_stage(
+    model: nn.Module,
+    layout: PipelineLayout,
+    owned: dict[int, nn.Module],
+    first: bool,
+    last: bool,
+    x: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    inputs = {"input_ids" if first else "inputs_embeds": x, "attention_mask": attention_mask, "use_cache": False}
+    with _stage_view(model, layout, owned, first, last):
+        if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
+            return type(model).forward(model, **inputs).logits
+        return model.get_submodule(layout.base)(**inputs).last_hidden_state
+
+
+def decoder_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One stage of a causal LM split by :func:`pipeline_layout`: token ids (first stage) or hidden states in,
+    hidden states or (last stage) logits out."""
+    layout: PipelineLayout = self.meshpar_layout
+    layers = self.get_submodule(layout.container)
+    owned = {int(key): layer for key, layer in layers._modules.items()}
+    first = all(_present(self, name) for name in layout.before)
+    last = self.meshpar_last_stage
+    return _run_stage(self, layout, owned, first, last, x, attention_mask)
+
+
+def check_stage_composition(
+    model: nn.Module, layout: PipelineLayout, stage_layers: Sequence[Sequence[str]], first_modules: Sequence[str]
+) -> None:
+    """Raise unless the stages, run one after another on the dense model with :func:`decoder_stage_forward`'s
+    logic, give the dense model's logits on a small padded batch: a forward step that transformers' pipeline plan
+    does not describe (scaling the embeddings in the base model's forward, say) would otherwise be repeated or lost
+    on some stage, silently."""
+    misplaced = [n for n in layout.before if n not in first_modules and n not in layout.keep]
+    if misplaced:
+        raise ValueError(
+            f"{type(model).__name__}: {misplaced} run before the layers in transformers' pipeline plan but are "
+            "registered after them, so the splitter would give them to the last stage; use pipeline_parallel_size 1"
+        )
+    vocab = getattr(model.config, "vocab_size", 2)
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding exercises the model's own mask building on every stage
+    device = next(iter(model.parameters())).device
+    ids, mask = ids.to(device), mask.to(device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    container = model.get_submodule(layout.container)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            x = ids
+            for stage, keys in enumerate(stage_layers):
+                owned = {int(k): container[int(k)] for k in keys}
+                x = _run_stage(model, layout, owned, stage == 0, stage == len(stage_layers) - 1, x, mask)
+    finally:
+        for module, training in modes:
+            module.training = training
+    error = ((x.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    if x.shape != want.shape or error > 1e-5:
+        raise ValueError(
+            f"{type(model).__name__}: its pipeline stages do not reproduce the dense forward (relative error "
+            f"{error:.1e}): its forward does something transformers' pipeline plan does not describe; use "
+            "pipeline_parallel_size 1"
+        )
+
+
+def install_decoder_stage(stage: nn.Module, layout: PipelineLayout) -> nn.Module:
+    """Give a stage of a causal LM split by :func:`pipeline_layout` its forward (the user's attention
+    implementation is kept)."""
+    stage.meshpar_layout = layout
+    stage.meshpar_last_stage = stage.get_output_embeddings() is not None
+    stage.forward = types.MethodType(decoder_stage_forward, stage)
     return stage
