@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshpar._compat import ParallelStyle
+from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
 from meshpar.tensor_parallel.style import AllReduceOutput, ReplicatedGradSum, RopeGradSum
 
@@ -25,7 +26,6 @@ from meshpar.tensor_parallel.style import AllReduceOutput, ReplicatedGradSum, Ro
 UNSUPPORTED_STYLES = {
     "packed_colwise": "fused (packed) gate/up or expert weights split per part",
     "packed_rowwise": "fused (packed) weights split per part along the input",
-    "moe_tp_experts": "mixture-of-experts expert weights",
     "moe_identity_expert": "identity experts of a mixture-of-experts layer",
     "local_params": "bare parameters sharded by their own plan entry",
     "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
@@ -35,6 +35,7 @@ UNSUPPORTED_STYLES = {
 _QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
 _KEY_VALUE = ("k_proj", "v_proj", "key", "value")
 _FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 # styles whose output is this rank's feature shard (the ones that split heads)
 _LOCAL_OUTPUT = ("colwise",)
 
@@ -136,10 +137,17 @@ def _allowed(count: int, tp: int) -> str:
 
 
 def check_heads(config: object, plan: dict[str, str], tp: int, model_type: str) -> bool:
-    """Raise before any collective when tp splits attention heads unevenly; returns whether key/value heads must be
-    replicated (fewer of them than tp ranks, grouped-query attention)."""
+    """Raise before any collective when tp splits attention heads or experts unevenly; returns whether key/value
+    heads must be replicated (fewer of them than tp ranks, grouped-query attention)."""
     if tp == 1:
         return False
+    text = text_config(config)
+    experts = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+    if experts is not None and "moe_tp_experts" in plan.values() and experts % tp:
+        raise ValueError(
+            f"{model_type}: {experts} experts cannot be split into whole experts over tp={tp}; use tp in "
+            f"{{{_allowed(experts, tp)}}}"
+        )
     heads, kv_heads = attention_heads(config)
     splits = [p for p, s in plan.items() if s in _LOCAL_OUTPUT and _leaf(p) in _QUERY_LIKE + _KEY_VALUE]
     if not splits or heads is None:
@@ -186,6 +194,8 @@ def _style_for(style: str, pattern: str, context: dict) -> ParallelStyle | None:
         return RopeGradSum(rope_dim=text_config(context["config"]).qk_rope_head_dim)
     if style == "replicate":
         return None
+    if style == "moe_tp_experts":
+        return ExpertsOverTP()
     raise KeyError(style)
 
 
@@ -208,11 +218,12 @@ def resolve_entries(
     styles: dict[str, ParallelStyle] = {}
     fixups: list[Callable[[nn.Module, int], None]] = []
     refused = []
+    experts = {pattern for pattern, style in plan.items() if style == "moe_tp_experts"}
     for pattern, style in plan.items():
         on_modules = any(fqn_matches(pattern, name) for name in modules)
         on_params = not on_modules and any(fqn_matches(pattern, name) for name in params)
-        if not on_modules and not on_params:
-            continue
+        if (not on_modules and not on_params) or (on_params and pattern.rpartition(".")[0] in experts):
+            continue  # no such module here; or an expert weight, which its experts module's style shards
         if isinstance(style, ParallelStyle):
             styles[pattern] = style
         elif callable(style):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,11 +98,14 @@ def _to(value: Any, device: torch.device) -> Any:
 def _run(block: nn.Module, args: tuple, kwargs: dict, cotangent_seed: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Outputs of every submodule (by name), the block output and the input grad, after one backward."""
     outputs: dict[str, torch.Tensor] = {}
-    handles = [
-        module.register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, _first_tensor(out)))
-        for name, module in block.named_modules()
-        if name
-    ]
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: tuple, out: Any) -> None:  # returns None: the output stays as it is
+            outputs.setdefault(name, _first_tensor(out))
+
+        return hook
+
+    handles = [module.register_forward_hook(record(name)) for name, module in block.named_modules() if name]
     hidden = args[0].clone().requires_grad_(True)
     try:
         out = _first_tensor(block(hidden, *args[1:], **kwargs))

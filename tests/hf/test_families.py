@@ -20,8 +20,9 @@ from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
 
 # every family here has a transformers plan except OPT (meshpar's table); Qwen3 has q/k norms between column and
-# row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed projections
-FAMILIES = ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "olmo2", "phi", "opt"]
+# row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed projections,
+# Mixtral experts (whole experts per tp rank)
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "olmo2", "phi", "opt", "mixtral"]
 
 _OPT_ATTENTION = {
     "model.decoder.layers.*.self_attn.q_proj": "colwise",
@@ -75,15 +76,16 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
     assert local < 0.6 * total, summary  # embedding, head and every block's projections are sharded
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_data_parallel_needs_no_plan(family: str) -> None:
-    """tp=1: nothing is sharded, so families whose plan meshpar cannot apply (Mixtral's experts) train too."""
+    """tp=1: nothing is sharded (families whose plan meshpar cannot apply train at dp too)."""
     run_distributed(family_case, 2, family, 1)
 
 
 def test_key_value_heads_below_tp_are_replicated() -> None:
     run_distributed(family_case, 2, "qwen2", 2, 1)  # one KV head, tp=2
     run_distributed(family_case, 4, "mistral", 4, 2)  # two KV heads, tp=4
+    run_distributed(family_case, 4, "mixtral", 4, 2)  # and one of four experts per rank
 
 
 def test_user_plan_with_fixup_shards_a_model_no_table_covers() -> None:
@@ -122,8 +124,9 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     )
     message = _refusal(build("qwen2", heads=6, kv_heads=3), {"tensor_parallel_size": 2})
     assert "3 key/value heads can neither be split over tp=2 nor replicated evenly" in message
-    message = _refusal(build("mixtral"), {"tensor_parallel_size": 2})
-    assert "mlp.experts.gate_up_proj: 'packed_colwise'" in message and "mlp.experts.down_proj" in message
+    assert "4 experts cannot be split into whole experts over tp=3" in _refusal(
+        build("mixtral", heads=6, kv_heads=3), {"tensor_parallel_size": 3}
+    )
     bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
     assert "neither a tensor-parallel plan in the installed transformers nor a meshpar table" in _refusal(
         bloom, {"tensor_parallel_size": 2}
@@ -162,7 +165,7 @@ def reshard_case(directory: str, family: str) -> str:
     return str(step)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
 def test_checkpoints_reshard_and_load_with_torch_tools(tmp_path, family: str) -> None:
     """The DCP checkpoint holds every parameter under its FQN in the HF model's own shape: torch's
     ``dcp_to_torch_save`` gives a state dict the plain model loads (a tied head is stored once)."""
