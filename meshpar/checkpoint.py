@@ -3,11 +3,13 @@
 Layout of a checkpoint root::
 
     root/step_00000010/        a complete checkpoint: DCP files + MANIFEST.json (file sizes and CRCs)
+    root/step_00000010.<id>/   a newer copy of the same step (a re-save), until the older copy is retired
     root/latest                the name of the newest complete checkpoint (replaced atomically)
-    root/.tmp-step_...-<id>/   a save in progress (ignored by load; left behind by a crash)
+    root/.tmp-step_...-<id>/   a save in progress (ignored by load; left behind by a crash, removed by the next save)
 
-A save writes into a temporary directory, then rank 0 writes the manifest, renames the directory into place and
-only then points ``latest`` at it, so a crash (even ``kill -9`` of a rank mid-write) never harms the previous
+A save writes and fsyncs a temporary directory, then rank 0 writes the manifest, renames the directory into place
+beside any older copy of the step, points ``latest`` at it and only then removes older copies, so a crash (even
+``kill -9`` of a rank at any instruction, during a re-save of the same step too) never harms the last complete
 checkpoint. ``load`` checks the manifest (every file present, sizes and CRCs equal) on rank 0 and checks the
 model's keys and shapes against the checkpoint's metadata on every rank *before* DCP runs, so a corrupt, incomplete
 or mismatched checkpoint raises the same clear error on all ranks instead of hanging.
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -158,6 +161,29 @@ def _full_state(
     return state
 
 
+def _crash_point(name: str) -> None:
+    """Fault injection for tests: ``MESHPAR_CHECKPOINT_KILL_AT=<name>`` kills this process (SIGKILL, no cleanup)
+    at that step of the save protocol, so a test can crash a save at every instruction that matters."""
+    if os.environ.get("MESHPAR_CHECKPOINT_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _versions(root: Path, step: int) -> list[Path]:
+    """Every directory holding a save of ``step``: re-saving a step writes a new version beside the old one."""
+    name = _step_name(step)
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and (p.name == name or p.name.startswith(name + "."))]
+
+
+def _fsync_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(directory)
+
+
 def save(
     directory: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
@@ -170,13 +196,17 @@ def save(
 ) -> Path:
     """Save a complete checkpoint ``directory/step_<step>`` and point ``latest`` at it; collective.
 
+    Crash-safe at every instruction, a re-save of the same step included: the new copy is written and fsynced in a
+    temporary directory, placed beside any older copy of the step (``step_<step>.<id>``), ``latest`` flips to it,
+    and only then are older copies of the step removed; leftovers of a crashed save are removed by the next one.
     ``extra`` must be JSON-serialisable (data-loader position, config, ...).
     """
     root = Path(directory)
-    final = root / _step_name(step)
-    tmp_name = _broadcast(f".tmp-{_step_name(step)}-{uuid.uuid4().hex[:8]}")
-    tmp = root / tmp_name
+    tmp_name, final_name = _broadcast(_new_names(root, step) if _rank() == 0 else None)
+    tmp, final = root / tmp_name, root / final_name
     if _rank() == 0:
+        for leftover in root.glob(".tmp-step_*"):  # an earlier save that crashed before placing its copy
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
     state = _full_state(model, optimizer, scheduler, tied)
@@ -185,16 +215,30 @@ def save(
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
+        _crash_point("written")
+        _fsync_files(tmp)
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
         _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        _crash_point("manifest")
         os.rename(tmp, final)
         _fsync_dir(root)
+        _crash_point("placed")
         _write_atomic(root / LATEST, final.name)
+        _crash_point("pointed")
+        for older in _versions(root, step):
+            if older != final:
+                shutil.rmtree(older, ignore_errors=True)
+        _crash_point("retired")
     _barrier()
     return final
+
+
+def _new_names(root: Path, step: int) -> tuple[str, str]:
+    """(temporary, final) directory names for a save of ``step``: the final name is new even on a re-save."""
+    unique = uuid.uuid4().hex[:8]
+    name = _step_name(step)
+    return f".tmp-{name}-{unique}", name if not (root / name).exists() else f"{name}.{unique}"
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -205,7 +249,25 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return root / pointer.read_text().strip()
 
 
+def _resolve(directory: str | os.PathLike, step: int | None) -> Path | None:
+    """The checkpoint to load: ``directory`` itself when it is one (what :func:`save` returns), else ``latest`` or
+    the newest complete copy of ``step``."""
+    root = Path(directory)
+    if (root / MANIFEST).exists():
+        return root
+    if step is None:
+        return latest_checkpoint(root)
+    latest = latest_checkpoint(root)
+    versions = _versions(root, step)
+    if latest in versions:
+        return latest
+    complete = [p for p in versions if (p / MANIFEST).exists()]
+    return max(complete, key=lambda p: p.stat().st_mtime) if complete else root / _step_name(step)
+
+
 def _verify_manifest(path: Path) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (``None``: complete and intact). Never raises, so that the
+    rank that checks can hand every rank the same answer."""
     manifest_path = path / MANIFEST
     if not path.is_dir():
         return f"checkpoint {path} does not exist"
@@ -213,14 +275,17 @@ def _verify_manifest(path: Path) -> str | None:
         return f"checkpoint {path} is incomplete (no {MANIFEST}); it was not finished"
     try:
         manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        for name, info in files.items():
+            file = path / name
+            if not file.exists():
+                return f"checkpoint {path} is missing file {name}"
+            if file.stat().st_size != info["size"] or _crc(file) != info["crc32"]:
+                return f"checkpoint {path} is corrupt: {name} does not match its recorded size/CRC"
     except json.JSONDecodeError as error:
         return f"checkpoint {path} has a corrupt {MANIFEST}: {error}"
-    for name, info in manifest["files"].items():
-        file = path / name
-        if not file.exists():
-            return f"checkpoint {path} is missing file {name}"
-        if file.stat().st_size != info["size"] or _crc(file) != info["crc32"]:
-            return f"checkpoint {path} is corrupt: {name} does not match its recorded size/CRC"
+    except (KeyError, TypeError, AttributeError, OSError) as error:
+        return f"checkpoint {path} has a malformed {MANIFEST} ({type(error).__name__}: {error})"
     return None
 
 
@@ -261,7 +326,7 @@ def load(
 ) -> dict[str, Any]:
     """Load the checkpoint of ``step`` (default: ``latest``) into ``model`` / ``optimizer`` in any layout; returns
     ``{"step": ..., "extra": ...}``. Collective."""
-    path = Path(directory) / _step_name(step) if step is not None else latest_checkpoint(directory)
+    path = _resolve(directory, step)
     if path is None:
         raise CheckpointError(f"no complete checkpoint in {directory} (no '{LATEST}' pointer)")
     problem = _broadcast(_verify_manifest(path) if _rank() == 0 else None)

@@ -241,3 +241,57 @@ def test_export_merged_safetensors_loads_into_dense_and_sharded_models(tmp_path:
     ids = torch.randint(0, 32, (2, 8))
     torch.testing.assert_close(dense(ids), reference(ids))
     assert (out / "config.json").exists()
+
+
+def _resave_and_die(root: str, value: float, kill_at: str) -> None:
+    os.environ["MESHPAR_CHECKPOINT_KILL_AT"] = kill_at
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, value)
+    checkpoint.save(root, model, step=0)
+
+
+def _loaded_weight(root: Path, **kwargs: int) -> float:
+    model = torch.nn.Linear(4, 4)
+    checkpoint.load(root, model, **kwargs)
+    assert torch.all(model.weight == model.weight[0, 0])
+    return model.weight[0, 0].item()
+
+
+@pytest.mark.parametrize("kill_at", ["written", "manifest", "placed", "pointed", "retired"])
+def test_a_kill_at_each_step_of_a_resave_keeps_a_complete_checkpoint(tmp_path: Path, kill_at: str) -> None:
+    """Re-saving the same step (what save_parallelized's default step does) and dying by SIGKILL at each step of
+    the protocol: ``latest`` always names a complete copy, the old one until the flip and the new one after it; the
+    next save clears what the crash left."""
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, 1.0)
+    checkpoint.save(tmp_path, model, step=0)
+    proc = mp.get_context("spawn").Process(target=_resave_and_die, args=(str(tmp_path), 2.0, kill_at))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == -signal.SIGKILL, proc.exitcode
+    latest = checkpoint.latest_checkpoint(tmp_path)
+    assert latest is not None and checkpoint._verify_manifest(latest) is None
+    flipped = kill_at in ("pointed", "retired")
+    assert _loaded_weight(tmp_path) == _loaded_weight(tmp_path, step=0) == (2.0 if flipped else 1.0)
+    torch.nn.init.constant_(model.weight, 3.0)
+    checkpoint.save(tmp_path, model, step=0)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and left[0] == "latest" and left[1].startswith("step_00000000"), left
+    assert _loaded_weight(tmp_path) == _loaded_weight(tmp_path, step=0) == 3.0
+
+
+def test_the_path_save_returns_loads(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, 5.0)
+    path = checkpoint.save(tmp_path, model, step=7)
+    assert _loaded_weight(path) == 5.0
+
+
+def test_a_malformed_manifest_is_refused_on_every_rank(tmp_path: Path) -> None:
+    run_distributed(save_small_case, 2, str(tmp_path))
+    (checkpoint.latest_checkpoint(tmp_path) / checkpoint.MANIFEST).write_text("{}")
+    with pytest.raises(AssertionError) as error:
+        run_distributed(mismatch_case, 2, str(tmp_path), 2, 16)
+    message = str(error.value)
+    assert "no answer" not in message and message.count("has a malformed MANIFEST.json (KeyError") == 2, message

@@ -219,3 +219,21 @@ def test_tp_x_pp_from_transformers_plans_matches_dense(family: str, vpp: int) ->
     """tp=2 x pp=2 (Gemma2: a tied, vocab-parallel embedding over an uneven vocab on the first and last stage;
     OLMo-2 with two interleaved chunks per rank)."""
     run_distributed(pipeline_case, 4, family, 2, 2, vpp)
+
+
+def merged_case(directory: str, family: str) -> float:
+    setup_parallel(tp=2)
+    model = meshpar.parallelize(build(family), {"tensor_parallel_size": 2})
+    with torch.no_grad():
+        for param in model.parameters():
+            _local(param).add_(0.01)
+    model.save_parallelized(directory, merge_checkpoints=True)
+    return model.eval_loss(**batch(family)).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_merged_checkpoint_loads_with_from_pretrained(tmp_path, family: str) -> None:
+    loss = run_distributed(merged_case, 2, str(tmp_path / "hf"), family)[0]
+    plain = type(build(family)).from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert abs(plain(**batch(family)).loss.item() - loss) < 1e-5
