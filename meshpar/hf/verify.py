@@ -1,10 +1,10 @@
 """Prove a tensor-parallel plan on one transformer block before the model is sharded with it.
 
-A plan that is not one of meshpar's tables (transformers' own plan, or a user's) can be wrong for a model in ways no
-error shows: an attention that reshapes with a head count sharding changed reads half the features as half the
-sequence; a norm between column and row layers gets each rank's partial grad. So ``parallelize`` runs the model's
-first block twice on the block's real inputs (captured from a short dense forward): once dense, once sharded with the
-plan on the tp mesh, and compares the block's output, its input grad and every parameter grad. On a mismatch every
+A plan that is not one of meshpar's own can be wrong for a model in ways no error shows: an attention that reshapes
+with a head count sharding changed reads half the features as half the sequence; a norm between column and row
+layers gets each rank's partial grad. So ``parallelize`` runs the first block of each distinct structure twice on
+the block's real inputs (captured from a short dense forward): once dense, once sharded with the plan on the tp mesh,
+and compares the block's output, its input grad and every parameter grad. On a mismatch every
 tp rank raises, naming the submodules whose outputs differ first and the parameters whose grads differ.
 """
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import DTensor
 from meshpar._shards import local_slice
-from meshpar.hf.hf_plan import text_config
+from meshpar.hf.hf_plan import embedding_and_head, text_config
 from meshpar.hf.plans import HFPlan
 from meshpar.parallel_dims import ParallelDims
 
@@ -72,16 +72,16 @@ def _capture_block_inputs(model: nn.Module, block: nn.Module) -> tuple[tuple, di
     return captured["call"]
 
 
-def _skeleton(layers: str, block: nn.Module) -> nn.Module:
-    """A module tree in which ``block`` sits at ``{layers}.0``, so the plan's full-FQN patterns and fix-ups apply
-    to it unchanged."""
+def _skeleton(layers: str, index: int, block: nn.Module) -> nn.Module:
+    """A module tree in which ``block`` sits at ``{layers}.{index}``, so the plan's full-FQN patterns and fix-ups
+    apply to it unchanged."""
     root = node = nn.Module()
     *path, last = layers.split(".")
     for part in path:
         child = nn.Module()
         node.add_module(part, child)
         node = child
-    node.add_module(last, nn.ModuleList([block]))
+    node.add_module(last, nn.ModuleList([*(nn.Identity() for _ in range(index)), block]))
     return root
 
 
@@ -125,15 +125,14 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float =
     return ((actual - expected).norm() / expected.norm().clamp_min(floor)).item()
 
 
-def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
-    """Raise :class:`PlanVerificationError` on every tp rank unless the plan's sharded first block equals the dense
-    one (outputs, input grad, parameter grads). The model itself is not changed."""
-    if not plan.layers:
-        raise PlanVerificationError(
-            f"{type(model).__name__}: cannot verify the plan, no transformer-layer list was found; pass "
-            "'verify': false if you have checked the plan yourself"
-        )
-    block = model.get_submodule(plan.layers)[0]
+def _structure(block: nn.Module) -> tuple:
+    return tuple((name, type(module).__name__) for name, module in block.named_modules())
+
+
+def _compare_block(model: nn.Module, plan: HFPlan, dims: ParallelDims, index: int) -> tuple[list[str], list[str]]:
+    """(what differs, submodules whose outputs differ) between block ``index`` dense and sharded with the plan, on
+    the inputs the model gives that block."""
+    block = model.get_submodule(plan.layers)[index]
     device = dims.device
     with torch.random.fork_rng(devices=[]):
         args, kwargs = _capture_block_inputs(model, block)
@@ -141,13 +140,13 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
             args, kwargs = (kwargs["hidden_states"],), {k: v for k, v in kwargs.items() if k != "hidden_states"}
         args, kwargs = _to(args, device), _to(kwargs, device)
         dense = copy.deepcopy(block).to(device).eval()
-        root = _skeleton(plan.layers, copy.deepcopy(block).to(device).eval())
+        root = _skeleton(plan.layers, index, copy.deepcopy(block).to(device).eval())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             parallelize_module(root, dims.tp_mesh, plan.styles)
         for fixup in plan.fixups:
             fixup(root, dims.tp)
-        sharded = root.get_submodule(plan.layers)[0]
+        sharded = root.get_submodule(plan.layers)[index]
         dense_outputs, dense_out, dense_grad = _run(dense, args, kwargs, cotangent_seed=1)
         sharded_outputs, sharded_out, sharded_grad = _run(sharded, args, kwargs, cotangent_seed=1)
     tolerance = _TOLERANCE.get(dense_out.dtype, 2e-2)
@@ -177,13 +176,68 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
             got, want = got.to_local(), local_slice(want, param)
         if got.shape != want.shape or _relative_error(got, want, max(floor, 1e-30)) > tolerance:
             problems.append(f"grad of {name}")
-    failed = torch.tensor([1 if problems else 0], device=device)
+    return problems, differing
+
+
+def _compare_embedding(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> list[str]:
+    """What differs between the input embedding dense and sharded by the plan, for an ``nn.Embedding`` subclass with
+    a forward of its own (a plain one becomes meshpar's tested :class:`ParallelEmbedding`)."""
+    name = embedding_and_head(model)[0]
+    style = plan.styles.get(name) if name else None
+    module = model.get_submodule(name) if style is not None else None
+    if module is None or type(module) is nn.Embedding:
+        return []
+    dense = copy.deepcopy(module).to(dims.device)
+    sharded = parallelize_module(copy.deepcopy(module).to(dims.device), dims.tp_mesh, style)
+    ids = torch.randint(0, module.num_embeddings, (2, 8), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for embedding in (dense, sharded):
+        out = embedding(ids.to(dims.device))
+        cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+        (out * cotangent.to(out.device)).sum().backward()
+        outputs.append(out.detach())
+    tolerance = _TOLERANCE.get(outputs[0].dtype, 2e-2)
+    problems = [f"the output of {name}"] if _relative_error(outputs[1], outputs[0]) > tolerance else []
+    for param_name, param in sharded.named_parameters():
+        want, got = dense.get_parameter(param_name).grad, param.grad
+        if isinstance(got, DTensor):
+            got, want = got.to_local(), local_slice(want, param)
+        if _relative_error(got, want) > tolerance:
+            problems.append(f"grad of {name}.{param_name}")
+    return problems
+
+
+def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
+    """Raise :class:`PlanVerificationError` on every tp rank unless, for the first block of each distinct structure
+    (models mix dense and mixture-of-experts layers, sliding and global attention), the plan's sharded block equals
+    the dense one: outputs, input grad, parameter grads. The model itself is not changed."""
+    if not plan.layers:
+        raise PlanVerificationError(
+            f"{type(model).__name__}: cannot verify the plan, no transformer-layer list was found; pass "
+            "'verify': false if you have checked the plan yourself"
+        )
+    firsts: dict[tuple, int] = {}
+    for index, block in enumerate(model.get_submodule(plan.layers)):
+        firsts.setdefault(_structure(block), index)
+    failure = None
+    with torch.random.fork_rng(devices=[]):
+        problems = _compare_embedding(model, plan, dims)
+    if problems:
+        failure = (None, problems, [])
+    for index in () if failure else firsts.values():
+        problems, differing = _compare_block(model, plan, dims, index)
+        if problems:
+            failure = (index, problems, differing)
+            break
+    failed = torch.tensor([1 if failure else 0], device=dims.device)
     dist.all_reduce(failed, group=dims.tp_mesh.get_group())
     if failed.item():
+        index, problems, differing = failure or (None, [], [])
+        block = f"block {plan.layers}.{index}" if index is not None else "embedding or block"
         where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
         what = ", ".join(problems[:8]) if problems else "another tp rank's shards"
         raise PlanVerificationError(
-            f"{type(model).__name__}: the plan's sharded block {plan.layers}.0 does not match the dense block at "
+            f"{type(model).__name__}: the plan's sharded {block} does not match the dense one at "
             f"tp={dims.tp}: {what} differ(s){where}. The modules named compute with something sharding changed "
             "(a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
         )

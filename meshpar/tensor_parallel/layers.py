@@ -523,6 +523,14 @@ def make_vocab_parallel_subclass(
     cls = type(embedding)
     if embedding.max_norm is not None or embedding.sparse:
         raise ValueError(f"{cls.__name__}: vocab parallelism does not support max_norm or sparse embeddings")
+    extra = [name for name, _ in embedding.named_parameters(recurse=False) if name != "weight"]
+    if extra:
+        raise ValueError(f"{cls.__name__}: vocab parallelism cannot shard an embedding with parameters {extra}")
+    # submodules with parameters (a norm over the looked-up rows) see only this rank's tokens: their grads are
+    # partial over tp and are summed in backward
+    for child in embedding.children():
+        if any(True for _ in child.parameters()):
+            make_sequence_parallel_norm(child, tp_mesh, src_data_rank=src_data_rank)
     embedding.weight = _distribute_param(embedding.weight, tp_mesh, [Shard(0)], src_data_rank)
     if cls not in _VOCAB_CLASSES:
         _VOCAB_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (_VocabParallelLookup, cls), {})

@@ -2,8 +2,9 @@
 
 Spawning processes and importing torch costs seconds, so each world size gets one pool per test session; every
 call sends a picklable (module-level) function to all ranks and returns the per-rank results. A failure on any rank
-raises with every rank's traceback; a rank that does not answer within the timeout is treated as a hang: the pool is
-killed (and rebuilt by the next call) instead of blocking the test session.
+raises with every rank's traceback; a rank that does not answer within the timeout is treated as a hang, and one
+whose process died is reported with its exit code: either way the pool is killed (and rebuilt by the next call)
+instead of blocking the test session.
 """
 
 from __future__ import annotations
@@ -91,7 +92,13 @@ class DistributedPool:
                 errors.append(f"rank {rank}: no answer after {wait:.0f}s (hang or deadlock)")
                 hung = True
                 continue
-            status, payload = conn.recv()
+            try:
+                status, payload = conn.recv()
+            except (EOFError, ConnectionError):  # the process died (a signal, an abort in native code)
+                self._procs[rank].join(timeout=5)
+                errors.append(f"rank {rank}: the process died (exit code {self._procs[rank].exitcode})")
+                hung = True
+                continue
             if status == "ok":
                 results[rank] = payload
             else:

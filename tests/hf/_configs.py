@@ -37,6 +37,36 @@ GENERIC = {
 }
 
 
+class NormedEmbedding(torch.nn.Embedding):
+    """An embedding with a norm over the looked-up rows (as Inkling2's): per token, with a parameter inside."""
+
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__(num, dim)
+        self.embed_norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(super().forward(ids))
+
+
+class MixingEmbedding(torch.nn.Embedding):
+    """An embedding whose forward mixes tokens (a running sum): vocab parallelism cannot shard it exactly."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).cumsum(1)
+
+
+def with_embedding(model: torch.nn.Module, cls: type) -> torch.nn.Module:
+    old = model.get_input_embeddings()
+    new = cls(old.num_embeddings, old.embedding_dim)
+    torch.manual_seed(1)
+    if isinstance(getattr(new, "embed_norm", None), torch.nn.LayerNorm):
+        torch.nn.init.normal_(new.embed_norm.weight, 1.0, 0.1)  # not the identity: its grad must be right
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+    model.set_input_embeddings(new)
+    return model
+
+
 def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, layers: int = 2) -> torch.nn.Module:
     import transformers
 
@@ -89,6 +119,8 @@ def build(
         return cls(config).eval()
     if family in GENERIC:
         return build_generic(family, heads=heads, kv_heads=kv_heads, layers=layers)
+    if family == "qwen3_normed_embedding":
+        return with_embedding(build_generic("qwen3", heads=heads, kv_heads=kv_heads, layers=layers), NormedEmbedding)
     raise ValueError(family)
 
 

@@ -108,7 +108,7 @@ def test_verification_refuses_a_plan_that_changes_the_math() -> None:
     would show it, so the one-block verification refuses on every rank and names the attention."""
     messages = run_distributed(verification_case, 2)
     for message in messages:
-        assert "does not match the dense block at tp=2" in message, message
+        assert "block model.decoder.layers.0 does not match the dense one at tp=2" in message, message
         assert "self_attn" in message and "grad of self_attn.q_proj.weight" in message, message
 
 
@@ -237,3 +237,24 @@ def test_merged_checkpoint_loads_with_from_pretrained(tmp_path, family: str) -> 
     plain = type(build(family)).from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert abs(plain(**batch(family)).loss.item() - loss) < 1e-5
+
+
+def test_embedding_subclass_with_a_norm_inside_matches_dense() -> None:
+    """Each rank runs the embedding's own forward on the tokens it owns: the norm's grad is summed over tp."""
+    run_distributed(family_case, 2, "qwen3_normed_embedding", 2)
+
+
+def mixing_embedding_case() -> str:
+    from tests.hf._configs import MixingEmbedding, with_embedding
+
+    setup_parallel(tp=2)
+    try:
+        meshpar.parallelize(with_embedding(build("qwen3"), MixingEmbedding), {"tensor_parallel_size": 2})
+    except PlanVerificationError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_verification_refuses_an_embedding_that_mixes_tokens() -> None:
+    for message in run_distributed(mixing_embedding_case, 2):
+        assert "embedding or block does not match" in message and "the output of model.embed_tokens" in message
