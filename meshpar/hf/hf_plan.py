@@ -89,6 +89,14 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
 }
 
 
+# meshpar's corrections to plans transformers ships (same format): entries the shipped plan lacks, each found by the
+# verification refusing the plan as shipped
+AMENDMENTS: dict[str, dict[str, str]] = {
+    # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+}
+
+
 def _under_base_model(model: nn.Module, plan: dict) -> dict:
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and hasattr(model, prefix):
@@ -103,9 +111,10 @@ def hf_tp_plan(model: nn.Module) -> dict[str, object]:
     config = getattr(model, "config", None)
     if not plan and getattr(config, "base_model_tp_plan", None):  # transformers before 5 merges nothing itself
         plan = {**_under_base_model(model, config.base_model_tp_plan), **(getattr(type(model), "_tp_plan", None) or {})}
+    model_type = getattr(config, "model_type", None)
     if not plan:
-        plan = _under_base_model(model, TABLES.get(getattr(config, "model_type", None), {}))
-    return dict(plan)
+        plan = _under_base_model(model, TABLES.get(model_type, {}))
+    return {**plan, **_under_base_model(model, AMENDMENTS.get(model_type, {}))} if plan else {}
 
 
 def fixup_on(pattern: str, fn: Callable[[nn.Module, int], None]) -> Callable[[nn.Module, int], None]:

@@ -207,6 +207,27 @@ def _compare_embedding(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> li
     return problems
 
 
+def _first_failure(
+    model: nn.Module, plan: HFPlan, dims: ParallelDims, blocks: list[int]
+) -> tuple[int | None, list[str], list[str]] | None:
+    """(block index or None for the embedding, what differs, submodules that differ) for the first failing check.
+    Never raises: an exception in the model's code on its shards is a failure like a mismatch, so every rank
+    reaches the agreeing all-reduce."""
+    current = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            problems = _compare_embedding(model, plan, dims)
+        if problems:
+            return None, [f"{p} differ(s)" for p in problems], []
+        for current in blocks:
+            problems, differing = _compare_block(model, plan, dims, current)
+            if problems:
+                return current, [f"{', '.join(problems[:8])} differ(s)"], differing
+    except Exception as error:
+        return current, [f"it raises {type(error).__name__}: {error}"], []
+    return None
+
+
 def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
     """Raise :class:`PlanVerificationError` on every tp rank unless, for the first block of each distinct structure
     (models mix dense and mixture-of-experts layers, sliding and global attention), the plan's sharded block equals
@@ -219,25 +240,16 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
     firsts: dict[tuple, int] = {}
     for index, block in enumerate(model.get_submodule(plan.layers)):
         firsts.setdefault(_structure(block), index)
-    failure = None
-    with torch.random.fork_rng(devices=[]):
-        problems = _compare_embedding(model, plan, dims)
-    if problems:
-        failure = (None, problems, [])
-    for index in () if failure else firsts.values():
-        problems, differing = _compare_block(model, plan, dims, index)
-        if problems:
-            failure = (index, problems, differing)
-            break
+    failure = _first_failure(model, plan, dims, list(firsts.values()))
     failed = torch.tensor([1 if failure else 0], device=dims.device)
     dist.all_reduce(failed, group=dims.tp_mesh.get_group())
     if failed.item():
         index, problems, differing = failure or (None, [], [])
         block = f"block {plan.layers}.{index}" if index is not None else "embedding or block"
         where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
-        what = ", ".join(problems[:8]) if problems else "another tp rank's shards"
+        what = ", ".join(problems[:8]) if problems else "another tp rank's shards differ"
         raise PlanVerificationError(
-            f"{type(model).__name__}: the plan's sharded {block} does not match the dense one at "
-            f"tp={dims.tp}: {what} differ(s){where}. The modules named compute with something sharding changed "
+            f"{type(model).__name__}: the plan's sharded {block} does not match the dense one at tp={dims.tp}: "
+            f"{what}{where}. The modules named compute with something sharding changed "
             "(a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
         )
