@@ -2,11 +2,11 @@
 transformers that ships a tensor-parallel plan, plus meshpar's own tables, built tiny from its config (never
 downloaded) and run against the same model on one process.
 
-For each family and layout (tp=2, dp=2 on 2 gloo processes; pp=2 and tp2 x pp2 on 2 and 4) one training step:
-the loss, every parameter grad (this rank's shard of the dense grad) and the parameters after an SGD step must equal
-dense within 1e-4 relative. Verdicts: ``OK``; ``refused`` (meshpar raised a clear error before computing anything:
-the reason is listed); ``FAIL`` (a mismatch or a crash: a defect); ``-`` (the tiny model could not be built from
-the config alone, e.g. a multimodal family, so nothing was run).
+For each family and layout (tp=2, dp=2 on 2 gloo processes; pp=2 and tp2 x pp2 on 2 and 4) one training step: the
+loss, every parameter grad (this rank's shard of the dense grad; a grad near zero is judged against 1% of the largest
+grad norm) and the parameters after an SGD step must equal dense within 1e-4 relative. Verdicts: ``OK``; ``refused``
+(meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or a crash: a
+defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so nothing ran).
 
     .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2] [--markdown]
 """
@@ -57,7 +57,7 @@ def tiny(model_type: str) -> torch.nn.Module:
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False, ffn_dim=48, moe_intermediate_size=16, num_local_experts=4,
-        num_experts=4, num_experts_per_tok=2, use_cache=False,
+        num_experts=4, num_experts_per_tok=2, use_cache=False, rotary_dim=4,
     )  # fmt: skip
     text = config.get_text_config()
     for key, value in sizes.items():
@@ -101,6 +101,9 @@ def _case(model_type: str, tp: int, pp: int) -> str:
     mine = ids[dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
     loss = model.train_step(input_ids=mine, labels=mine)
     worst = abs(loss.item() - expected.loss.item()) / abs(expected.loss.item())
+    # a grad whose norm is ~0 in exact arithmetic (a router that barely matters) holds rounding noise: judged against
+    # 1% of the largest grad norm, as meshpar's plan verification does
+    floor = 1e-2 * max(p.grad.norm().item() for p in dense.parameters() if p.grad is not None)
     for module in model.local_modules():
         for name, param in module.named_parameters():
             want, got = dense.get_parameter(name).grad, param.grad
@@ -111,7 +114,7 @@ def _case(model_type: str, tp: int, pp: int) -> str:
             if isinstance(param, DTensor):
                 want = local_slice(want, param)
             got = got.to_local() if isinstance(got, DTensor) else got
-            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-6)).item())
+            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(floor)).item())
     optimizer.step()
     for module in model.local_modules():
         for name, param in module.named_parameters():

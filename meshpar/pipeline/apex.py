@@ -92,6 +92,12 @@ def _pipelined(
 ) -> list[torch.Tensor]:
     dims = get_parallel()
     chunks = _chunks(model)
+    if schedule == "interleaved_1f1b" and len(chunks) != (dims.virtual_pipeline_size or 1):
+        raise ValueError(
+            f"{len(chunks)} model chunks on this rank, but the parallel state was initialised with "
+            f"virtual_pipeline_model_parallel_size={dims.virtual_pipeline_size}: pass one chunk per virtual stage "
+            "(the stage getters of parallel_state count chunks by it)"
+        )
     microbatches = split_microbatches(batch, num_microbatches)
     actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))[dims.pp_rank]
     prev_rank, next_rank = _neighbours()

@@ -33,7 +33,12 @@ GENERIC = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
-    "opt": ("OPTConfig", "OPTForCausalLM", {}),  # no transformers plan
+    "opt": ("OPTConfig", "OPTForCausalLM", {}),  # no transformers plan: meshpar's table
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        {"rotary_dim": 4, "num_key_value_heads": None, "attn_implementation": "eager"},
+    ),  # meshpar's table
 }
 
 

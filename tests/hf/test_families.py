@@ -19,10 +19,10 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
 
-# every family here has a transformers plan except OPT (meshpar's table); Qwen3 has q/k norms between column and
-# row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed projections,
-# Mixtral experts (whole experts per tp rank)
-FAMILIES = ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "olmo2", "phi", "opt", "mixtral"]
+# every family here has a transformers plan except OPT and GPT-J (meshpar's tables); Qwen3 has q/k norms between
+# column and row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed
+# projections, Mixtral experts (whole experts per tp rank)
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "olmo2", "phi", "opt", "gptj", "mixtral"]
 
 _OPT_ATTENTION = {
     "model.decoder.layers.*.self_attn.q_proj": "colwise",

@@ -8,6 +8,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import parallel_state
 from meshpar.data_parallel import apply_fsdp
+from meshpar.parallel_dims import get_parallel
 from meshpar.pipeline import PipelineModel, StageChunk, get_forward_backward_func, split_model
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
@@ -143,6 +144,12 @@ def bad_inputs_case(kind: str) -> None:
         pm.run_train(ids=torch.zeros(4, 8, dtype=torch.long), labels=torch.zeros(4, 8, dtype=torch.long))
     elif kind == "too_many_stages":
         PipelineModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2)
+    elif kind == "chunks_vs_virtual_size":
+        get_parallel().virtual_pipeline_size = 2
+        stages, _ = split_model(PipeGPT(layers=6), get_parallel().pp_rank, 2, transformer_layer_cls=Block,
+                                virtual_pipeline_size=3)  # fmt: skip
+        chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
+        get_forward_backward_func(2, 2)(forward_step, _batch(4), chunks, forward_only=True, tensor_shape=None)
 
 
 @pytest.mark.parametrize(
@@ -151,6 +158,7 @@ def bad_inputs_case(kind: str) -> None:
         ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
         ("indivisible_batch", "batch size 4 of ids is not divisible into 3 microbatches"),
         ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
+        ("chunks_vs_virtual_size", "3 model chunks on this rank, but .* virtual_pipeline_model_parallel_size=2"),
     ],
 )
 def test_bad_pipeline_inputs_raise_on_every_rank_without_hanging(kind: str, message: str) -> None:
