@@ -159,7 +159,8 @@ class ParallelizedModel(nn.Module):
                     mark_shared_copy(param)
 
     def _verify(self, model: nn.Module) -> None:
-        """Prove a plan that is not one of meshpar's tables on one block (see :mod:`meshpar.hf.verify`)."""
+        """Prove a plan that is not one of meshpar's own on the first block of each layer structure and on a custom
+        input embedding (see :mod:`meshpar.hf.verify`)."""
         wanted = self.parallel_config.verify
         if not (self.plan.verify if wanted is None else wanted) or self.dims.tp == 1 or not self.plan.styles:
             return

@@ -258,3 +258,23 @@ def mixing_embedding_case() -> str:
 def test_verification_refuses_an_embedding_that_mixes_tokens() -> None:
     for message in run_distributed(mixing_embedding_case, 2):
         assert "embedding or block does not match" in message and "the output of model.embed_tokens" in message
+
+
+def meta_case(directory: str, family: str, tp: int, pp: int) -> None:
+    """A model built on meta allocates only its shards, trains, and loads a checkpoint to the dense model's loss."""
+    setup_parallel(tp=tp, pp=pp)
+    dense = build(family, layers=2 * pp)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
+    meshpar.parallelize(copy.deepcopy(dense), config).save_parallelized(directory)
+    with torch.device("meta"):
+        skeleton = type(dense)(dense.config)
+    model = meshpar.parallelize(skeleton, config)
+    data = batch(family)
+    assert torch.isfinite(model.train_step(**data))
+    model.from_parallelized(directory)
+    torch.testing.assert_close(model.eval_loss(**data), dense(**data).loss.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), [("mixtral", 2, 1), ("gemma2", 1, 2)])
+def test_meta_built_model_from_transformers_plans(tmp_path, family: str, tp: int, pp: int) -> None:
+    run_distributed(meta_case, 2, str(tmp_path / "ckpt"), family, tp, pp)
