@@ -142,7 +142,9 @@ class ParallelizedModel(nn.Module):
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
-        self._layer_cls = type(container[0]) if container is not None and len(container) else None
+        # the layer classes (hybrid models mix several: linear and full attention) for splitting, checkpointing, FSDP
+        classes = tuple(dict.fromkeys(type(layer) for layer in container)) if container is not None else ()
+        self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
