@@ -91,3 +91,10 @@ def test_bench_checkpoint_compiles_checkpointed_blocks_and_drops_activations() -
     assert rows["compile + checkpointing"][0] > 0 and rows["eager + checkpointing"][0] == 0  # graphs
     assert rows["compile + checkpointing"][1] < rows["compile"][1]  # saved MiB
     assert len({loss for _, _, loss in rows.values()}) == 1  # every variant trains the same model
+
+
+def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
+    out = _run("hf_coverage.py", "--types", "qwen3,opt", "--layouts", "tp2,pp2", "--markdown")
+    assert re.search(r"^qwen3\s+OK\s+OK\s*$", out, re.MULTILINE), out
+    assert re.search(r"^opt\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out  # OPT ships no pipeline plan
+    assert "tp2: OK 2" in out and "pp2: OK 1, refused 1" in out and "| qwen3 | OK | OK |" in out
