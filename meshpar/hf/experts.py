@@ -17,7 +17,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar.tensor_parallel._collectives import copy_to_tp, reduce_from_tp
-from meshpar.tensor_parallel.layers import _distribute_param
+from meshpar.tensor_parallel.layers import _distribute_param, parameters_replaced
 
 
 class _LocalExperts:
@@ -33,16 +33,15 @@ class _LocalExperts:
         elsewhere = (top_k_index < start) | (top_k_index >= start + local)
         local_index = torch.where(elsewhere, local, top_k_index - start)
         weights = copy_to_tp(top_k_weights, mesh).masked_fill(elsewhere, 0.0)
-        params, saved = self._parameters, dict(self._parameters)
+        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
         previous = (self.num_experts, getattr(self, "_is_expert_parallel", None))
         try:
-            params.update({n: p.to_local() for n, p in saved.items() if p is not None})
             self.num_experts = local
             if previous[1] is not None:
                 self._is_expert_parallel = True  # transformers' grouped forwards then mask the sentinel routes
-            out = super().forward(copy_to_tp(hidden_states, mesh), local_index, weights)  # type: ignore[misc]
+            with parameters_replaced(self, shards):
+                out = super().forward(copy_to_tp(hidden_states, mesh), local_index, weights)  # type: ignore[misc]
         finally:
-            params.update(saved)
             self.num_experts = previous[0]
             if previous[1] is not None:
                 self._is_expert_parallel = previous[1]

@@ -66,7 +66,7 @@ class divide_attribute:  # noqa: N801 - used like a function in plan dicts
 
 # meshpar's tables for families the installed transformers ships no plan for: data in transformers' format
 # (base-model-relative FQN patterns -> style strings), plus fix-ups fn(module, tp) where the attention keeps a head
-# count. Every table plan is verified on one block like transformers' plans.
+# count. Table plans are verified like transformers' plans (meshpar.hf.verify).
 TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
     "opt": {
         "decoder.layers.*.self_attn.q_proj": "colwise",

@@ -8,7 +8,6 @@ and LM head are vocab-parallel; the head emits vocab-sharded logits for :func:`m
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -108,7 +107,7 @@ class HFPlan:
     fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
     layers: str = ""  # FQN of the transformer layer container (pipeline splitting)
-    verify: bool = False  # prove one sharded block against the dense block at parallelize time (not from a table)
+    verify: bool = False  # prove the plan against the dense model at parallelize time (plans not meshpar's own)
     head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
 
 
@@ -365,7 +364,7 @@ def plan_summary(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
     lines, local_total, global_total = [], 0, 0
     seen = set()
     for name, module in model.named_modules():
-        style = next((s for pattern, s in styles.items() if fnmatch.fnmatch(name, pattern)), None)
+        style = next((s for pattern, s in styles.items() if fqn_matches(pattern, name)), None)
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         for _, p in params:
             seen.add(id(p))

@@ -11,6 +11,9 @@ shards ``[batch, seq/tp, hidden]`` (the ``Shard(1)`` layout).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -446,6 +449,20 @@ class ParallelEmbedding(nn.Embedding):
 VocabParallelEmbedding = ParallelEmbedding
 
 
+@contextlib.contextmanager
+def parameters_replaced(module: nn.Module, replacements: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run the module's own forward on other tensors in place of some of its parameters (their local shards, say),
+    restoring the parameters afterwards whatever happens: how meshpar keeps a module's class forward while its
+    parameters are DTensors."""
+    params = module._parameters
+    saved = {name: params[name] for name in replacements}
+    try:
+        params.update(replacements)
+        yield
+    finally:
+        params.update(saved)
+
+
 class _SequenceParallelParams:
     """Mixin for a module on sequence shards whose own parameters are ``Replicate()`` DTensors.
 
@@ -457,19 +474,15 @@ class _SequenceParallelParams:
     _sp_tp_mesh: DeviceMesh
 
     def forward(self, *args: object, **kwargs: object) -> object:
-        params = self._parameters  # type: ignore[attr-defined]
-        saved = dict(params)
+        saved = self._parameters  # type: ignore[attr-defined]
         names = [name for name, param in saved.items() if param is not None]
         mesh = self._sp_tp_mesh
         if _fused_sequence_parallel_path(mesh):
             local = SequenceShardParamsFunction.apply(mesh, *(saved[name] for name in names))
         else:
             local = [copy_to_tp(saved[name].to_local(), mesh) for name in names]
-        try:
-            params.update(zip(names, local, strict=True))
+        with parameters_replaced(self, dict(zip(names, local, strict=True))):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            params.update(saved)
 
 
 _SP_CLASSES: dict[type, type] = {}
@@ -500,15 +513,15 @@ class _VocabParallelLookup:
     vocab_end_index: int
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        params, saved_weight, saved_padding = self._parameters, self._parameters["weight"], self.padding_idx
+        saved_padding = self.padding_idx
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
         try:
-            params["weight"] = saved_weight.to_local()
             self.padding_idx = ParallelEmbedding._local_padding_idx(self)
-            out = super().forward(local_ids)  # type: ignore[misc]
+            with parameters_replaced(self, {"weight": self._parameters["weight"].to_local()}):
+                out = super().forward(local_ids)  # type: ignore[misc]
         finally:
-            params["weight"], self.padding_idx = saved_weight, saved_padding
+            self.padding_idx = saved_padding
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_mesh)
 
 
