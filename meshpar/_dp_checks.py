@@ -11,10 +11,15 @@ import torch.distributed as dist
 from meshpar._compat import DTensor
 
 
+def is_dp_sharded(param: torch.Tensor) -> bool:
+    """Sharded over the ``dp`` mesh dim (FSDP2), which reduce-scatters its own grads."""
+    return isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ())
+
+
 def refuse_dp_sharded(parameters: Iterable[torch.Tensor], who: str) -> None:
     """Raise if a parameter is already sharded over the ``dp`` mesh dim (FSDP2 reduce-scatters its own grads)."""
     for param in parameters:
-        if isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ()):
+        if is_dp_sharded(param):
             raise ValueError(
                 f"{who} got parameters sharded over the 'dp' mesh dim (FSDP2?): fully_shard reduce-scatters its own "
                 f"grads and shards its optimizer state; use {who} only for replicated-over-dp parameters"

@@ -43,6 +43,8 @@ class ParallelDims:
     seed: int = 1234
     mesh: DeviceMesh | None = field(default=None, repr=False)
     virtual_pipeline_rank: int | None = None
+    # apex's microbatch calculator (meshpar.pipeline.apex.setup_microbatch_calculator); None until set up
+    microbatch_calculator: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_positive("world_size", self.world_size)

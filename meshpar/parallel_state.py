@@ -49,6 +49,16 @@ def get_tensor_model_parallel_size() -> int:
     return get_parallel().tp
 
 
+def get_tensor_model_parallel_world_size() -> int:
+    """apex / Megatron name of :func:`get_tensor_model_parallel_size`."""
+    return get_parallel().tp
+
+
+def get_tensor_parallel_size() -> int:
+    """The name the NxD developer guide uses for :func:`get_tensor_model_parallel_size`."""
+    return get_parallel().tp
+
+
 def get_tensor_model_parallel_rank() -> int:
     return get_parallel().tp_rank
 
@@ -61,6 +71,11 @@ def get_pipeline_model_parallel_size() -> int:
     return get_parallel().pp
 
 
+def get_pipeline_model_parallel_world_size() -> int:
+    """apex / Megatron name of :func:`get_pipeline_model_parallel_size`."""
+    return get_parallel().pp
+
+
 def get_pipeline_model_parallel_rank() -> int:
     return get_parallel().pp_rank
 
@@ -70,6 +85,11 @@ def get_pipeline_model_parallel_group(as_list: bool = False) -> GroupOrRanks:
 
 
 def get_data_parallel_size() -> int:
+    return get_parallel().dp
+
+
+def get_data_parallel_world_size() -> int:
+    """apex / Megatron (and the NxD guide's data loader) name of :func:`get_data_parallel_size`."""
     return get_parallel().dp
 
 

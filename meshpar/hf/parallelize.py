@@ -265,7 +265,8 @@ class ParallelizedModel(nn.Module):
             stage_transform=lambda stage: self._shard(install(stage)),
             overlap_grad_reduce=self._overlap_grad_reduce,
             stage_kwargs=("attention_mask",),
-            param_init_fn=init_hf_weights,  # used only for a model built on "meta"
+            stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
+            average_grads_over_dp=False,  # train_step averages them (allreduce_gradients / overlapped / FSDP)
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:

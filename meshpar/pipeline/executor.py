@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import run_backward_unchecked
+from meshpar.parallel_dims import ParallelDims
 from meshpar.pipeline._p2p import P2P, message_tag
-from meshpar.pipeline.schedule_ir import Action
+from meshpar.pipeline.schedule_ir import Action, build_actions
 
 if TYPE_CHECKING:
     from meshpar.grad_sync import OverlappedGradSync
@@ -34,6 +36,14 @@ class _Slot:
     output: torch.Tensor | None = None
     output_shape: tuple[int, ...] = ()
     loss: torch.Tensor | None = None
+
+
+def _stage_module(chunk: nn.Module) -> nn.Module:
+    """The module that takes ``set_input_tensor``: the chunk, or the module a data-parallel wrapper holds (apex
+    unwraps DDP the same way)."""
+    while not hasattr(chunk, "set_input_tensor") and isinstance(getattr(chunk, "module", None), nn.Module):
+        chunk = chunk.module
+    return chunk
 
 
 @dataclass
@@ -50,10 +60,16 @@ class PipelineExecutor:
     loss_scale: float = 1.0
     set_virtual_rank: Callable[[int], None] | None = None
     keep_outputs: bool = False  # keep the last stage's outputs (e.g. logits) per microbatch
+    # apex: the forward (and loss) under autocast; the last stage's loss scaled (GradScaler.scale) before backward
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
     # one per chunk: dp all-reduces start during each chunk's last backward, earlier backwards only accumulate
     grad_syncs: Sequence[OverlappedGradSync] | None = None
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
+    # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
+    reported: dict[int, Any] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)  # set by run_schedule
 
     @property
     def num_stages(self) -> int:
@@ -69,24 +85,28 @@ class PipelineExecutor:
             self.set_virtual_rank(stage // self.pp)
         if stage > 0:
             tag = message_tag("F", stage, action.microbatch)
-            received = self.p2p.recv(self.p2p.prev_rank, self.tensor_shape, self.dtype, tag)
+            received = self.p2p.recv_activation(self.p2p.prev_rank, tag, self.tensor_shape, stage)
             slot.input = received if forward_only else received.requires_grad_()
-        if hasattr(chunk, "set_input_tensor"):
-            chunk.set_input_tensor(slot.input)
+        target = _stage_module(chunk)
+        if hasattr(target, "set_input_tensor"):
+            target.set_input_tensor(slot.input)
         elif stage > 0:
             raise TypeError(f"{type(chunk).__name__} needs set_input_tensor(tensor) to run as a non-first stage")
-        output, loss_func = forward_step(microbatch, chunk)
         result = None
+        with self.forward_context():
+            output, loss_func = forward_step(microbatch, chunk)
+            if stage == self.num_stages - 1:
+                if self.keep_outputs:
+                    self.outputs[action.microbatch] = output.detach() if torch.is_tensor(output) else output
+                loss = loss_func(output)
         if stage == self.num_stages - 1:
-            if self.keep_outputs:
-                self.outputs[action.microbatch] = output.detach() if torch.is_tensor(output) else output
-            loss = loss_func(output)
-            loss_value = loss[0] if isinstance(loss, tuple) else loss
+            loss_value, reported = loss if isinstance(loss, tuple) else (loss, None)
             slot.loss = loss_value * self.loss_scale
+            self.reported[action.microbatch] = reported
             result = loss_value.detach()
         else:
             tag = message_tag("F", stage + 1, action.microbatch)
-            self.p2p.send(output, self.p2p.next_rank, with_header=self.tensor_shape is None, tag=tag)
+            self.p2p.send_activation(output, self.p2p.next_rank, tag)
             slot.output, slot.output_shape = output, tuple(output.shape)
             if self.deallocate_pipeline_outputs and not forward_only:
                 # The next stage holds the values; backward needs only the graph. Megatron's trick.
@@ -99,17 +119,17 @@ class PipelineExecutor:
         stage = action.stage
         slot = self.slots.pop((stage, action.microbatch))
         if stage == self.num_stages - 1:
-            slot.loss.backward()
+            (self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss).backward()
         else:
             tag = message_tag("B", stage, action.microbatch)
-            grad = self.p2p.recv(self.p2p.next_rank, slot.output_shape, slot.output.dtype, tag)
+            grad = self.p2p.recv_grad(self.p2p.next_rank, slot.output_shape, slot.output.dtype, tag)
             if self.deallocate_pipeline_outputs:
                 run_backward_unchecked(slot.output, grad)
             else:
                 torch.autograd.backward(slot.output, grad)
         if stage > 0:
             tag = message_tag("B", stage - 1, action.microbatch)
-            self.p2p.send(slot.input.grad, self.p2p.prev_rank, with_header=False, tag=tag)
+            self.p2p.send_grad(slot.input.grad, self.p2p.prev_rank, tag)
 
     def _grad_sync_context(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
         if self.grad_syncs is None or last:
@@ -133,3 +153,31 @@ class PipelineExecutor:
                     self.backward(action)
         self.p2p.wait_all()
         return [losses[i] for i in sorted(losses)]
+
+
+def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
+    """Global ranks of the previous and next pipeline rank of this rank (wrapping around, for interleaving)."""
+    group = next(g for g in dims.group_ranks("pp") if dist.get_rank() in g)
+    index = group.index(dist.get_rank())
+    return group[(index - 1) % len(group)], group[(index + 1) % len(group)]
+
+
+def run_schedule(
+    dims: ParallelDims,
+    chunks: Sequence[nn.Module],
+    microbatches: Sequence[Any],
+    forward_step: ForwardStep,
+    forward_only: bool,
+    **options: Any,
+) -> PipelineExecutor:
+    """The one way meshpar's entry points (apex, NxD, HF) run a step: 1F1B for one chunk per rank, meshpar's
+    interleaved 1F1B for several; ``options`` are :class:`PipelineExecutor` fields. Returns the executor, whose
+    ``losses`` (last stage) and ``outputs`` / ``reported`` the caller reads."""
+    schedule = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
+    actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))[dims.pp_rank]
+    prev_rank, next_rank = pipeline_neighbours(dims)
+    executor = PipelineExecutor(
+        chunks=chunks, pp_rank=dims.pp_rank, pp=dims.pp, p2p=P2P(prev_rank, next_rank, dims.device), **options
+    )
+    executor.losses = executor.run(actions, microbatches, forward_step, forward_only)
+    return executor

@@ -1,10 +1,16 @@
-"""neuronx-distributed's ``NxDPPModel`` API: ``PipelineModel(module, ...)`` with ``run_train`` / ``run_eval``.
+"""neuronx-distributed's ``NxDPPModel`` API: ``NxDPPModel(module, ...)`` (also ``PipelineModel``) with
+``run_train`` / ``run_eval``.
 
 The module is split by :func:`meshpar.pipeline.split.split_model` (FQNs kept) and run by meshpar's executor with
 the interleaved 1F1B schedule (plain 1F1B for ``virtual_pipeline_size=1``). Every stage receives the microbatch's
 keyword inputs; the first stage calls the module with the ``input_names`` inputs, later stages with the received
 activation, and the last stage computes the loss with ``loss_fn(output, **microbatch)`` or, NxD-style, picks it from
 the module's output with ``output_loss_value_spec``.
+
+meshpar splits by module structure (the layers of ``transformer_layer_cls`` in one container, see
+:mod:`meshpar.pipeline.split`), not by tracing: NxD's tracing arguments (``leaf_module_cls``, ``autowrap_functions``,
+``autowrap_modules``, ``tracer_cls``, ``trace_file_path``) raise ``NotImplementedError`` naming themselves rather
+than being ignored.
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshpar._dp_checks import is_dp_sharded
+from meshpar.data_parallel import allreduce_gradients
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, get_parallel
-from meshpar.pipeline._p2p import P2P
-from meshpar.pipeline.apex import _neighbours, split_microbatches
-from meshpar.pipeline.executor import PipelineExecutor
-from meshpar.pipeline.schedule_ir import build_actions
+from meshpar.pipeline.apex import split_batch
+from meshpar.pipeline.executor import run_schedule
 from meshpar.pipeline.split import split_model
+
+_TRACING_ARGUMENTS = ("leaf_module_cls", "autowrap_functions", "autowrap_modules", "tracer_cls", "trace_file_path")
 
 
 class StageChunk(nn.Module):
@@ -57,10 +65,17 @@ class StageChunk(nn.Module):
 
 
 def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
+    """NxD's ``output_loss_value_spec``: ``(True, False)`` picks from a tuple output, ``{"loss": True, ...}`` from a
+    dict (or HF ``ModelOutput``); ``None``: the output is the loss."""
     if spec is None:
         return output
     if isinstance(spec, str):
         return output[spec]
+    if isinstance(spec, dict):
+        picked = [output[key] for key, take in spec.items() if take]
+        if len(picked) != 1:
+            raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
+        return picked[0]
     picked = [o for o, take in zip(output, spec, strict=True) if take]
     if len(picked) != 1:
         raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
@@ -68,6 +83,10 @@ def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
 
 
 class PipelineModel(nn.Module):
+    """NxD's ``NxDPPModel``. Grads after :meth:`run_train` are those of the mean loss over the microbatches, averaged
+    over dp (NxD's default; with ``use_zero1_optimizer`` the optimizer averages them: meshpar's
+    ``DistributedOptimizer(zero1=True)``)."""
+
     def __init__(
         self,
         module: nn.Module,
@@ -79,7 +98,13 @@ class PipelineModel(nn.Module):
         broadcast_and_average_loss: bool = False,
         pipeline_cuts: Sequence[str] | None = None,
         input_names: Sequence[str] | None = None,
+        leaf_module_cls: Sequence[type] | None = None,
+        autowrap_functions: tuple | None = None,
+        autowrap_modules: tuple | None = None,
+        tracer_cls: Any = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        trace_file_path: str | None = None,
+        use_zero1_optimizer: bool = False,
         auto_partition: bool = False,
         deallocate_pipeline_outputs: bool = False,
         *,
@@ -88,8 +113,28 @@ class PipelineModel(nn.Module):
         stage_transform: Callable[[nn.Module], nn.Module] | None = None,
         overlap_grad_reduce: bool = False,
         stage_kwargs: Sequence[str] = (),
+        stage_init_fn: Callable[[nn.Module], None] | None = None,
+        average_grads_over_dp: bool | None = None,
     ) -> None:
         super().__init__()
+        given = {
+            "leaf_module_cls": leaf_module_cls,
+            "autowrap_functions": autowrap_functions,
+            "autowrap_modules": autowrap_modules,
+            "tracer_cls": tracer_cls,
+            "trace_file_path": trace_file_path,
+        }
+        traced = [name for name in _TRACING_ARGUMENTS if given[name] is not None]
+        if traced:
+            raise NotImplementedError(
+                f"NxDPPModel: {', '.join(traced)} configure NxD's tracer; meshpar splits the model by its module "
+                "structure (transformer_layer_cls layers in one container) and does not trace. Remove them; a model "
+                "whose forward is not a plain stack of layers cannot be pipelined by meshpar"
+            )
+        if return_mb_loss and broadcast_and_average_loss:
+            raise ValueError("NxDPPModel: broadcast_and_average_loss=True requires return_mb_loss=False (as in NxD)")
+        if pipeline_cuts is not None and auto_partition:
+            raise ValueError("NxDPPModel: pass pipeline_cuts or auto_partition=True, not both (as in NxD)")
         dims = get_parallel()
         if num_microbatches < dims.pp:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
@@ -104,6 +149,7 @@ class PipelineModel(nn.Module):
             auto_partition=auto_partition,
             virtual_pipeline_size=virtual_pipeline_size,
             param_init_fn=param_init_fn,
+            stage_init_fn=stage_init_fn,
             device=dims.device,
             keep_modules=keep_modules,
         )
@@ -115,6 +161,10 @@ class PipelineModel(nn.Module):
         self.return_mb_loss = return_mb_loss
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self.use_zero1_optimizer = use_zero1_optimizer
+        self.average_grads_over_dp = (
+            (not use_zero1_optimizer) if average_grads_over_dp is None else average_grads_over_dp
+        )
         self.loss_fn = loss_fn
         self.grad_syncs = self._grad_syncs(dims) if overlap_grad_reduce and dims.dp > 1 else None
 
@@ -174,22 +224,21 @@ class PipelineModel(nn.Module):
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
         dims = get_parallel()
-        microbatches = split_microbatches(inputs, self.num_microbatches)
-        schedule = "interleaved_1f1b" if dims.pp > 1 else "1f1b"
-        actions = build_actions(schedule, dims.pp, len(self.chunks), len(microbatches))[dims.pp_rank]
-        prev_rank, next_rank = _neighbours()
-        executor = PipelineExecutor(
-            chunks=list(self.chunks),
-            pp_rank=dims.pp_rank,
-            pp=dims.pp,
-            p2p=P2P(prev_rank, next_rank, dims.device),
+        executor = run_schedule(
+            dims,
+            list(self.chunks),
+            split_batch(inputs, self.num_microbatches),
+            self._forward_step,
+            forward_only,
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
-            loss_scale=1.0 / len(microbatches),
+            loss_scale=1.0 / self.num_microbatches,
             keep_outputs=keep_outputs,
             grad_syncs=self.grad_syncs,
         )
-        losses = executor.run(actions, microbatches, self._forward_step, forward_only)
+        losses = executor.losses
         self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]
+        if not forward_only and self.average_grads_over_dp and dims.dp > 1:
+            self._average_grads_over_dp()
         if self.return_mb_loss:
             return losses
         loss = torch.stack(losses).mean() if losses else None
@@ -197,12 +246,23 @@ class PipelineModel(nn.Module):
             loss = self._broadcast_loss(loss)
         return loss
 
+    def _average_grads_over_dp(self) -> None:
+        if self.grad_syncs:
+            self.finish_grad_sync()
+        else:
+            # FSDP2-sharded stages reduce-scattered their grads in backward already
+            allreduce_gradients(p for p in self.local_parameters() if not is_dp_sharded(p))
+
     def _broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """Send the last stage's mean loss to every rank of the pipeline group."""
+        """NxD's ``broadcast_and_average_loss``: the last stage's mean loss on every pipeline rank, averaged over
+        the data-parallel replicas."""
         dims = get_parallel()
         group = next(g for g in dims.group_ranks("pp") if dist.get_rank() in g)
         value = loss.detach().clone() if loss is not None else torch.zeros((), device=dims.device)
         dist.broadcast(value, src=group[-1], group=dims.pp_mesh.get_group())
+        if dims.dp > 1:
+            dist.all_reduce(value, group=dims.dp_mesh.get_group())
+            value /= dims.dp
         return value
 
     def run_train(self, **inputs: torch.Tensor) -> Any:
@@ -215,3 +275,6 @@ class PipelineModel(nn.Module):
         with torch.no_grad():
             loss = self._run(forward_only=True, inputs=inputs, keep_outputs=return_outputs)
         return (loss, self.last_outputs) if return_outputs else loss
+
+
+NxDPPModel = PipelineModel

@@ -195,14 +195,25 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Seq
     return stage_model
 
 
-def _materialize(module: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+def _materialize(
+    module: nn.Module,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    stage_init_fn: Callable[[nn.Module], None] | None,
+) -> None:
+    """Allocate a meta-built stage on ``device`` and initialise it: ``stage_init_fn(stage)`` once, or NxD's
+    ``param_init_fn(module)`` for every module (each initialises its own parameters, not its submodules'), or every
+    submodule's ``reset_parameters()``."""
     module.to_empty(device=device)
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    for sub in module.modules():
-        if hasattr(sub, "reset_parameters") and sub is not module:
-            sub.reset_parameters()
+    if stage_init_fn is not None:
+        stage_init_fn(module)
+    elif param_init_fn is not None:
+        for sub in module.modules():
+            param_init_fn(sub)
+    else:
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters") and sub is not module:
+                sub.reset_parameters()
 
 
 def split_model(
@@ -217,11 +228,12 @@ def split_model(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     keep_modules: Sequence[str] = (),
+    stage_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
     """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
 
     A model built on ``meta`` is materialised stage by stage on ``device`` (``param_init_fn(stage)`` or every
-    submodule's ``reset_parameters()``), so a rank only ever allocates its own stages.
+    submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank only ever allocates its own stages.
     """
     if virtual_pipeline_size > 1 and pp == 1:
         raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
@@ -239,7 +251,7 @@ def split_model(
     for stage in range(pp_rank, plan.num_stages, pp):
         module = build_stage(model, plan, stage, keep_modules)
         if is_meta:
-            _materialize(module, torch.device(device or "cpu"), param_init_fn)
+            _materialize(module, torch.device(device or "cpu"), param_init_fn, stage_init_fn)
         elif device is not None:
             module.to(device)
         stages.append((stage, module))

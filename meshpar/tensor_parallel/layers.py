@@ -86,6 +86,16 @@ def _distribute_param(
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
+def mark_partitioned(param: torch.Tensor | None, partition_dim: int | None) -> None:
+    """NxD / Megatron parameter attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) for
+    code that reads them; ``partition_dim=None``: replicated over tp."""
+    if param is None:
+        return
+    param.tensor_model_parallel = partition_dim is not None
+    param.partition_dim = -1 if partition_dim is None else partition_dim
+    param.partition_stride = 1
+
+
 def _shard_linear_params_(
     linear: nn.Linear, mesh: DeviceMesh, weight_placement: Shard, bias_placement: Shard | Replicate, src: int | None
 ) -> None:
@@ -129,10 +139,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
         bias: bool = True,
         gather_output: bool = True,
         sequence_parallel_enabled: bool = False,
-        init_method: InitMethod | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         *,
+        init_method: InitMethod | None = None,
         tp_mesh: DeviceMesh | None = None,
         num_heads: int | None = None,
         allow_uneven: bool = False,
@@ -148,6 +158,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.bias = empty_dtensor((output_size,), mesh, [Shard(0)], dtype=dtype, device=device) if bias else None
         if not _is_meta(device):
             self.reset_parameters()
+        mark_partitioned(self.weight, 0)
+        mark_partitioned(self.bias, 0)
 
     def _configure(
         self,
@@ -195,6 +207,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         )
         linear.input_gathered = input_gathered
         linear.regather_input = regather_input
+        mark_partitioned(linear.weight, 0)
+        mark_partitioned(linear.bias, 0)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,13 +257,14 @@ class RowParallelLinear(_TensorParallelLinear):
         bias: bool = True,
         input_is_parallel: bool = False,
         sequence_parallel_enabled: bool = False,
-        init_method: InitMethod | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | bool | None = False,
         *,
+        init_method: InitMethod | None = None,
         tp_mesh: DeviceMesh | None = None,
     ) -> None:
         nn.Module.__init__(self)
+        device = None if device is False else device  # NxD documents device=False: the default device
         mesh = _resolve_tp_mesh(tp_mesh)
         check_divisible(input_size, mesh.size(), "input_size", type(self).__name__)
         self._configure(mesh, input_size, output_size, input_is_parallel, sequence_parallel_enabled, init_method)
@@ -257,6 +272,8 @@ class RowParallelLinear(_TensorParallelLinear):
         self.bias = empty_dtensor((output_size,), mesh, [Replicate()], dtype=dtype, device=device) if bias else None
         if not _is_meta(device):
             self.reset_parameters()
+        mark_partitioned(self.weight, 1)
+        mark_partitioned(self.bias, None)
 
     def _configure(
         self,
@@ -290,6 +307,8 @@ class RowParallelLinear(_TensorParallelLinear):
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, input_is_parallel, sequence_parallel_enabled, None
         )
+        mark_partitioned(linear.weight, 1)
+        mark_partitioned(linear.bias, None)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -331,13 +350,13 @@ class ParallelEmbedding(nn.Embedding):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        padding_idx: int | None = None,
-        init_method: InitMethod | None = None,
-        dtype: torch.dtype | None = None,
+        init_method: InitMethod | None = torch.nn.init.normal_,
+        dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
+        padding_idx: int | None = None,
         shard_across_embedding: bool = False,
         sequence_parallel_enabled: bool = False,
-        *,
         tp_mesh: DeviceMesh | None = None,
     ) -> None:
         nn.Module.__init__(self)
@@ -357,6 +376,7 @@ class ParallelEmbedding(nn.Embedding):
         self.weight = empty_dtensor((num_embeddings, embedding_dim), mesh, [placement], dtype=dtype, device=device)
         if not _is_meta(device):
             self.reset_parameters()
+        mark_partitioned(self.weight, 1 if self.shard_across_embedding else 0)
 
     def _configure(
         self,
@@ -410,6 +430,7 @@ class ParallelEmbedding(nn.Embedding):
             sequence_parallel_enabled,
             None,
         )
+        mark_partitioned(embedding.weight, 1 if embedding.shard_across_embedding else 0)
         return embedding
 
     def reset_parameters(self) -> None:

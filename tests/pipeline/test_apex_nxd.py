@@ -34,9 +34,25 @@ def _check_grads(modules, dense: PipeGPT) -> None:
             assert_matches_dense(param.grad, dense_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def forward_step(microbatch: dict, model: StageChunk):
-    out = model(ids=microbatch["ids"])
-    return out, lambda logits: lm_loss(logits, microbatch["labels"])
+class PerChunkMicrobatches:
+    """apex hands a batch that is not a list of tensors to every forward_step_func call unchanged: here one source
+    of variable-length microbatches, drawn in order per model chunk (as Megatron's per-chunk data iterators)."""
+
+    def __init__(self, microbatches: list[dict]) -> None:
+        self.microbatches, self.drawn = microbatches, {}
+
+    def next_for(self, chunk: StageChunk) -> dict:
+        index = self.drawn.get(chunk.stage_index, 0)
+        self.drawn[chunk.stage_index] = index + 1
+        return self.microbatches[index]
+
+
+def forward_step(microbatch, model: StageChunk):
+    if isinstance(microbatch, PerChunkMicrobatches):
+        microbatch = microbatch.next_for(model)
+    ids, labels = (microbatch["ids"], microbatch["labels"]) if isinstance(microbatch, dict) else microbatch
+    out = model(ids=ids)
+    return out, lambda logits: lm_loss(logits, labels)
 
 
 def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool, deallocate: bool) -> None:
@@ -58,7 +74,13 @@ def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool,
     chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]
     fn = get_forward_backward_func(v if v > 1 else None, pp)
     model = chunks if v > 1 else chunks[0]
-    losses = fn(forward_step, microbatches, model, forward_only=False, deallocate_pipeline_outputs=deallocate)
+    if variable_seq:
+        batch = PerChunkMicrobatches(microbatches)
+    else:  # apex's minibatch: a list of tensors the schedule splits into m microbatches
+        batch = [torch.cat([mb["ids"] for mb in microbatches]), torch.cat([mb["labels"] for mb in microbatches])]
+    losses = fn(
+        forward_step, batch, model, forward_only=False, deallocate_pipeline_outputs=deallocate, num_microbatches=m
+    )
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected), atol=1e-5, rtol=1e-5)
     else:
@@ -93,7 +115,7 @@ def apex_forward_only_case() -> None:
         expected = [lm_loss(dense(mb["ids"]), mb["labels"]) for mb in microbatches]
     (stage,), _ = split_model(dense, dims.pp_rank, 2, transformer_layer_cls=Block)
     fn = get_forward_backward_func(None, 2)
-    losses = fn(forward_step, microbatches, StageChunk(stage[1], stage[0], ["ids"]), forward_only=True)
+    losses = fn(forward_step, _batch(2), StageChunk(stage[1], stage[0], ["ids"]), forward_only=True, num_microbatches=2)
     if dims.pp_rank == 1:
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
     assert all(p.grad is None for p in stage[1].parameters())
@@ -156,7 +178,7 @@ def bad_inputs_case(kind: str) -> None:
     ("kind", "message"),
     [
         ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
-        ("indivisible_batch", "batch size 4 of ids is not divisible into 3 microbatches"),
+        ("indivisible_batch", "batch size 4 is not divisible into 3 microbatches"),
         ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
         ("chunks_vs_virtual_size", "3 model chunks on this rank, but .* virtual_pipeline_model_parallel_size=2"),
     ],
