@@ -15,7 +15,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = -1  # -1: the rest of the world
     virtual_pipeline_size: int = 1
-    num_microbatches: int = 1
+    num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
     sequence_parallel: bool = False
     compile: bool = False
@@ -29,6 +29,8 @@ class ParallelConfig:
     verify: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.num_microbatches is None:
+            self.num_microbatches = self.pipeline_parallel_size
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "num_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -62,7 +64,7 @@ class ParallelConfig:
             )
 
 
-_OSLO_KEYS = {"pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size", "enable"}
+_OSLO_KEYS = {"pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size", "num_microbatches", "enable"}
 
 
 def load_config(config: ParallelConfig | dict[str, Any] | str | os.PathLike | None) -> ParallelConfig:

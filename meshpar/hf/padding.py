@@ -6,8 +6,7 @@ projection's padded input columns are zero too: the model computes exactly what 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -68,33 +67,89 @@ _BUILTIN = {"GPT2Attention": _pad_gpt2, "LlamaAttention": _pad_llama, "BertAtten
 _CONFIG_KEYS = ("n_head", "num_attention_heads")
 
 
+def get_number_of_extra_heads(num_heads: int, tp_degree: int) -> int:
+    """NxD: how many zero heads make ``num_heads`` divisible by ``tp_degree``."""
+    return (-num_heads) % tp_degree
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """NxD's ``divide``: exact integer division, refusing a remainder."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+@torch.no_grad()
+def _pad_sharded_dim(layer: nn.Module, old_heads: int, new_heads: int) -> None:
+    """NxD's 1-axis padding of a meshpar tensor-parallel linear: its sharded dim (column: output features, row: input
+    features) grows to the size it would have for ``new_heads``, the added heads all zero, at the end."""
+    from meshpar._compat import distribute_tensor
+    from meshpar.tensor_parallel.layers import ColumnParallelLinear, mark_partitioned
+
+    column = isinstance(layer, ColumnParallelLinear)
+    size = layer.output_size if column else layer.input_size
+    new = divide(size * new_heads, old_heads)
+    mesh = layer.tp_mesh
+    full = layer.weight.full_tensor()
+    full = _pad_rows(full, 1, size, new) if column else _pad_rows(full.t(), 1, size, new).t().contiguous()
+    placement = layer.weight.placements
+    layer.weight = nn.Parameter(distribute_tensor(full, mesh, placement), requires_grad=layer.weight.requires_grad)
+    mark_partitioned(layer.weight, 0 if column else 1)
+    if column and layer.bias is not None:
+        bias = _pad_rows(layer.bias.full_tensor(), 1, size, new)
+        layer.bias = nn.Parameter(distribute_tensor(bias, mesh, layer.bias.placements))
+        mark_partitioned(layer.bias, 0)
+    if column:
+        layer.output_size = layer.out_features = new
+    else:
+        layer.input_size = layer.in_features = new
+
+
 def pad_model(
     model: nn.Module,
     tp_degree: int,
     n_heads: int,
-    wrapped_classes: tuple[type, ...] = (),
-    pad_hook_fn: Callable[[nn.Module, int, int], None] | None = None,
+    wrapped_classes: Iterable[type] = (),
+    pad_hook_fn: Callable[[nn.Module, float], None] | None = None,
 ) -> nn.Module:
-    """Pad every attention module of ``model`` from ``n_heads`` to the next multiple of ``tp_degree`` heads.
+    """NxD's ``pad_model``: pad attention from ``n_heads`` to the next multiple of ``tp_degree`` heads.
 
-    GPT-2, Llama (multi-head) and BERT attention are padded by meshpar; modules of ``wrapped_classes`` are handed to
-    ``pad_hook_fn(module, n_heads, padded_heads)``. The model's config is updated to the padded head count.
+    Within ``wrapped_classes`` instances (the whole model if none are given), every meshpar
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` has its sharded dim padded by ``tgt_src_ratio = padded /
+    n_heads`` (zero heads at the end), and ``pad_hook_fn(module, tgt_src_ratio)`` is called for every instance of
+    ``wrapped_classes`` (to fix what the padding cannot know, a split size, say). Unsharded GPT-2, Llama
+    (multi-head) and BERT attention modules, as HF builds them, are padded head by head (fused QKV included), so
+    ``meshpar.parallelize`` can then shard them; the model's config gets the padded head count.
     """
-    padded = math.ceil(n_heads / tp_degree) * tp_degree
+    wrapped = tuple(wrapped_classes)
+    padded = n_heads + get_number_of_extra_heads(n_heads, tp_degree)
     if padded == n_heads:
         return model
+    from meshpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    ratio = padded / n_heads
+    roots = [m for m in model.modules() if isinstance(m, wrapped)] if wrapped else [model]
     touched = 0
-    for module in model.modules():
-        if wrapped_classes and isinstance(module, wrapped_classes):
-            if pad_hook_fn is None:
-                raise ValueError("wrapped_classes need a pad_hook_fn(module, n_heads, padded_heads)")
-            pad_hook_fn(module, n_heads, padded)
-            touched += 1
-        elif type(module).__name__ in _BUILTIN:
-            _BUILTIN[type(module).__name__](module, n_heads, padded)
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                _pad_sharded_dim(module, n_heads, padded)
+                touched += 1
+            elif type(module).__name__ in _BUILTIN:
+                _BUILTIN[type(module).__name__](module, n_heads, padded)
+                touched += 1
+        if pad_hook_fn is not None and wrapped:
+            pad_hook_fn(root, ratio)
             touched += 1
     if touched == 0:
-        raise ValueError(f"pad_model found no attention module to pad in {type(model).__name__}; pass wrapped_classes")
+        raise ValueError(
+            f"pad_model found nothing to pad in {type(model).__name__}: no meshpar parallel linear layer and no "
+            "GPT-2 / Llama / BERT attention (pass wrapped_classes and a pad_hook_fn for other modules)"
+        )
     config = getattr(model, "config", None)
     for key in _CONFIG_KEYS:
         if config is not None and getattr(config, key, None) == n_heads:

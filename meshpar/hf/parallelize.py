@@ -139,12 +139,20 @@ class ParallelizedModel(nn.Module):
         self._grad_sync: OverlappedGradSync | None = None
         self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
+        # an optimizer built on the model before parallelize keeps training the sharded parameters (see _keep_identity)
+        self._originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         # the layer classes (hybrid models mix several: linear and full attention) for splitting, checkpointing, FSDP
         classes = tuple(dict.fromkeys(type(layer) for layer in container)) if container is not None else ()
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
+        try:
+            self._build(model)
+        finally:
+            self._originals = {}  # the original model's parameters are not kept alive past construction
+
+    def _build(self, model: nn.Module) -> None:
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -196,6 +204,7 @@ class ParallelizedModel(nn.Module):
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
         apply_ties(module, present)
+        self._keep_identity(module)
         if self._from_meta and self.dims.pp == 1:
             materialize_sharded(module, self.dims)
         elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
@@ -213,6 +222,23 @@ class ParallelizedModel(nn.Module):
             for name, shape in hf_shapes.items():  # fully_shard makes new parameters: keep the merged-export layout
                 module.get_parameter(name).hf_shape = shape
         return module
+
+    def _keep_identity(self, module: nn.Module) -> None:
+        """Give the sharded (or pipeline-stage) parameters back the Python identity of the model's original ones
+        (``torch.utils.swap_tensors``), so that an optimizer built before ``parallelize`` (as OSLO's tutorial does)
+        steps exactly what trains. Runs before FSDP, which makes parameters of its own (build the optimizer after
+        ``parallelize`` with ``fsdp``)."""
+        swapped: dict[int, nn.Parameter] = {}
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for name, param in list(sub._parameters.items()):
+                fqn = f"{prefix}.{name}" if prefix else name
+                original = self._originals.get(fqn)
+                if param is None or original is None or original is param:
+                    continue
+                if id(param) not in swapped:
+                    torch.utils.swap_tensors(original, param)
+                    swapped[id(param)] = original
+                sub._parameters[name] = swapped[id(param)]
 
     def _split(self, model: nn.Module) -> PipelineModel:
         """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
@@ -297,6 +323,10 @@ class ParallelizedModel(nn.Module):
         return move(labels), {name: move(value) for name, value in inputs.items()}
 
     def forward(self, labels: torch.Tensor | None = None, **inputs: Any) -> Any:
+        return self._module_forward(labels, inputs)
+
+    def _module_forward(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> Any:
+        """The HF model's forward on this rank's shards (pp=1), with meshpar's vocab-parallel loss."""
         labels, inputs = self._on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
@@ -346,7 +376,7 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
-                loss = self(labels=labels, **inputs).loss
+                loss = self._module_forward(labels, inputs).loss
                 loss.backward()
                 loss = loss.detach()
             else:
@@ -372,7 +402,7 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
-                loss = self(labels=labels, **inputs).loss
+                loss = self._module_forward(labels, inputs).loss
             else:
                 loss = self.pipeline.run_eval(labels=labels, **inputs)
         return self._mean_over_dp(loss)
@@ -381,7 +411,7 @@ class ParallelizedModel(nn.Module):
     def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
         """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``."""
         if self.pipeline is None:
-            return self(labels=labels, **inputs).logits
+            return self._module_forward(labels, inputs).logits
         labels, inputs = self._on_device(labels, inputs)
         _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None
@@ -455,17 +485,25 @@ class ParallelizedModel(nn.Module):
         return "\n\n".join(plan_summary(m, self.plan.styles) for m in self.local_modules())
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def save_parallelized(self, directory: str | Path, merge_checkpoints: bool = False, step: int = 0) -> Path:
+    def save_parallelized(
+        self, save_directory: str | Path, merge_checkpoints: bool = False, step: int = 0, **save_pretrained_kwargs: Any
+    ) -> Path:
         """A DCP checkpoint (any layout can load it), or with ``merge_checkpoints`` a plain HF directory
-        (``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads on one process."""
-        directory = Path(directory)
+        (``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads on one process. Other keywords are
+        ``save_pretrained``'s (OSLO's contract), for the merged directory."""
+        directory = Path(save_directory)
         if not merge_checkpoints:
+            if save_pretrained_kwargs:
+                raise TypeError(
+                    f"save_parallelized: {sorted(save_pretrained_kwargs)} are save_pretrained arguments and apply to "
+                    "merge_checkpoints=True only"
+                )
             return checkpoint.save(directory, self.local_modules(), step=step, tied=self.tied_parameters)
         full = self._gather_full_state()
         if dist.get_rank() == 0:
             dense = self.model_class(self.hf_config)
             dense.load_state_dict(full, strict=False)
-            dense.save_pretrained(directory)
+            dense.save_pretrained(directory, **save_pretrained_kwargs)
         dist.barrier()
         return directory
 

@@ -1,0 +1,114 @@
+"""NxD's ``parallel_layers.save`` / ``load``: each (tp, pp) rank's shards in its own file, for the same layout.
+
+``save({"model": model.state_dict(), "optimizer_state_dict": ..., "epoch": ...}, path)`` writes
+``path/tp_rank_XX_pp_rank_YY/checkpoint.pt`` (dp rank 0 only, unless ``master_dp_only=False``), DTensors as their
+local shards. ``load(path, model, model_key="model")`` reads this rank's file, loads ``checkpoint[model_key]`` into
+``model`` and returns the whole dict. The format does not reshard (NxD's does not either): a checkpoint written at
+another tp / pp is refused on every rank. For checkpoints that load into any layout use :mod:`meshpar.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshpar._compat import DTensor
+from meshpar.parallel_dims import ParallelDims, get_parallel
+
+_FILE = "checkpoint.pt"
+
+
+def _rank_dir(path: str | os.PathLike, dims: ParallelDims, dp_rank: int | None) -> Path:
+    prefix = f"dp_rank_{dp_rank:02d}_" if dp_rank is not None else ""
+    return Path(path) / f"{prefix}tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}"
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(item) for item in value)
+    return value
+
+
+def save(checkpoint: dict[str, Any], output_dir: str | os.PathLike, master_dp_only: bool = True) -> None:
+    """Write this rank's shards (atomically: a temporary file renamed into place), then wait for every rank."""
+    dims = get_parallel()
+    if not master_dp_only or dims.dp_rank == 0:
+        directory = _rank_dir(output_dir, dims, None if master_dp_only else dims.dp_rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {"layout": {"tp": dims.tp, "pp": dims.pp}, "checkpoint": _local(checkpoint)}
+        tmp = directory / f".{_FILE}.tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, directory / _FILE)
+    dist.barrier()
+
+
+def _agree(error: str | None) -> None:
+    """Every rank raises if any rank failed (each rank reads only its own file)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise ValueError(f"parallel_layers.load failed on {len(failed)} rank(s); rank {rank}: {first}")
+
+
+def _into_model(model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:
+    current = model.state_dict()
+    converted = {}
+    for name, tensor in state.items():
+        target = current.get(name)
+        if isinstance(target, DTensor):
+            tensor = DTensor.from_local(
+                tensor.to(target.device), target.device_mesh, target.placements, run_check=False
+            )
+        converted[name] = tensor
+    model.load_state_dict(converted, strict=strict)
+
+
+def load(
+    chkpt_path: str | os.PathLike,
+    model: nn.Module | None = None,
+    model_key: str | None = "model",
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Read this rank's file written by :func:`save`; with ``model``, load ``checkpoint[model_key]`` (the whole
+    checkpoint if ``model_key`` is None) into it. Returns the checkpoint dict."""
+    dims = get_parallel()
+    file = _rank_dir(chkpt_path, dims, None) / _FILE
+    if not file.exists():
+        file = _rank_dir(chkpt_path, dims, dims.dp_rank) / _FILE
+    error, checkpoint = None, None
+    if not file.exists():
+        error = f"{file} does not exist (saved with another tp / pp, or not an NxD-format checkpoint)"
+    else:
+        payload = torch.load(file, map_location=dims.device, weights_only=False)
+        saved = payload.get("layout", {}) if isinstance(payload, dict) else {}
+        if saved != {"tp": dims.tp, "pp": dims.pp}:
+            error = (
+                f"{file} was saved at {saved or 'an unknown layout'}, this run is tp={dims.tp} pp={dims.pp}; this "
+                "format does not reshard (use meshpar.checkpoint for that)"
+            )
+        else:
+            checkpoint = payload["checkpoint"]
+            if model is not None:
+                state = checkpoint if model_key is None else checkpoint.get(model_key)
+                if state is None:
+                    error = f"{file} has no key {model_key!r} (keys: {sorted(checkpoint)})"
+                else:
+                    try:
+                        _into_model(model, state, strict)
+                    except (RuntimeError, KeyError, ValueError) as exc:
+                        error = f"loading {model_key!r} into {type(model).__name__}: {exc}"
+    _agree(error)
+    return checkpoint
