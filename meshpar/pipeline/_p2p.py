@@ -49,14 +49,14 @@ class P2P:
         dist.recv(header, src, tag=tag)
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         shape = tuple(int(s) for s in header[2 : 2 + ndim])
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buffer, src, tag=tag)  # first, even if refused: the sender's transfer completes
         if expected_shape is not None and shape != tuple(expected_shape):
             raise PipelineShapeError(
                 f"pipeline stage {stage} received an activation of shape {list(shape)} from rank {src}, but the "
                 f"schedule was given tensor_shape={list(expected_shape)}: pass the shape the previous stage really "
                 "outputs (mind batch-first vs apex's [seq, batch, hidden]), or tensor_shape=None"
             )
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buffer, src, tag=tag)
         return buffer
 
     def send_grad(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

@@ -1,0 +1,237 @@
+"""The NxD tensor-parallel developer guide and API guide, ported (imports changed), against one dense process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshpar.compat import nxd
+from meshpar.compat.nxd import parallel_layers, parallel_state
+from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from meshpar.compat.nxd.parallel_layers.loss_functions import parallel_cross_entropy
+from meshpar.compat.nxd.parallel_layers.pad import get_number_of_extra_heads, pad_model
+from meshpar.compat.nxd.parallel_layers.utils import divide
+from meshpar.compat.nxd.pipeline import NxDPPModel
+from meshpar.testing import run_distributed
+from tests.seeds._dense import assert_params_match, copy_dense_into, full
+
+H, HEADS, V, SEQ = 16, 4, 24, 5
+
+
+class SelfAttention(nn.Module):
+    """A BERT-style attention (query/key/value, output dense) written as the guide's model is."""
+
+    def __init__(self, heads: int = HEADS, parallel: bool = False) -> None:
+        super().__init__()
+        self.num_attention_heads, self.head_size = heads, H // HEADS
+        self.all_head_size = heads * self.head_size
+        if parallel:
+            # the guide's ParallelSelfAttention: positional sizes, gather_output=False, heads divided by tp
+            self.query = ColumnParallelLinear(H, self.all_head_size, gather_output=False)
+            self.key = ColumnParallelLinear(H, self.all_head_size, gather_output=False)
+            self.value = ColumnParallelLinear(H, self.all_head_size, gather_output=False)
+            self.dense = RowParallelLinear(self.all_head_size, H, input_is_parallel=True)
+            tp_size = parallel_state.get_tensor_parallel_size()
+            self.num_attention_heads = self.num_attention_heads // tp_size
+            self.all_head_size = self.all_head_size // tp_size
+        else:
+            self.query, self.key, self.value = (nn.Linear(H, self.all_head_size) for _ in range(3))
+            self.dense = nn.Linear(self.all_head_size, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.num_attention_heads, self.head_size).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)))
+        return self.dense(out.transpose(1, 2).reshape(b, s, self.all_head_size))
+
+
+class Net(nn.Module):
+    def __init__(self, parallel: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = ParallelEmbedding(V, H) if parallel else nn.Embedding(V, H)
+        self.attn = SelfAttention(parallel=parallel)
+        self.head = (
+            ColumnParallelLinear(H, V, bias=False, gather_output=False) if parallel else nn.Linear(H, V, bias=False)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.attn(h))
+
+
+def developer_guide_case(tmp: str) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    assert parallel_state.get_tensor_model_parallel_size() == 2 == parallel_state.get_tensor_parallel_size()
+    dense = Net()
+    model = Net(parallel=True)
+    copy_dense_into(model, dense.state_dict())
+    parallel_layers.move_model_to_device(model, "cpu")
+    weight = model.attn.query.weight
+    assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, 0, 1)
+    assert (model.attn.dense.weight.partition_dim, model.attn.dense.bias.tensor_model_parallel) == (1, False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
+    torch.manual_seed(1 + parallel_state.get_data_parallel_rank())
+    ids, labels = torch.randint(0, V, (2, SEQ)), torch.randint(0, V, (2, SEQ))
+    everything = [torch.empty_like(ids) for _ in range(2)]
+    torch.distributed.all_gather(everything, ids, group=parallel_state.get_data_parallel_group())
+    all_labels = [torch.empty_like(labels) for _ in range(2)]
+    torch.distributed.all_gather(all_labels, labels, group=parallel_state.get_data_parallel_group())
+
+    output = model(ids)
+    loss = parallel_cross_entropy(output, labels).mean()
+    loss.backward()
+    for p in model.parameters():  # xm.optimizer_step(groups=dp group): grads averaged over dp
+        torch.distributed.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad,
+                                     group=parallel_state.get_data_parallel_group())  # fmt: skip
+        p.grad /= parallel_state.get_data_parallel_size()
+    norm = parallel_layers.clip_grad_norm(model.parameters(), 1.0)
+    optimizer.step()
+
+    dense_loss = F.cross_entropy(dense(torch.cat(everything)).reshape(-1, V), torch.cat(all_labels).reshape(-1))
+    dense_loss.backward()
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
+    dense_optimizer.step()
+    torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
+    assert_params_match(model, dense.state_dict())
+
+    parallel_layers.save({"epoch": 3, "model": model.state_dict(), "loss": loss.detach()}, tmp)
+    fresh = Net(parallel=True)
+    checkpoint = parallel_layers.load(tmp, fresh, model_key="model")
+    assert checkpoint["epoch"] == 3
+    assert_params_match(fresh, dense.state_dict())
+
+
+def test_developer_guide_tp2_dp2(tmp_path) -> None:
+    run_distributed(developer_guide_case, 4, str(tmp_path))
+
+
+def load_other_layout_case(tmp: str) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
+    parallel_layers.load(tmp, Net(parallel=True))
+
+
+def test_nxd_load_at_another_layout_fails_on_every_rank(tmp_path) -> None:
+    run_distributed(developer_guide_case, 4, str(tmp_path))
+    with pytest.raises(AssertionError, match="saved at .*this run is tp=4") as info:
+        run_distributed(load_other_layout_case, 4, str(tmp_path))
+    assert str(info.value).count("ValueError: parallel_layers.load failed on 4 rank(s)") == 4
+
+
+class PaddedAttention(SelfAttention):
+    """The API guide's padding recipe: heads per rank computed with get_number_of_extra_heads."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__(heads=heads, parallel=True)
+        tp = parallel_state.get_tensor_model_parallel_size()
+        self.num_attention_heads = divide(heads + get_number_of_extra_heads(heads, tp), tp)
+        self.all_head_size = self.num_attention_heads * self.head_size
+
+
+def pad_case() -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
+    torch.manual_seed(0)
+    dense = SelfAttention(heads=2)  # 2 heads of size 4 at tp=4
+    model = PaddedAttention(heads=2)
+    copy_dense_into(model, dense.state_dict())
+    seen = []
+    model = pad_model(model, 4, 2, wrapped_classes=[PaddedAttention], pad_hook_fn=lambda m, r: seen.append(r))
+    assert seen == [2.0] and full(model.query.weight).shape == (16, H)
+    x = torch.randn(2, SEQ, H)
+    torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
+
+
+def test_pad_model_api_guide_recipe() -> None:
+    run_distributed(pad_case, 4)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+        self.head = nn.Linear(H, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) if self.embed is not None else ids
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+
+def init_own(module: nn.Module) -> None:
+    """param_init_fn: this module's own parameters only (seeded by shape, so every rank agrees)."""
+    for name, param in module.named_parameters(recurse=False):
+        torch.manual_seed(sum(param.shape) + len(name))
+        nn.init.normal_(param, std=0.1)
+
+
+def pipeline_case(meta: bool) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    dense = Stack()
+    for module in dense.modules():
+        init_own(module)
+    if meta:
+        with torch.device("meta"):
+            module = Stack()
+    else:
+        module = Stack()
+        module.load_state_dict(dense.state_dict())
+    torch.manual_seed(2 + parallel_state.get_data_parallel_rank())
+    ids, labels = torch.randint(0, V, (4, SEQ)), torch.randint(0, V, (4, SEQ))
+    model = nxd.pipeline.NxDPPModel(
+        module, transformer_layer_cls=Layer, num_microbatches=2, output_loss_value_spec=None,
+        broadcast_and_average_loss=True, input_names=["ids"], param_init_fn=init_own if meta else None,
+        loss_fn=lambda logits, ids, labels: F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)),
+    )  # fmt: skip
+    loss = model.run_train(ids=ids, labels=labels)
+    both_ids = [torch.empty_like(ids) for _ in range(2)]
+    both_labels = [torch.empty_like(labels) for _ in range(2)]
+    group = parallel_state.get_data_parallel_group()
+    torch.distributed.all_gather(both_ids, ids, group=group)
+    torch.distributed.all_gather(both_labels, labels, group=group)
+    dense_losses = [F.cross_entropy(dense(i).reshape(-1, V), lab.reshape(-1)) for i, lab in
+                    zip(torch.cat(both_ids).chunk(4), torch.cat(both_labels).chunk(4), strict=True)]  # fmt: skip
+    dense_loss = torch.stack(dense_losses).mean()
+    dense_loss.backward()
+    torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-5, rtol=1e-5)  # every rank: pp and dp
+    grads = {n: p.grad for n, p in dense.named_parameters()}
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_nxd_pipeline_pp2_dp2(meta: bool) -> None:
+    run_distributed(pipeline_case, 4, meta)
+
+
+def conflicting_arguments_case(kind: str) -> None:
+    parallel_state.initialize_model_parallel(1, 2)
+    kwargs = {"return_mb_loss": True, "broadcast_and_average_loss": True}
+    if kind == "tracer":
+        kwargs = {"leaf_module_cls": [Layer]}
+    NxDPPModel(Stack(), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [("loss", "broadcast_and_average_loss=True requires return_mb_loss=False"), ("tracer", "leaf_module_cls")],
+)
+def test_nxd_pipeline_refuses_what_it_cannot_honour(kind: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(conflicting_arguments_case, 2, kind)
