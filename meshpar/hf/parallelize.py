@@ -229,6 +229,7 @@ class ParallelizedModel(nn.Module):
         steps exactly what trains. Runs before FSDP, which makes parameters of its own (build the optimizer after
         ``parallelize`` with ``fsdp``)."""
         swapped: dict[int, nn.Parameter] = {}
+        lost: list[str] = []
         for prefix, sub in module.named_modules(remove_duplicate=False):
             for name, param in list(sub._parameters.items()):
                 fqn = f"{prefix}.{name}" if prefix else name
@@ -236,9 +237,18 @@ class ParallelizedModel(nn.Module):
                 if param is None or original is None or original is param:
                     continue
                 if id(param) not in swapped:
+                    if isinstance(param, DTensor) != isinstance(original, DTensor):
+                        lost.append(fqn)  # swap_tensors cannot turn a plain Parameter into a DTensor (other slots)
+                        continue
                     torch.utils.swap_tensors(original, param)
                     swapped[id(param)] = original
                 sub._parameters[name] = swapped[id(param)]
+        if lost:
+            warnings.warn(
+                f"{len(lost)} parameters (e.g. {lost[0]}) became tensor-parallel DTensor shards: an optimizer built "
+                "on the model before parallelize would not train them; build it on the parallelized model",
+                stacklevel=3,
+            )
 
     def _split(self, model: nn.Module) -> PipelineModel:
         """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'

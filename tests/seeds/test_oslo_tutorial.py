@@ -1,0 +1,68 @@
+"""The OSLO pipeline tutorial, ported (imports changed, a tiny GPT-2 from a config), against one dense process:
+the tutorial's config dict, the generator forward, ``save_parallelized``
+with ``save_pretrained``'s argument name, ``from_parallelized``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.optim import Adam
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from meshpar.compat import oslo
+from meshpar.testing import run_distributed
+from tests.seeds._dense import full
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def tutorial_case(config: dict, tmp: str) -> None:
+    model = _gpt2()
+    dense = copy.deepcopy(model)
+    # the tutorial builds the optimizer before initialize; meshpar's GPT-2 parameters become DTensors (at every tp),
+    # which a plain Parameter cannot turn into, so parallelize warns and the optimizer is built after it here
+    model = oslo.initialize(model, config=config)
+    optimizer = Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(1)
+    input_batch = {"input_ids": torch.randint(0, 64, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    for _ in range(2):
+        optimizer.zero_grad()
+        for out in model(**input_batch, labels=input_batch["input_ids"]):
+            loss = out.loss
+            loss.backward()
+        optimizer.step()
+    dense_optimizer = Adam(dense.parameters(), lr=3e-3)
+    for _ in range(2):
+        dense_optimizer.zero_grad()
+        dense_loss = dense(**input_batch, labels=input_batch["input_ids"]).loss
+        dense_loss.backward()
+        dense_optimizer.step()
+    torch.testing.assert_close(loss.detach(), dense_loss.detach(), atol=1e-5, rtol=1e-5)
+    reference = dict(dense.named_parameters())
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            value = full(param.detach())
+            torch.testing.assert_close(value.reshape(reference[name].shape), reference[name], atol=1e-4, rtol=1e-4)
+    model.save_parallelized(save_directory=f"{tmp}/parallel_ckpt")
+    again = oslo.initialize(_gpt2(), config=config).from_parallelized(f"{tmp}/parallel_ckpt")
+    torch.testing.assert_close(again.eval_loss(labels=input_batch["input_ids"], **input_batch),
+                               dense(**input_batch, labels=input_batch["input_ids"]).loss.detach(),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # pp=2 (the tutorial's own dict) is not here yet: this sequence hangs at pp2 (see issue #17's note)
+        {"model_parallelism": {"enable": True, "tensor_parallel_size": 2}},  # pp=1: tp2 x dp2
+    ],
+)
+def test_tutorial_training_matches_dense(config: dict, tmp_path) -> None:
+    run_distributed(tutorial_case, 4, config, str(tmp_path))
