@@ -103,6 +103,7 @@ class DistributedPool:
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
+                hung = hung or "Timed out waiting" in payload  # a gloo timeout leaves the group unusable
         if errors:
             if hung:  # a rank may be stuck in a collective: the process group cannot be trusted any more
                 self.close(force=True)
