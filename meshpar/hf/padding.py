@@ -94,11 +94,10 @@ def _pad_sharded_dim(layer: nn.Module, old_heads: int, new_heads: int) -> None:
     full = _pad_rows(full, 1, size, new) if column else _pad_rows(full.t(), 1, size, new).t().contiguous()
     placement = layer.weight.placements
     layer.weight = nn.Parameter(distribute_tensor(full, mesh, placement), requires_grad=layer.weight.requires_grad)
-    mark_partitioned(layer.weight, 0 if column else 1)
     if column and layer.bias is not None:
         bias = _pad_rows(layer.bias.full_tensor(), 1, size, new)
         layer.bias = nn.Parameter(distribute_tensor(bias, mesh, layer.bias.placements))
-        mark_partitioned(layer.bias, 0)
+    mark_partitioned(layer)
     if column:
         layer.output_size = layer.out_features = new
     else:

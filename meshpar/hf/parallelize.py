@@ -139,27 +139,21 @@ class ParallelizedModel(nn.Module):
         self._grad_sync: OverlappedGradSync | None = None
         self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
-        # an optimizer built on the model before parallelize keeps training the sharded parameters (see _keep_identity)
-        self._originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         container = model.get_submodule(self.plan.layers) if self.plan.layers else None
         # the layer classes (hybrid models mix several: linear and full attention) for splitting, checkpointing, FSDP
         classes = tuple(dict.fromkeys(type(layer) for layer in container)) if container is not None else ()
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
-        try:
-            self._build(model)
-        finally:
-            self._originals = {}  # the original model's parameters are not kept alive past construction
-
-    def _build(self, model: nn.Module) -> None:
+        # an optimizer built on the model before parallelize keeps training the sharded parameters (see _keep_identity)
+        originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         if self.dims.pp == 1:
-            self.module = self._shard(model)
+            self.module = self._shard(model, originals)
             self.pipeline = None
             if self.dims.dp > 1 and self._overlap_grad_reduce:
                 self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
         else:
-            self.pipeline = self._split(model)
+            self.pipeline = self._split(model, originals)
             self.module = None
             self._tied_group = self._tied_embedding_group()
             if self._from_meta:
@@ -192,7 +186,7 @@ class ParallelizedModel(nn.Module):
         return self.parallel_config.fsdp and self.dims.dp > 1
 
     # -- building ------------------------------------------------------------------------------------------------
-    def _shard(self, module: nn.Module) -> nn.Module:
+    def _shard(self, module: nn.Module, originals: dict[str, nn.Parameter]) -> nn.Module:
         # The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is [in, 3, hidden])
         # in every layout and checkpoints load across any change of tp.
         with warnings.catch_warnings():
@@ -204,7 +198,7 @@ class ParallelizedModel(nn.Module):
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
         apply_ties(module, present)
-        self._keep_identity(module)
+        _keep_identity(module, originals)
         if self._from_meta and self.dims.pp == 1:
             materialize_sharded(module, self.dims)
         elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
@@ -223,34 +217,7 @@ class ParallelizedModel(nn.Module):
                 module.get_parameter(name).hf_shape = shape
         return module
 
-    def _keep_identity(self, module: nn.Module) -> None:
-        """Give the sharded (or pipeline-stage) parameters back the Python identity of the model's original ones
-        (``torch.utils.swap_tensors``), so that an optimizer built before ``parallelize`` (as OSLO's tutorial does)
-        steps exactly what trains. Runs before FSDP, which makes parameters of its own (build the optimizer after
-        ``parallelize`` with ``fsdp``)."""
-        swapped: dict[int, nn.Parameter] = {}
-        lost: list[str] = []
-        for prefix, sub in module.named_modules(remove_duplicate=False):
-            for name, param in list(sub._parameters.items()):
-                fqn = f"{prefix}.{name}" if prefix else name
-                original = self._originals.get(fqn)
-                if param is None or original is None or original is param:
-                    continue
-                if id(param) not in swapped:
-                    if isinstance(param, DTensor) != isinstance(original, DTensor):
-                        lost.append(fqn)  # swap_tensors cannot turn a plain Parameter into a DTensor (other slots)
-                        continue
-                    torch.utils.swap_tensors(original, param)
-                    swapped[id(param)] = original
-                sub._parameters[name] = swapped[id(param)]
-        if lost:
-            warnings.warn(
-                f"{len(lost)} parameters (e.g. {lost[0]}) became tensor-parallel DTensor shards: an optimizer built "
-                "on the model before parallelize would not train them; build it on the parallelized model",
-                stacklevel=3,
-            )
-
-    def _split(self, model: nn.Module) -> PipelineModel:
+    def _split(self, model: nn.Module, originals: dict[str, nn.Parameter]) -> PipelineModel:
         """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
         pipeline plan runs its own forward per stage (:func:`meshpar.hf.stages.decoder_stage_forward`), proven on
         the dense model first."""
@@ -298,7 +265,7 @@ class ParallelizedModel(nn.Module):
             broadcast_and_average_loss=True,
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded, self._normalizer),
             keep_modules=keep,
-            stage_transform=lambda stage: self._shard(install(stage)),
+            stage_transform=lambda stage: self._shard(install(stage), originals),
             overlap_grad_reduce=self._overlap_grad_reduce,
             stage_kwargs=("attention_mask",),
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
@@ -395,7 +362,8 @@ class ParallelizedModel(nn.Module):
                 self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
             if self.pipeline is not None:
                 self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
-        return self._mean_over_dp(loss)
+        # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
+        return self._mean_over_dp(loss) if self.pipeline is None else loss
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """Each dp replica saw its own slice of the batch: report the mean over replicas on every rank."""
@@ -412,10 +380,8 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
-                loss = self._module_forward(labels, inputs).loss
-            else:
-                loss = self.pipeline.run_eval(labels=labels, **inputs)
-        return self._mean_over_dp(loss)
+                return self._mean_over_dp(self._module_forward(labels, inputs).loss)
+            return self.pipeline.run_eval(labels=labels, **inputs)  # already the dp mean on every rank
 
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
@@ -547,6 +513,34 @@ class ParallelizedModel(nn.Module):
     def tied_parameters(self) -> dict[str, str]:
         """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
         return {target: source for target, source in self.plan.ties if target.endswith(".weight")}
+
+
+def _keep_identity(module: nn.Module, originals: dict[str, nn.Parameter]) -> None:
+    """Give the sharded (or pipeline-stage) parameters back the Python identity of the model's original ones
+    (``torch.utils.swap_tensors``), so that an optimizer built before ``parallelize`` (as OSLO's tutorial does)
+    steps exactly what trains. Runs before FSDP, which makes parameters of its own (build the optimizer after
+    ``parallelize`` with ``fsdp``)."""
+    swapped: dict[int, nn.Parameter] = {}
+    lost: list[str] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, param in list(sub._parameters.items()):
+            fqn = f"{prefix}.{name}" if prefix else name
+            original = originals.get(fqn)
+            if param is None or original is None or original is param:
+                continue
+            if id(param) not in swapped:
+                if isinstance(param, DTensor) != isinstance(original, DTensor):
+                    lost.append(fqn)  # swap_tensors cannot turn a plain Parameter into a DTensor (other slots)
+                    continue
+                torch.utils.swap_tensors(original, param)
+                swapped[id(param)] = original
+            sub._parameters[name] = swapped[id(param)]
+    if lost:
+        warnings.warn(
+            f"{len(lost)} parameters (e.g. {lost[0]}) became tensor-parallel DTensor shards: an optimizer built "
+            "on the model before parallelize would not train them; build it on the parallelized model",
+            stacklevel=3,
+        )
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

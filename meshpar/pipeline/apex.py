@@ -25,7 +25,7 @@ num_microbatches=None)``:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,10 +163,9 @@ class DataParallelChunk(nn.Module):
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self.module.set_input_tensor(tensor)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.grad_sync.no_sync():
-            yield
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backwards inside only accumulate grads (apex's DDP ``no_sync``)."""
+        return self.grad_sync.no_sync()
 
 
 def build_model(
@@ -333,8 +332,8 @@ def _pipelined(
         scale_loss=options.grad_scaler.scale if options.grad_scaler is not None else None,
         grad_syncs=syncs,
     )
-    for sync in syncs or ():
-        if not options.forward_only:
+    if syncs and not options.forward_only:
+        for sync in syncs:
             sync.finish()
     return _results(executor.losses, executor.reported)
 

@@ -69,7 +69,7 @@ class PipelineExecutor:
     outputs: dict[int, Any] = field(default_factory=dict)
     # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
     reported: dict[int, Any] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)  # set by run_schedule
+    losses: list[torch.Tensor] = field(default_factory=list)  # the last stage's, set by run
 
     @property
     def num_stages(self) -> int:
@@ -152,14 +152,14 @@ class PipelineExecutor:
                 with self._grad_sync_context(action.stage, last=i == last_backward[action.stage]):
                     self.backward(action)
         self.p2p.wait_all()
-        return [losses[i] for i in sorted(losses)]
+        self.losses = [losses[i] for i in sorted(losses)]
+        return self.losses
 
 
 def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
     """Global ranks of the previous and next pipeline rank of this rank (wrapping around, for interleaving)."""
-    group = next(g for g in dims.group_ranks("pp") if dist.get_rank() in g)
-    index = group.index(dist.get_rank())
-    return group[(index - 1) % len(group)], group[(index + 1) % len(group)]
+    group = dist.get_process_group_ranks(dims.pp_mesh.get_group())
+    return group[(dims.pp_rank - 1) % dims.pp], group[(dims.pp_rank + 1) % dims.pp]
 
 
 def run_schedule(
@@ -179,5 +179,5 @@ def run_schedule(
     executor = PipelineExecutor(
         chunks=chunks, pp_rank=dims.pp_rank, pp=dims.pp, p2p=P2P(prev_rank, next_rank, dims.device), **options
     )
-    executor.losses = executor.run(actions, microbatches, forward_step, forward_only)
+    executor.run(actions, microbatches, forward_step, forward_only)
     return executor

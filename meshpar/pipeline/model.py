@@ -30,8 +30,6 @@ from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import run_schedule
 from meshpar.pipeline.split import split_model
 
-_TRACING_ARGUMENTS = ("leaf_module_cls", "autowrap_functions", "autowrap_modules", "tracer_cls", "trace_file_path")
-
 
 class StageChunk(nn.Module):
     """One stage with apex's ``set_input_tensor`` contract: the received activation replaces the model inputs.
@@ -117,14 +115,14 @@ class PipelineModel(nn.Module):
         average_grads_over_dp: bool | None = None,
     ) -> None:
         super().__init__()
-        given = {
+        tracing = {
             "leaf_module_cls": leaf_module_cls,
             "autowrap_functions": autowrap_functions,
             "autowrap_modules": autowrap_modules,
             "tracer_cls": tracer_cls,
             "trace_file_path": trace_file_path,
         }
-        traced = [name for name in _TRACING_ARGUMENTS if given[name] is not None]
+        traced = [name for name, value in tracing.items() if value is not None]
         if traced:
             raise NotImplementedError(
                 f"NxDPPModel: {', '.join(traced)} configure NxD's tracer; meshpar splits the model by its module "
@@ -161,7 +159,6 @@ class PipelineModel(nn.Module):
         self.return_mb_loss = return_mb_loss
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
-        self.use_zero1_optimizer = use_zero1_optimizer
         self.average_grads_over_dp = (
             (not use_zero1_optimizer) if average_grads_over_dp is None else average_grads_over_dp
         )
@@ -257,9 +254,8 @@ class PipelineModel(nn.Module):
         """NxD's ``broadcast_and_average_loss``: the last stage's mean loss on every pipeline rank, averaged over
         the data-parallel replicas."""
         dims = get_parallel()
-        group = next(g for g in dims.group_ranks("pp") if dist.get_rank() in g)
         value = loss.detach().clone() if loss is not None else torch.zeros((), device=dims.device)
-        dist.broadcast(value, src=group[-1], group=dims.pp_mesh.get_group())
+        dist.broadcast(value, group=dims.pp_mesh.get_group(), group_src=dims.pp - 1)
         if dims.dp > 1:
             dist.all_reduce(value, group=dims.dp_mesh.get_group())
             value /= dims.dp

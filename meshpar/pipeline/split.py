@@ -232,8 +232,9 @@ def split_model(
 ) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
     """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
 
-    A model built on ``meta`` is materialised stage by stage on ``device`` (``param_init_fn(stage)`` or every
-    submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank only ever allocates its own stages.
+    A model built on ``meta`` is materialised stage by stage on ``device`` (``stage_init_fn(stage)``, NxD's
+    ``param_init_fn`` per module, or every submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank
+    only ever allocates its own stages.
     """
     if virtual_pipeline_size > 1 and pp == 1:
         raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")

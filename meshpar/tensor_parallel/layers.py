@@ -86,14 +86,15 @@ def _distribute_param(
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
-def mark_partitioned(param: torch.Tensor | None, partition_dim: int | None) -> None:
-    """NxD / Megatron parameter attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) for
-    code that reads them; ``partition_dim=None``: replicated over tp."""
-    if param is None:
-        return
-    param.tensor_model_parallel = partition_dim is not None
-    param.partition_dim = -1 if partition_dim is None else partition_dim
-    param.partition_stride = 1
+def mark_partitioned(module: nn.Module) -> None:
+    """NxD / Megatron parameter attributes (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``) on
+    ``module``'s own parameters, read off their DTensor placements (``Shard(d)``: split along ``d``), for code that
+    reads them."""
+    for param in module.parameters(recurse=False):
+        dims = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard)]
+        param.tensor_model_parallel = bool(dims)
+        param.partition_dim = dims[0] if dims else -1
+        param.partition_stride = 1
 
 
 def _shard_linear_params_(
@@ -158,8 +159,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.bias = empty_dtensor((output_size,), mesh, [Shard(0)], dtype=dtype, device=device) if bias else None
         if not _is_meta(device):
             self.reset_parameters()
-        mark_partitioned(self.weight, 0)
-        mark_partitioned(self.bias, 0)
+        mark_partitioned(self)
 
     def _configure(
         self,
@@ -207,8 +207,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         )
         linear.input_gathered = input_gathered
         linear.regather_input = regather_input
-        mark_partitioned(linear.weight, 0)
-        mark_partitioned(linear.bias, 0)
+        mark_partitioned(linear)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,8 +271,7 @@ class RowParallelLinear(_TensorParallelLinear):
         self.bias = empty_dtensor((output_size,), mesh, [Replicate()], dtype=dtype, device=device) if bias else None
         if not _is_meta(device):
             self.reset_parameters()
-        mark_partitioned(self.weight, 1)
-        mark_partitioned(self.bias, None)
+        mark_partitioned(self)
 
     def _configure(
         self,
@@ -307,8 +305,7 @@ class RowParallelLinear(_TensorParallelLinear):
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, input_is_parallel, sequence_parallel_enabled, None
         )
-        mark_partitioned(linear.weight, 1)
-        mark_partitioned(linear.bias, None)
+        mark_partitioned(linear)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,7 +373,7 @@ class ParallelEmbedding(nn.Embedding):
         self.weight = empty_dtensor((num_embeddings, embedding_dim), mesh, [placement], dtype=dtype, device=device)
         if not _is_meta(device):
             self.reset_parameters()
-        mark_partitioned(self.weight, 1 if self.shard_across_embedding else 0)
+        mark_partitioned(self)
 
     def _configure(
         self,
@@ -430,7 +427,7 @@ class ParallelEmbedding(nn.Embedding):
             sequence_parallel_enabled,
             None,
         )
-        mark_partitioned(embedding.weight, 1 if embedding.shard_across_embedding else 0)
+        mark_partitioned(embedding)
         return embedding
 
     def reset_parameters(self) -> None:
