@@ -6,6 +6,7 @@ A torch upgrade that moves one of these names should only need a change in this 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
@@ -120,3 +121,23 @@ __all__ = [
     "reduce_scatter_single",
     "run_backward_unchecked",
 ]
+
+
+def default_store() -> dist.Store | None:
+    """The rendezvous store of the default process group (``None`` when it has none)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def abort_all_process_groups() -> None:
+    """Abort every process group of this process and forget them (``dist.is_initialized()`` is false after).
+
+    NCCL's abort tears its communicators down, so peers blocked with this rank fail at once. Gloo's abort (torch
+    2.13) only stops local work and keeps its connections open; :mod:`meshpar.failure` closes those itself."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group()

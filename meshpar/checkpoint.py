@@ -40,6 +40,7 @@ from torch import nn
 
 from meshpar._compat import DTensor
 from meshpar._shards import local_slice
+from meshpar.failure import stop_all_ranks_on_error
 from meshpar.optim import DistributedOptimizer
 from meshpar.random import get_rng_tracker
 
@@ -184,6 +185,7 @@ def _fsync_files(directory: Path) -> None:
     _fsync_dir(directory)
 
 
+@stop_all_ranks_on_error("checkpoint.save")
 def save(
     directory: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
@@ -315,6 +317,7 @@ def _check_keys(path: Path, requested: dict[str, torch.Tensor]) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(problems))
 
 
+@stop_all_ranks_on_error("checkpoint.load")
 def load(
     directory: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],

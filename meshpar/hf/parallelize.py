@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar import checkpoint
 from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
+from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
@@ -340,6 +341,7 @@ class ParallelizedModel(nn.Module):
         finally:
             self._normalizer = None
 
+    @stop_all_ranks_on_error("train_step")
     def train_step(self, labels: torch.Tensor, *, sync_dp_grads: bool = True, **inputs: Any) -> torch.Tensor:
         """Forward and backward of one batch (all microbatches under pp), tied-weight and dp grad sync; returns the
         mean token loss of the global batch (all dp ranks), whose grads the parameters then hold. The optimizer step
@@ -374,6 +376,7 @@ class ParallelizedModel(nn.Module):
         return loss / self.dims.dp
 
     @torch.no_grad()
+    @stop_all_ranks_on_error("eval_loss")
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The mean token loss of the global batch without gradients, on every rank (pipeline: forward-only
         schedule)."""
@@ -560,8 +563,10 @@ def parallelize(
     model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | None = None
 ) -> ParallelizedModel:
     """Shard a HuggingFace model: GPT-2, BERT and Llama by meshpar's tables, every other family by the plan the
-    installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both."""
-    return ParallelizedModel(model, load_config(config), plan)
+    installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both. An
+    error on any rank stops every rank (:mod:`meshpar.failure`)."""
+    with stop_all_ranks_on_error("parallelize"):
+        return ParallelizedModel(model, load_config(config), plan)
 
 
 def write_config(path: str | Path, config: ParallelConfig) -> None:

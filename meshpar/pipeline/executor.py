@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import run_backward_unchecked
+from meshpar.failure import stop_all_ranks_on_error
 from meshpar.parallel_dims import ParallelDims
 from meshpar.pipeline._p2p import P2P, message_tag
 from meshpar.pipeline.schedule_ir import Action, build_actions
@@ -172,12 +173,15 @@ def run_schedule(
 ) -> PipelineExecutor:
     """The one way meshpar's entry points (apex, NxD, HF) run a step: 1F1B for one chunk per rank, meshpar's
     interleaved 1F1B for several; ``options`` are :class:`PipelineExecutor` fields. Returns the executor, whose
-    ``losses`` (last stage) and ``outputs`` / ``reported`` the caller reads."""
+    ``losses`` (last stage) and ``outputs`` / ``reported`` the caller reads. An error on any rank (in a stage, the
+    loss, a shape check) stops every rank at once (:mod:`meshpar.failure`) instead of leaving its neighbours in a
+    recv."""
     schedule = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
     actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))[dims.pp_rank]
     prev_rank, next_rank = pipeline_neighbours(dims)
     executor = PipelineExecutor(
         chunks=chunks, pp_rank=dims.pp_rank, pp=dims.pp, p2p=P2P(prev_rank, next_rank, dims.device), **options
     )
-    executor.run(actions, microbatches, forward_step, forward_only)
+    with stop_all_ranks_on_error("the pipeline schedule"):
+        executor.run(actions, microbatches, forward_step, forward_only)
     return executor

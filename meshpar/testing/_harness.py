@@ -55,10 +55,13 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            # meshpar.failure aborts the process groups when a collective phase fails: the pool must be rebuilt
+            aborted = "" if dist.is_initialized() else "\n[process groups aborted]"
+            conn.send(("error", traceback.format_exc() + aborted))
         finally:
             destroy_parallel()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DistributedPool:
@@ -103,7 +106,8 @@ class DistributedPool:
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                hung = hung or "Timed out waiting" in payload  # a gloo timeout leaves the group unusable
+                # a gloo timeout or meshpar's abort leaves the group unusable
+                hung = hung or "Timed out waiting" in payload or "[process groups aborted]" in payload
         if errors:
             if hung:  # a rank may be stuck in a collective: the process group cannot be trusted any more
                 self.close(force=True)

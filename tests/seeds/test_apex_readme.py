@@ -10,6 +10,7 @@ The sample's pieces: a model with ``pre_process`` / ``post_process`` and ``set_i
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -179,8 +180,12 @@ def wrong_shape_case() -> None:
     )
 
 
-def test_tensor_shape_in_another_layout_is_refused() -> None:
-    with pytest.raises(
-        AssertionError, match=r"received an activation of shape \[2, 6, 16\].*tensor_shape=\[6, 2, 16\]"
-    ):
+def test_tensor_shape_in_another_layout_is_refused_on_every_rank() -> None:
+    """The receiving stage refuses; the sending stage stops at once with the same message (meshpar.failure)."""
+    with pytest.raises(AssertionError) as caught:
         run_distributed(wrong_shape_case, 2)
+    ranks = str(caught.value).split("\nrank ")[1:]
+    assert len(ranks) == 2 and "no answer" not in str(caught.value), caught.value
+    for text in ranks:
+        assert re.search(r"received an activation of shape \[2, 6, 16\].*tensor_shape=\[6, 2, 16\]", text), text
+    assert "PeerFailedError" in ranks[0] and "PipelineShapeError" in ranks[1]

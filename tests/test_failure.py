@@ -1,0 +1,150 @@
+"""One rank's exception stops every rank within seconds (meshpar.failure), in each collective phase: parallelize,
+a pipeline schedule, a checkpoint save and a checkpoint load. Each case raises on one rank only; every rank must
+answer with an error (the failing one its own, the others PeerFailedError naming it) long before gloo's 60 s
+timeout, and the harness must not report a rank that never answered."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import parallelize_module
+
+import meshpar
+from meshpar import checkpoint
+from meshpar.pipeline import PipelineModel
+from meshpar.testing import run_distributed, setup_parallel
+from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
+from tests.hf._configs import batch, build
+
+WORLD = 4
+STOPPED_WITHIN_S = 30.0  # gloo's timeout in the harness is 60 s: a hang would take at least that long
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+def _raise_on(rank: int, what: str):
+    def side_effect(*args: object, **kwargs: object) -> None:
+        raise InjectedError(f"injected failure on rank {rank} in {what}")
+
+    return side_effect
+
+
+def parallelize_case(failing: int) -> None:
+    """tp2 x dp2 Qwen3 (a transformers-plan family: its plan is verified with a collective); one rank fails in the
+    verification, the others then train."""
+    model = build("qwen3")
+    target = "meshpar.hf.parallelize.verify_plan"
+    if dist.get_rank() == failing:
+        with mock.patch(target, side_effect=_raise_on(failing, "parallelize")):
+            meshpar.parallelize(model, {"tensor_parallel_size": 2})
+    parallel = meshpar.parallelize(model, {"tensor_parallel_size": 2})
+    parallel.train_step(**batch("qwen3"))
+
+
+def schedule_case(failing: int) -> None:
+    """tp2 x pp2 pipeline whose stage raises in its third microbatch on one rank (NxD's failing stage)."""
+    dims = setup_parallel(tp=2, pp=2)
+    torch.manual_seed(0)
+    model = PipelineModel(
+        PipeGPT(layers=4),
+        transformer_layer_cls=Block,
+        num_microbatches=4,
+        input_names=["ids"],
+        loss_fn=lambda logits, ids, labels: lm_loss(logits, labels),
+    )
+    for chunk in model.chunks:
+        parallelize_module(chunk.stage, dims.tp_mesh, pipe_gpt_plan())
+    if dist.get_rank() == failing:
+        calls = 0
+        layer = next(m for m in model.chunks[0].stage.modules() if isinstance(m, Block))
+        original = layer.forward
+
+        def flaky(x: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise InjectedError(f"injected failure on rank {failing} in its third microbatch")
+            return original(x)
+
+        layer.forward = flaky
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    model.run_train(ids=ids, labels=ids)
+
+
+def _small_model() -> torch.nn.Module:
+    setup_parallel(tp=2)
+    torch.manual_seed(0)
+    return parallelize_module(PipeGPT(layers=2), meshpar.get_parallel().tp_mesh, pipe_gpt_plan())
+
+
+def save_case(directory: str, failing: int) -> None:
+    model = _small_model()
+    checkpoint.save(directory, model, step=1)
+    if dist.get_rank() == failing:
+        with mock.patch("meshpar.checkpoint.dcp.save", side_effect=_raise_on(failing, "dcp.save (disk full)")):
+            checkpoint.save(directory, model, step=2)
+    else:
+        checkpoint.save(directory, model, step=2)
+
+
+def load_case(directory: str, failing: int) -> None:
+    model = _small_model()
+    if dist.get_rank() == failing:
+        with mock.patch("meshpar.checkpoint.dcp.load", side_effect=_raise_on(failing, "dcp.load (read error)")):
+            checkpoint.load(directory, model)
+    else:
+        checkpoint.load(directory, model)
+
+
+def after_the_failed_save_case(directory: str) -> int:
+    model = _small_model()
+    return checkpoint.load(directory, model)["step"]
+
+
+def _assert_every_rank_stopped(run: object, failing: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as caught:
+        run()
+    elapsed = time.monotonic() - start
+    report = str(caught.value)
+    assert "no answer" not in report and "process died" not in report, report
+    per_rank = report.split("\nrank ")[1:]
+    assert len(per_rank) == WORLD, report
+    for text in per_rank:
+        rank = int(text.split(":", 1)[0])
+        if rank == failing:
+            assert "InjectedError" in text and "every rank of the job was stopped" in text, text
+        else:
+            assert "PeerFailedError" in text and f"rank {failing} failed during" in text, text
+    assert elapsed < STOPPED_WITHIN_S, f"the ranks took {elapsed:.0f}s to stop"
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_failure_in_parallelize_stops_every_rank(failing: int) -> None:
+    _assert_every_rank_stopped(lambda: run_distributed(parallelize_case, WORLD, failing), failing)
+
+
+@pytest.mark.parametrize("failing", [0, 3])
+def test_a_failing_stage_stops_every_rank(failing: int) -> None:
+    _assert_every_rank_stopped(lambda: run_distributed(schedule_case, WORLD, failing), failing)
+
+
+def test_a_failure_in_a_save_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    _assert_every_rank_stopped(lambda: run_distributed(save_case, WORLD, str(tmp_path), 2), 2)
+    assert run_distributed(after_the_failed_save_case, WORLD, str(tmp_path)) == [1] * WORLD
+
+
+def test_a_failure_in_a_load_stops_every_rank(tmp_path: Path) -> None:
+    run_distributed(save_small_case, WORLD, str(tmp_path))
+    _assert_every_rank_stopped(lambda: run_distributed(load_case, WORLD, str(tmp_path), 3), 3)
+
+
+def save_small_case(directory: str) -> None:
+    checkpoint.save(directory, _small_model(), step=1)
