@@ -8,6 +8,15 @@ Corpus: the docstrings of a few dozen Python standard-library modules (real Engl
 tokenised by bytes. Prints loss per step and tokens/s behind a progress bar, writes a loss-curve PNG and a DCP
 checkpoint, then merges the checkpoint into a plain HuggingFace directory and checks that
 ``GPT2LMHeadModel.from_pretrained`` gives the same held-out loss as the parallel model.
+
+Surviving a dead rank: model and optimizer are checkpointed every ``--save-every`` steps, and the batch of each step
+depends only on the step number. Launched with restarts, e.g.
+
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_gpt.py
+
+a rank that dies (``kill -9``, an exception: meshpar stops the other ranks at once) makes torchrun restart every
+rank; the restarted job resumes from the ``latest`` checkpoint and ends with the same losses and parameters as a run
+that was never interrupted. ``--resume`` resumes by hand after the whole job was stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +24,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
+import os
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -23,6 +36,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import meshpar
+from meshpar import checkpoint
 from meshpar.optim import DistributedOptimizer
 
 MODULES = (
@@ -46,12 +60,25 @@ def corpus() -> bytes:
     return "\n\n".join(t for t in texts if t).encode("utf-8")
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
+def batch_at(data: torch.Tensor, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """A batch of random windows that depends only on ``seed`` (the step number): a resumed run sees the same data."""
     generator = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq, (batch,), generator=generator).tolist()
-        ids = torch.stack([data[s : s + seq] for s in starts])
-        yield {"input_ids": ids, "labels": ids.clone()}
+    starts = torch.randint(0, len(data) - seq, (batch,), generator=generator).tolist()
+    ids = torch.stack([data[s : s + seq] for s in starts])
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def resume_point(args: argparse.Namespace) -> bool:
+    """Resume when asked, or when torchrun restarted the job after a failure (its restart count is above 0)."""
+    return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def die_if_asked(step: int) -> None:
+    """Fault injection for tests: ``TRAIN_GPT_KILL=<rank>:<step>`` SIGKILLs that rank after that step, in the first
+    attempt only (a restarted attempt runs through)."""
+    rank, _, at = os.environ.get("TRAIN_GPT_KILL", "").partition(":")
+    if at and int(at) == step and int(rank) == dist.get_rank() and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -69,6 +96,8 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/train_gpt")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    parser.add_argument("--save-every", type=int, default=20, help="checkpoint model and optimizer every N steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     args = parser.parse_args()
 
     dims = meshpar.init_parallel(tp=args.tp, pp=args.pp, seed=0)
@@ -97,42 +126,56 @@ def main() -> None:
         print(f"corpus: {len(data):,} bytes of standard-library docstrings | {dims}")
         print(model.plan_summary().splitlines()[-1])
 
-    local_batch = args.batch // dims.dp
-    stream = batches(train, args.batch, args.seq, seed=1)
+    saves = out / "checkpoint"
     losses: list[float] = []
+    done = 0
+    if resume_point(args) and checkpoint.latest_checkpoint(saves) is not None:
+        meta = checkpoint.load(saves, model, optimizer)  # any layout: the checkpoint reshards
+        done, losses = meta["step"], meta["extra"]["losses"]
+        if rank0:
+            print(f"resumed from {checkpoint.latest_checkpoint(saves)} after step {done}")
+    elif rank0:
+        shutil.rmtree(saves, ignore_errors=True)  # a fresh run: an older run's checkpoints are not ours to resume
+    dist.barrier()
+
+    local_batch = args.batch // dims.dp
     progress = None
     if rank0:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, desc="train", unit="step")
+        progress = tqdm(total=args.steps, initial=done, desc="train", unit="step")
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        batch = {k: v[dims.dp_rank * local_batch : (dims.dp_rank + 1) * local_batch] for k, v in next(stream).items()}
+    for step in range(done + 1, args.steps + 1):
+        batch = batch_at(train, args.batch, args.seq, seed=1_000 + step)
+        batch = {k: v[dims.dp_rank * local_batch : (dims.dp_rank + 1) * local_batch] for k, v in batch.items()}
         optimizer.zero_grad()
         loss = model.train_step(**batch)
         meshpar.clip_grad_norm(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
+        if step % args.save_every == 0 or step == args.steps:
+            checkpoint.save(saves, model, optimizer, step=step, extra={"losses": losses})
+        die_if_asked(step)
         if progress is not None:
-            tokens_per_s = step * args.batch * args.seq / (time.perf_counter() - start)
+            tokens_per_s = (step - done) * args.batch * args.seq / (time.perf_counter() - start)
             progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")
             progress.update()
             progress.write(f"step {step:4d} | loss {losses[-1]:.4f} | {tokens_per_s:8.0f} tokens/s")
     if progress is not None:
         progress.close()
 
-    held = next(batches(held_out, 8, args.seq, seed=2))
+    held = batch_at(held_out, 8, args.seq, seed=2)
     parallel_loss = model.eval_loss(**held).item()
-    model.save_parallelized(out / "checkpoint", step=args.steps)
     model.save_parallelized(out / "merged", merge_checkpoints=True)
     if rank0:
         plot(losses, out / "loss.png")
+        (out / "losses.json").write_text(json.dumps(losses))
         plain = GPT2LMHeadModel.from_pretrained(out / "merged").eval()
         with torch.no_grad():
             plain_loss = plain(**held).loss.item()
         verdict = "OK" if abs(plain_loss - parallel_loss) < 1e-4 else "MISMATCH"
         print(f"held-out loss: parallel {parallel_loss:.5f} | merged HF checkpoint {plain_loss:.5f} -> {verdict}")
-        print(f"wrote {out / 'loss.png'}, {out / 'checkpoint'} (DCP) and {out / 'merged'} (HF)")
+        print(f"wrote {out / 'loss.png'}, {saves} (DCP, model and optimizer) and {out / 'merged'} (HF)")
         if verdict != "OK":
             raise SystemExit(1)
     meshpar.destroy_parallel(destroy_process_group=True)

@@ -37,8 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from meshpar._compat import DTensor
+from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.optim import DistributedOptimizer
@@ -51,11 +53,15 @@ LATEST = "latest"
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be saved or loaded: missing, incomplete, corrupt, or not fitting the model or
+    optimizer. DCP's own ``CheckpointException`` (a ``BaseException``) arrives wrapped in this ``Exception``."""
 
 
-def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+def _run_dcp(operation: Any, state: dict[str, Any], path: Path) -> None:
+    try:
+        operation(state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        raise CheckpointError(f"DCP {operation.__name__} of {path} failed: {error}") from error
 
 
 def model_state_dict(
@@ -67,7 +73,7 @@ def model_state_dict(
     only the source is saved, and on load a stage holding just the alias (the last pipeline stage) reads the source.
     """
     state: dict[str, torch.Tensor] = {}
-    for module in _modules(model):
+    for module in checkpoint_modules(model):
         state.update(module.state_dict())
     for alias, source in (tied or {}).items():
         if alias in state:
@@ -155,10 +161,46 @@ def _full_state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model_state_dict(model, tied, for_load=for_load)}
     if optimizer is not None:
-        state["optim"] = optimizer.state_dict()
+        state["optim"], _ = _fold_tied_optimizer_state(optimizer.state_dict(), tied, for_load)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     state[f"rng_rank{_rank()}_of{_world()}"] = _rng_state()
+    return state
+
+
+Aliases = dict[str, tuple[str, dict[str, Any]]]
+
+
+def _fold_tied_optimizer_state(
+    state: dict[str, Any], tied: dict[str, str] | None, for_load: bool
+) -> tuple[dict[str, Any], Aliases]:
+    """Tied parameters' optimizer state is stored once, under the source's FQN, as their values are.
+
+    Under pp the first and last stage hold separate copies of a tied weight (the embedding and the LM head) with the
+    same grads and steps, so the same state. On save the alias's entry is dropped; on load a rank that holds the
+    alias without the source reads the source's entry into it, and :func:`_unfold_tied_optimizer_state` puts it
+    back under the alias (returned: alias -> (source, the alias's entry))."""
+    entries, aliases = state["state"], {}
+    for alias, source in (tied or {}).items():
+        if alias in entries:
+            entry = entries.pop(alias)
+            if for_load:
+                entries.setdefault(source, entry)
+                aliases[alias] = (source, entry)
+    return state, aliases
+
+
+@torch.no_grad()
+def _unfold_tied_optimizer_state(state: dict[str, Any], aliases: Aliases) -> dict[str, Any]:
+    entries = state["state"]
+    for alias, (source, entry) in aliases.items():
+        if entries[source] is entry:
+            del entries[source]
+        else:  # this rank holds both copies: the alias takes the loaded values of the source
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    value.copy_(entries[source][key])
+        entries[alias] = entry
     return state
 
 
@@ -211,10 +253,10 @@ def save(
             shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    state = _full_state(model, optimizer, scheduler, tied)
+    state = _full_state(model, optimizer, scheduler, tied_of(model, tied))
     # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
     state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
-    dcp.save(state, checkpoint_id=str(tmp))
+    _run_dcp(dcp.save, state, tmp)
     _barrier()
     if _rank() == 0:
         _crash_point("written")
@@ -291,30 +333,63 @@ def _verify_manifest(path: Path) -> str | None:
     return None
 
 
-def _check_keys(path: Path, requested: dict[str, torch.Tensor]) -> None:
-    """Compare the model tensors this rank asks for (and all ranks together) with the checkpoint's."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
-    problems = []
+def _mismatches(saved: dict[str, Any], requested: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """(requested keys the checkpoint lacks, ``key: checkpoint shape vs requested shape`` for tensors)."""
     missing = sorted(k for k in requested if k not in saved)
-    if missing:
-        problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     wrong = [
         f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(t.shape)}"
         for k, t in requested.items()
-        if k in saved and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(t.shape)
+        if k in saved and torch.is_tensor(t) and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(t.shape)
     ]
+    return missing, wrong
+
+
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:10]}{' ...' if len(keys) > 10 else ''}"
+
+
+def _optimizer_keys(optim: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint keys of an optimizer's per-parameter state (DCP flattens nested dicts with dots)."""
+    return {f"state.{fqn}.{key}": value for fqn, entry in optim["state"].items() for key, value in entry.items()}
+
+
+def _check_keys(
+    path: Path, metadata: dict[str, Any], model: dict[str, torch.Tensor], optim: dict[str, Any] | None
+) -> None:
+    """Compare the model tensors (and optimizer state) this rank asks for, and all ranks' model keys together,
+    with the checkpoint's, before DCP runs: every rank raises the same clear error instead of DCP failing inside a
+    collective on some ranks."""
+    saved = {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
+    problems = []
+    missing, wrong = _mismatches(saved, model)
+    if missing:
+        problems.append(f"missing keys {_listed(missing)}")
     if wrong:
         problems.append(f"shape mismatches {wrong[:10]}")
-    everyone: list[set[str]] = [set(requested)]
+    everyone: list[set[str]] = [set(model)]
     if dist.is_initialized():
         everyone = [set()] * _world()
-        dist.all_gather_object(everyone, set(requested))
+        dist.all_gather_object(everyone, set(model))
     unexpected = sorted(set(saved) - set().union(*everyone))
     if unexpected:
-        problems.append(f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(problems))
+        problems.append(f"unexpected keys {_listed(unexpected)}")
+    if optim is not None:
+        saved_optim = {k.removeprefix("optim."): v for k, v in metadata.items() if k.startswith("optim.")}
+        if not any(k.startswith("state.") for k in saved_optim) and optim["state"]:
+            problems.append("no optimizer state (it was saved without an optimizer)")
+        else:
+            missing, wrong = _mismatches(saved_optim, _optimizer_keys(optim))
+            if missing:
+                problems.append(f"missing optimizer state {_listed([k.removeprefix('state.') for k in missing])}")
+            if wrong:
+                problems.append(f"optimizer state shape mismatches {wrong[:10]}")
+    failed = [problems]
+    if dist.is_initialized():  # a rank whose own keys fit must not enter DCP while another refuses
+        failed = [None] * _world()
+        dist.all_gather_object(failed, problems)
+    if any(failed):
+        first = next(rank for rank, found in enumerate(failed) if found)
+        raise CheckpointError(f"checkpoint {path} does not fit this model (rank {first}): " + "; ".join(failed[first]))
 
 
 @stop_all_ranks_on_error("checkpoint.load")
@@ -335,18 +410,21 @@ def load(
     problem = _broadcast(_verify_manifest(path) if _rank() == 0 else None)
     if problem:
         raise CheckpointError(problem)
-    _check_keys(path, model_state_dict(model, tied, for_load=True))
+    tied = tied_of(model, tied)
+    state = _full_state(model, None, scheduler, tied, for_load=True)
+    aliases: Aliases = {}
     if optimizer is not None:
         optimizer.init_state()
-    state = _full_state(model, optimizer, scheduler, tied, for_load=True)
+        state["optim"], aliases = _fold_tied_optimizer_state(optimizer.state_dict(), tied, for_load=True)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_keys(path, metadata, state["model"], state.get("optim"))
     rng_key = next(k for k in state if k.startswith("rng_rank"))
     if not any(k.startswith(rng_key + ".") for k in metadata):
         del state[rng_key]  # a different world size: RNG streams cannot be mapped
     state["meta"] = {"step": 0, "extra": "{}", "world_size": 0}
-    dcp.load(state, checkpoint_id=str(path))  # in place: the state dict's tensors share storage with the params
+    _run_dcp(dcp.load, state, path)  # in place: the state dict's tensors share storage with the params
     if optimizer is not None:
-        optimizer.load_state_dict(state["optim"])
+        optimizer.load_state_dict(_unfold_tied_optimizer_state(state["optim"], aliases))
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     if rng_key in state:

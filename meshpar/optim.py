@@ -10,8 +10,9 @@ averaged grads of what it owns (Megatron's distributed optimizer). A step then m
 (reduce-scatter + all-gather) instead of 1.5 (all-reduce + all-gather). With ``master_weights=True`` low-precision
 parameters are updated through fp32 copies.
 
-``state_dict()`` is keyed by the model's parameter FQNs, with tensor states as DTensors carrying the parameter's
-placements, so :mod:`meshpar.checkpoint` saves and reshards it with DCP across any tp / pp / dp layout.
+``state_dict()`` is keyed by the model's original parameter FQNs (the stages' names, never a wrapper's prefixes),
+with tensor states as DTensors carrying the parameter's placements, so :mod:`meshpar.checkpoint` saves and reshards
+model and optimizer together with DCP across any tp / pp / dp layout, ZeRO-1 and FSDP included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
+from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
 from meshpar.parallel_dims import get_parallel, is_initialized
 
@@ -63,7 +65,8 @@ class DistributedOptimizer:
                 "reduce_scatter_grads=True needs zero1=True: without ZeRO-1 every dp rank steps every parameter and "
                 "needs all averaged grads (all-reduce them with meshpar.data_parallel.allreduce_gradients)"
             )
-        named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
+        # original FQNs (not a wrapper's ``module.`` / ``pipeline.chunks.0.stage.``): the state reshards by them
+        named = original_named_parameters(model) if isinstance(model, nn.Module) else list(model)
         self.named_params = [(name, p) for name, p in named if p.requires_grad]
         if dp_mesh is None and is_initialized():
             dp_mesh = get_parallel().dp_mesh
@@ -253,7 +256,10 @@ class DistributedOptimizer:
     # -- FQN-keyed state for DCP -------------------------------------------------------------------------------
     def _wrap_like(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         if isinstance(param, DTensor) and value.dim() > 0 and value.shape == param._local_tensor.shape:
-            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+            # the parameter's own global shape: from_local would guess it from the local shape (wrong when uneven)
+            return DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
         return value
 
     def state_dict(self) -> dict[str, Any]:

@@ -177,12 +177,33 @@ def _check_devices(device_type: str) -> None:
         )
 
 
+def _restart_store(timeout: datetime.timedelta | None) -> dict:
+    """Under torchrun the workers' rendezvous store is the agent's, and it outlives a restart: a restarted job would
+    read the dead attempt's gloo addresses and fail to connect (torch 2.13, ``Gloo connectFullMesh failed``). Each
+    attempt gets its own key space (``TORCHELASTIC_RESTART_COUNT``), so ``torchrun --max-restarts`` works."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return {
+        "store": dist.PrefixStore(f"meshpar/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def _init_process_group(backend: str, device_type: str, timeout: datetime.timedelta | None) -> None:
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, **kwargs)
+        dist.init_process_group(backend, **kwargs, **_restart_store(timeout))
     else:
         # A plain ``python script.py``: a one-process group so that the same code runs without torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)

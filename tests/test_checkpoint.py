@@ -295,3 +295,76 @@ def test_a_malformed_manifest_is_refused_on_every_rank(tmp_path: Path) -> None:
         run_distributed(mismatch_case, 2, str(tmp_path), 2, 16)
     message = str(error.value)
     assert "no answer" not in message and message.count("has a malformed MANIFEST.json (KeyError") == 2, message
+
+
+# -- the README's objects: meshpar.parallelize + DistributedOptimizer(model, ...) + checkpoint.save(dir, model, opt) --
+HF_ROWS = 4
+
+
+def _hf_batch(step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (HF_ROWS, 12), generator=torch.Generator().manual_seed(500 + step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def hf_train_case(
+    layout: dict, optimizer_kw: dict, start: int, stop: int, load_dir: str | None, save_dir: str | None
+) -> list[float]:
+    """GPT-2 (tied embedding and LM head) trained with the README's calls; optionally resumed from / saved to a
+    checkpoint of model and optimizer together."""
+    import meshpar
+    from tests.hf._configs import build
+
+    model = meshpar.parallelize(build("gpt2", layers=2), {"num_microbatches": 2, **layout})
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-4, **optimizer_kw)
+    if load_dir is not None:
+        assert checkpoint.load(load_dir, model, optimizer)["step"] == start
+    dims = model.dims
+    rows = slice(dims.dp_rank * HF_ROWS // dims.dp, (dims.dp_rank + 1) * HF_ROWS // dims.dp)
+    losses = []
+    for step in range(start, stop):
+        optimizer.zero_grad()
+        losses.append(model.train_step(**{k: v[rows] for k, v in _hf_batch(step).items()}).item())
+        optimizer.step()
+    if save_dir is not None:
+        checkpoint.save(save_dir, model, optimizer, step=stop)
+    return losses
+
+
+def test_model_and_optimizer_reshard_together_from_the_readme_objects(tmp_path: Path) -> None:
+    """Saved at tp2 x pp2 (pipeline stages, tied copies on two stages); resumed at tp4 (the pp=1 wrapper), at
+    pp2 x dp2 with ZeRO-1, at tp2 x dp2 with FSDP and in one process: the next losses equal the continued run."""
+    straight = run_distributed(hf_train_case, 1, {}, {}, 0, 4, None, None)[0]
+    first = run_distributed(hf_train_case, 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}, 0, 2,
+                            None, str(tmp_path))[0]  # fmt: skip
+    assert first == pytest.approx(straight[:2], abs=1e-5)
+    for world, layout, optimizer_kw in [
+        (4, {"tensor_parallel_size": 4}, {}),
+        (4, {"pipeline_parallel_size": 2}, {"zero1": True}),
+        (4, {"tensor_parallel_size": 2, "fsdp": True}, {}),
+        (1, {}, {}),
+    ]:
+        resumed = run_distributed(hf_train_case, world, layout, optimizer_kw, 2, 4, str(tmp_path), None)[0]
+        assert resumed == pytest.approx(straight[2:], abs=1e-5), (layout, optimizer_kw)
+
+
+def optimizer_mismatch_case(directory: str, lr_groups: int) -> None:
+    setup_parallel(tp=2)
+    torch.manual_seed(0)
+    model = parallelize_module(PipeGPT(layers=2), get_parallel().tp_mesh, pipe_gpt_plan())
+    checkpoint.load(directory, model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3))
+
+
+def test_optimizer_state_is_checked_before_dcp_and_dcp_errors_are_exceptions(tmp_path: Path) -> None:
+    run_distributed(save_small_case, 2, str(tmp_path))  # a model-only checkpoint
+    with pytest.raises(AssertionError, match=r"no optimizer state \(it was saved without an optimizer\)"):
+        run_distributed(optimizer_mismatch_case, 2, str(tmp_path), 1)
+    model = torch.nn.Linear(4, 4)
+    path = checkpoint.save(tmp_path / "one", model, step=1)
+    next(p for p in path.iterdir() if p.suffix == ".distcp").write_bytes(b"garbage")
+    (path / checkpoint.MANIFEST).unlink()  # no manifest to catch it: DCP itself fails
+    try:
+        checkpoint.load(path.parent, model, step=1)
+    except Exception as error:
+        assert isinstance(error, checkpoint.CheckpointError), type(error)
+    else:
+        raise AssertionError("a garbage checkpoint loaded")

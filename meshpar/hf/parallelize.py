@@ -130,6 +130,11 @@ class ParallelizedModel(nn.Module):
         self.parallel_config = config
         # the plan (and its head-count checks) before the mesh: a bad layout fails before any process group exists
         self.plan: HFPlan = plan_for(model, config.tensor_parallel_size, config.sequence_parallel, plan)
+        # from here on ranks communicate: an error on one of them stops them all (meshpar.failure)
+        with stop_all_ranks_on_error("parallelize"):
+            self._build(model, config)
+
+    def _build(self, model: nn.Module, config: ParallelConfig) -> None:
         self.dims = _init_mesh(config)
         self.hf_config = model.config
         self.model_class = type(model)
@@ -564,9 +569,8 @@ def parallelize(
 ) -> ParallelizedModel:
     """Shard a HuggingFace model: GPT-2, BERT and Llama by meshpar's tables, every other family by the plan the
     installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both. An
-    error on any rank stops every rank (:mod:`meshpar.failure`)."""
-    with stop_all_ranks_on_error("parallelize"):
-        return ParallelizedModel(model, load_config(config), plan)
+    error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
+    return ParallelizedModel(model, load_config(config), plan)
 
 
 def write_config(path: str | Path, config: ParallelConfig) -> None:

@@ -53,7 +53,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            # fn caught an error after meshpar.failure aborted the process groups: the pool must be rebuilt
+            conn.send(("ok" if dist.is_initialized() else "ok, process groups aborted", result))
         except BaseException:
             # meshpar.failure aborts the process groups when a collective phase fails: the pool must be rebuilt
             aborted = "" if dist.is_initialized() else "\n[process groups aborted]"
@@ -88,7 +90,7 @@ class DistributedPool:
             conn.send((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
-        hung = False
+        hung = aborted = False
         for rank, conn in enumerate(self._conns):
             wait = timeout if not errors else 15.0
             if not conn.poll(wait):
@@ -102,8 +104,9 @@ class DistributedPool:
                 errors.append(f"rank {rank}: the process died (exit code {self._procs[rank].exitcode})")
                 hung = True
                 continue
-            if status == "ok":
+            if status.startswith("ok"):
                 results[rank] = payload
+                aborted = aborted or status != "ok"
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 # a gloo timeout or meshpar's abort leaves the group unusable
@@ -112,6 +115,8 @@ class DistributedPool:
             if hung:  # a rank may be stuck in a collective: the process group cannot be trusted any more
                 self.close(force=True)
             raise AssertionError(f"{fn.__name__} failed on world size {self.world_size}:\n" + "\n".join(errors))
+        if aborted:
+            self.close(force=True)
         return results
 
     def close(self, force: bool = False) -> None:
