@@ -169,23 +169,23 @@ def test_readme_sketch_matches_dense(tp: int, pp: int, vpp: int | None, m: int, 
     run_distributed(readme_case, 4, tp, pp, vpp, m, scaled)
 
 
-def wrong_shape_case() -> None:
+def wrong_shape_case(tensor_shape: tuple[int, ...]) -> None:
     parallel_state.initialize_model_parallel(1, 2)
     setup_microbatch_calculator(0, None, MBS * 2, MBS, 1)
     model = build_model(model_provider_func, False, None)
     batch = [torch.zeros(MBS * 2, SEQ, dtype=torch.long)] * 2
-    # apex's [seq, batch, hidden] for this batch-first model: the same element count, another layout
-    get_forward_backward_func(None, 2)(
-        forward_step_func, batch, model[0], forward_only=True, tensor_shape=(SEQ, MBS, H)
-    )
+    get_forward_backward_func(None, 2)(forward_step_func, batch, model[0], forward_only=True, tensor_shape=tensor_shape)
 
 
-def test_tensor_shape_in_another_layout_is_refused_on_every_rank() -> None:
+# apex's [seq, batch, hidden] for this batch-first model (the same element count, another layout), too small, too big
+@pytest.mark.parametrize("tensor_shape", [(SEQ, MBS, H), (MBS, SEQ - 1, H), (MBS, SEQ + 2, H)])
+def test_a_wrong_tensor_shape_is_refused_on_every_rank(tensor_shape: tuple[int, int, int]) -> None:
     """The receiving stage refuses; the sending stage stops at once with the same message (meshpar.failure)."""
     with pytest.raises(AssertionError) as caught:
-        run_distributed(wrong_shape_case, 2)
+        run_distributed(wrong_shape_case, 2, tensor_shape)
     ranks = str(caught.value).split("\nrank ")[1:]
     assert len(ranks) == 2 and "no answer" not in str(caught.value), caught.value
+    wanted = re.escape(f"tensor_shape={list(tensor_shape)}")
     for text in ranks:
-        assert re.search(r"received an activation of shape \[2, 6, 16\].*tensor_shape=\[6, 2, 16\]", text), text
+        assert re.search(r"received an activation of shape \[2, 6, 16\].*" + wanted, text), text
     assert "PeerFailedError" in ranks[0] and "PipelineShapeError" in ranks[1]
