@@ -51,6 +51,7 @@ from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
+from meshpar.rebind import record_replacements
 from meshpar.tensor_parallel import parallel_cross_entropy
 
 _log = logging.getLogger(__name__)
@@ -151,15 +152,14 @@ class ParallelizedModel(nn.Module):
         # the layer classes (hybrid models mix several: linear and full attention) for splitting, checkpointing, FSDP
         classes = tuple(dict.fromkeys(type(layer) for layer in container)) if container is not None else ()
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
-        # an optimizer built on the model before parallelize keeps training the sharded parameters (see _keep_identity)
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         if self.dims.pp == 1:
-            self.module = self._shard(model, originals)
+            self.module = self._shard(model)
             self.pipeline = None
             if self.dims.dp > 1 and self._overlap_grad_reduce:
                 self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
         else:
-            self.pipeline = self._split(model, originals)
+            self.pipeline = self._split(model)
             self.module = None
             self._tied_group = self._tied_embedding_group()
             if self._from_meta:
@@ -167,6 +167,19 @@ class ParallelizedModel(nn.Module):
             if self.dims.pp_rank == self.dims.pp - 1:  # grad norms count the tied embedding once, on stage 0
                 for param in self._local_tied_parameters():
                     mark_shared_copy(param)
+        self._rebind_optimizers(originals)
+
+    def _rebind_optimizers(self, originals: dict[str, nn.Parameter]) -> None:
+        """An optimizer built on the model before parallelize trains what replaced its parameters on this rank
+        (:mod:`meshpar.rebind`); a parameter reached by several names (tied) takes the one this rank holds."""
+        current: dict[str, nn.Parameter] = {}
+        for module in self.local_modules():
+            current.update(module.named_parameters(remove_duplicate=False))
+        replaced: dict[int, tuple[nn.Parameter, nn.Parameter | None]] = {}
+        for name, original in originals.items():
+            held = replaced.get(id(original), (original, None))[1]
+            replaced[id(original)] = (original, held if held is not None else current.get(name))
+        record_replacements(replaced.values())
 
     def _verify(self, model: nn.Module) -> None:
         """Prove a plan that is not one of meshpar's own on the first block of each layer structure and on a custom
@@ -192,7 +205,7 @@ class ParallelizedModel(nn.Module):
         return self.parallel_config.fsdp and self.dims.dp > 1
 
     # -- building ------------------------------------------------------------------------------------------------
-    def _shard(self, module: nn.Module, originals: dict[str, nn.Parameter]) -> nn.Module:
+    def _shard(self, module: nn.Module) -> nn.Module:
         # The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is [in, 3, hidden])
         # in every layout and checkpoints load across any change of tp.
         with warnings.catch_warnings():
@@ -204,7 +217,6 @@ class ParallelizedModel(nn.Module):
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
         apply_ties(module, present)
-        _keep_identity(module, originals)
         if self._from_meta and self.dims.pp == 1:
             materialize_sharded(module, self.dims)
         elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
@@ -223,7 +235,7 @@ class ParallelizedModel(nn.Module):
                 module.get_parameter(name).hf_shape = shape
         return module
 
-    def _split(self, model: nn.Module, originals: dict[str, nn.Parameter]) -> PipelineModel:
+    def _split(self, model: nn.Module) -> PipelineModel:
         """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
         pipeline plan runs its own forward per stage (:func:`meshpar.hf.stages.decoder_stage_forward`), proven on
         the dense model first."""
@@ -271,7 +283,7 @@ class ParallelizedModel(nn.Module):
             broadcast_and_average_loss=True,
             loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded, self._normalizer),
             keep_modules=keep,
-            stage_transform=lambda stage: self._shard(install(stage), originals),
+            stage_transform=lambda stage: self._shard(install(stage)),
             overlap_grad_reduce=self._overlap_grad_reduce,
             stage_kwargs=("attention_mask",),
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
@@ -521,34 +533,6 @@ class ParallelizedModel(nn.Module):
     def tied_parameters(self) -> dict[str, str]:
         """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
         return {target: source for target, source in self.plan.ties if target.endswith(".weight")}
-
-
-def _keep_identity(module: nn.Module, originals: dict[str, nn.Parameter]) -> None:
-    """Give the sharded (or pipeline-stage) parameters back the Python identity of the model's original ones
-    (``torch.utils.swap_tensors``), so that an optimizer built before ``parallelize`` (as OSLO's tutorial does)
-    steps exactly what trains. Runs before FSDP, which makes parameters of its own (build the optimizer after
-    ``parallelize`` with ``fsdp``)."""
-    swapped: dict[int, nn.Parameter] = {}
-    lost: list[str] = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, param in list(sub._parameters.items()):
-            fqn = f"{prefix}.{name}" if prefix else name
-            original = originals.get(fqn)
-            if param is None or original is None or original is param:
-                continue
-            if id(param) not in swapped:
-                if isinstance(param, DTensor) != isinstance(original, DTensor):
-                    lost.append(fqn)  # swap_tensors cannot turn a plain Parameter into a DTensor (other slots)
-                    continue
-                torch.utils.swap_tensors(original, param)
-                swapped[id(param)] = original
-            sub._parameters[name] = swapped[id(param)]
-    if lost:
-        warnings.warn(
-            f"{len(lost)} parameters (e.g. {lost[0]}) became tensor-parallel DTensor shards: an optimizer built "
-            "on the model before parallelize would not train them; build it on the parallelized model",
-            stacklevel=3,
-        )
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

@@ -612,3 +612,48 @@ def test_unsharded_parameters_follow_the_shards_in_place() -> None:
     assert model.transformer.probe.device.type == "meta"
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.transformer.wte.weight.hf_shape == (1, 2)
+
+
+def _dense_adamw_losses(family: str, steps: int) -> list[float]:
+    model = build(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(**batch(family)).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def optimizer_first_case(family: str, layout: dict, steps: int) -> list[float]:
+    """OSLO's order: the optimizer is built on the dense model, then the model is parallelized."""
+    model = build(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parallel = meshpar.parallelize(model, {"num_microbatches": 2, **layout})
+    dims = parallel.dims
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        rows = {k: v.chunk(dims.dp)[dims.dp_rank] for k, v in batch(family).items()}
+        losses.append(parallel.train_step(**rows).item())
+        optimizer.step()
+    return losses
+
+
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("gpt2", {"tensor_parallel_size": 2}),
+        ("gpt2", {"pipeline_parallel_size": 2}),  # the tied embedding's copies on both stages
+        ("gpt2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("llama", {"tensor_parallel_size": 2, "fsdp": True}),
+        ("llama", {"pipeline_parallel_size": 2, "data_parallel_size": 2}),
+    ],
+)
+def test_an_optimizer_built_before_parallelize_trains_the_parallel_model(family: str, layout: dict) -> None:
+    world = 4 if layout.get("fsdp") or layout.get("data_parallel_size") or len(layout) == 2 else 2
+    dense = _dense_adamw_losses(family, 3)
+    for losses in run_distributed(optimizer_first_case, world, family, layout, 3):
+        assert losses == pytest.approx(dense, abs=2e-5)
