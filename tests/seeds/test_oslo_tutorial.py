@@ -26,10 +26,8 @@ def _gpt2() -> GPT2LMHeadModel:
 def tutorial_case(config: dict, tmp: str) -> None:
     model = _gpt2()
     dense = copy.deepcopy(model)
-    # the tutorial builds the optimizer before initialize; meshpar's GPT-2 parameters become DTensors (at every tp),
-    # which a plain Parameter cannot turn into, so parallelize warns and the optimizer is built after it here
+    optimizer = Adam(model.parameters(), lr=3e-3)  # as the tutorial: before initialize
     model = oslo.initialize(model, config=config)
-    optimizer = Adam(model.parameters(), lr=3e-3)
     torch.manual_seed(1)
     input_batch = {"input_ids": torch.randint(0, 64, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
     for _ in range(2):
@@ -45,7 +43,7 @@ def tutorial_case(config: dict, tmp: str) -> None:
         dense_loss.backward()
         dense_optimizer.step()
     torch.testing.assert_close(loss.detach(), dense_loss.detach(), atol=1e-5, rtol=1e-5)
-    reference = dict(dense.named_parameters())
+    reference = dict(dense.named_parameters(remove_duplicate=False))  # lm_head.weight: on the last stage
     for module in model.local_modules():
         for name, param in module.named_parameters():
             value = full(param.detach())
@@ -60,8 +58,9 @@ def tutorial_case(config: dict, tmp: str) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        # pp=2 (the tutorial's own dict) is not here yet: this sequence hangs at pp2 (see issue #17's note)
-        {"model_parallelism": {"enable": True, "tensor_parallel_size": 2}},  # pp=1: tp2 x dp2
+        {"model_parallelism": {"enable": True, "pipeline_parallel_size": 2}},  # the tutorial's dict: pp2 x dp2
+        {"model_parallelism": {"enable": True, "tensor_parallel_size": 2}},  # tp2 x dp2
+        {"model_parallelism": {"enable": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
     ],
 )
 def test_tutorial_training_matches_dense(config: dict, tmp_path) -> None:
