@@ -36,6 +36,7 @@ from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import text_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
 from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
@@ -462,9 +463,11 @@ class ParallelizedModel(nn.Module):
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """HF ``generate`` under tensor parallelism (full logits gathered for sampling); not available under pp."""
+        """HF ``generate`` (greedy, sampling, beams, ...) with full logits gathered over tp; under pp one rank per
+        replica drives HF's loop over the pipeline (:mod:`meshpar.hf.generation`) and every rank returns its
+        sequences."""
         if self.pipeline is not None:
-            raise RuntimeError("generate() is not supported with pipeline_parallel_size > 1; use pp=1 for generation")
+            return pipelined_generate(self, *args, **kwargs)
         if self.parallel_config.sequence_parallel:
             raise RuntimeError("generate() is not supported with sequence_parallel (decoding steps have length 1)")
         head = getattr(self.module, "lm_head", None)

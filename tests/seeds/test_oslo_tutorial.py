@@ -65,3 +65,30 @@ def tutorial_case(config: dict, tmp: str) -> None:
 )
 def test_tutorial_training_matches_dense(config: dict, tmp_path) -> None:
     run_distributed(tutorial_case, 4, config, str(tmp_path))
+
+
+def generate_case(config: dict) -> list[list[int]]:
+    """The tutorial's ``generate`` calls: greedy, beam search (num_beams=3) and sampling, against the dense model
+    (the same seed for sampling)."""
+    dense = _gpt2().eval()
+    model = oslo.initialize(_gpt2().eval(), config=config)
+    prompt = torch.randint(0, 63, (2, 5), generator=torch.Generator().manual_seed(3))  # 63: the pad token
+    for kwargs in ({}, {"num_beams": 3}, {"do_sample": True, "top_k": 8}):
+        torch.manual_seed(7)
+        expected = dense.generate(prompt, max_new_tokens=6, pad_token_id=63, **kwargs)
+        torch.manual_seed(7)
+        got = model.generate(prompt, max_new_tokens=6, pad_token_id=63, **kwargs)
+        assert torch.equal(got.cpu(), expected), (kwargs, got, expected)
+    return got.tolist()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_parallelism": {"enable": True, "pipeline_parallel_size": 2}},
+        {"model_parallelism": {"enable": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
+    ],
+)
+def test_generate_across_pipeline_stages_matches_dense(config: dict) -> None:
+    results = run_distributed(generate_case, 4, config)
+    assert all(r == results[0] for r in results)  # every rank returns the driver's sequences

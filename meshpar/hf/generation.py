@@ -1,0 +1,147 @@
+"""HF ``generate`` across pipeline stages: one driver runs HF's decoding loop, every other rank follows.
+
+HF's loop (greedy, sampling, beam search, stopping criteria) decides on full-vocabulary logits, step by step. Under
+pp the logits exist only on the last stage, and every rank of a model replica must run each forward together. So
+the last stage's tp rank 0 runs ``generate`` on a stand-in model whose forward is the whole pipeline (no KV cache:
+each step re-runs the sequence, which keeps the pipeline's shapes simple); before each forward it sends the ids to
+every rank of its replica (over tp inside the last stage, then over each pp column), which run the same pipeline
+forward. At the end it sends a stop and the generated sequences, which every rank returns. Only the driver's random
+numbers matter for sampling, so ranks never disagree on a token or on when to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from meshpar.failure import stop_all_ranks_on_error
+
+if TYPE_CHECKING:
+    from meshpar.hf.parallelize import ParallelizedModel
+
+_RUN, _RESULT = 1, 2
+
+
+class _PipelineAsModel(PreTrainedModel, GenerationMixin):
+    """What HF's ``generate`` drives on the driver rank: a model without parameters whose forward is the pipeline."""
+
+    _supports_sdpa = True  # it runs no attention itself: any implementation the stages use is fine
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: Any, logits: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        super().__init__(copy.deepcopy(config))  # PreTrainedModel adjusts its config's attention setting
+        # HF reads .device from the first parameter
+        self.device_marker = torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+        self._logits = logits
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+        _refuse_padding(attention_mask)  # HF infers a mask from pad_token_id in the prompt
+        return CausalLMOutputWithPast(logits=self._logits(input_ids))
+
+
+def _refuse_padding(mask: torch.Tensor | None) -> None:
+    if mask is not None and not bool(mask.all()):
+        raise NotImplementedError(
+            "generate() with pipeline_parallel_size > 1 takes unpadded prompts (no pad_token_id inside them, an "
+            "attention_mask of ones): the stages derive positions from the sequence length; use pp=1 for padded "
+            "prompts"
+        )
+
+
+class _Replica:
+    """Sends the driver's commands to every rank of its model replica: over tp inside the last stage (source: tp
+    rank 0), then down each pp column (source: the last stage)."""
+
+    def __init__(self, model: ParallelizedModel) -> None:
+        dims = model.dims
+        self.device = dims.device
+        self.tp_group = dims.tp_mesh.get_group() if dims.tp > 1 else None
+        self.pp_group = dims.pp_mesh.get_group()
+        self.last_stage = dims.pp_rank == dims.pp - 1
+        self.driver = self.last_stage and dims.tp_rank == 0
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        if self.last_stage and self.tp_group is not None:
+            dist.broadcast(tensor, group=self.tp_group, group_src=0)
+        dist.broadcast(tensor, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
+
+    def exchange(self, flag: int = 0, ids: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """The driver sends ``flag`` and ``ids``; every other rank calls it without them and receives both."""
+        header = torch.tensor([flag, *(ids.shape if ids is not None else (0, 0))], dtype=torch.long)
+        header = header.to(self.device)
+        self._broadcast(header)
+        flag, rows, cols = header.tolist()
+        # HF's beam search returns views (a beam dimension sliced away): a broadcast sends contiguous memory
+        ids = torch.empty(rows, cols, dtype=torch.long, device=self.device) if ids is None else ids.contiguous()
+        self._broadcast(ids)
+        return flag, ids
+
+
+def _microbatches(rows: int, configured: int) -> int:
+    """The most microbatches (up to the configured count) that divide the rows of this decoding step."""
+    return max(m for m in range(1, min(rows, configured) + 1) if rows % m == 0)
+
+
+@contextlib.contextmanager
+def _logits_only(model: ParallelizedModel) -> Iterator[None]:
+    """During generation the last stage gathers full-vocabulary logits and computes no loss."""
+    pipeline = model.pipeline
+    named = [dict(stage.named_modules()) for stage in pipeline.local_modules()]
+    heads = [modules[model.plan.head] for modules in named if model.plan.head in modules]
+    saved = (pipeline.loss_fn, pipeline.num_microbatches, [h.gather_output for h in heads])
+    pipeline.loss_fn = lambda logits, *args, **kwargs: logits.new_zeros(())
+    for head in heads:
+        head.gather_output = True
+    try:
+        yield
+    finally:
+        pipeline.loss_fn, pipeline.num_microbatches = saved[0], saved[1]
+        for head, gather in zip(heads, saved[2], strict=True):
+            head.gather_output = gather
+
+
+def _pipeline_logits(model: ParallelizedModel, ids: torch.Tensor, configured: int) -> torch.Tensor | None:
+    model.pipeline.num_microbatches = _microbatches(ids.shape[0], configured)
+    _, outputs = model.pipeline.run_eval(return_outputs=True, input_ids=ids, labels=ids)
+    return torch.cat(outputs) if outputs else None
+
+
+def pipelined_generate(model: ParallelizedModel, input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """``generate`` at pp > 1; returns the driver's sequences on every rank of the replica."""
+    if input_ids is None:
+        raise ValueError("generate() with pipeline_parallel_size > 1 needs input_ids (the prompts)")
+    _refuse_padding(kwargs.get("attention_mask"))
+    if kwargs.get("use_cache"):
+        raise ValueError("generate() with pipeline_parallel_size > 1 runs without a KV cache; drop use_cache=True")
+    with stop_all_ranks_on_error("generate"):  # the followers wait in a broadcast: never leave them there
+        return _generate(model, input_ids, kwargs)
+
+
+def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    replica = _Replica(model)
+    configured = model.pipeline.num_microbatches
+    with torch.no_grad(), _logits_only(model):
+        if replica.driver:
+
+            def logits(ids: torch.Tensor) -> torch.Tensor:
+                replica.exchange(_RUN, ids)
+                return _pipeline_logits(model, ids, configured)
+
+            stand_in = _PipelineAsModel(model.hf_config, logits, replica.device)
+            result = stand_in.generate(input_ids.to(replica.device), use_cache=False, **kwargs)
+            sequences = result if torch.is_tensor(result) else result.sequences
+            return replica.exchange(_RESULT, sequences.long())[1]
+        while True:
+            flag, ids = replica.exchange()
+            if flag == _RESULT:
+                return ids
+            _pipeline_logits(model, ids, configured)
