@@ -23,14 +23,28 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _autocast_operands(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast, the operands cast as ``F.linear`` would cast them (to autocast's dtype), so that what is saved
+    for backward has the output grad's dtype: backward runs outside autocast and would otherwise mix dtypes in its
+    matmuls. Outside autocast: unchanged."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, w, b
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), w.to(dtype), b.to(dtype) if b is not None else None
+
+
 def _dtensor_grads(
     ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor, grad_b: torch.Tensor | None
 ) -> tuple[torch.Tensor, DTensor, DTensor | None, None]:
-    """Backward's return for ``(x, weight, bias, mesh)``: local weight/bias grads wrapped like the parameters."""
+    """Backward's return for ``(x, weight, bias, mesh)``: local weight/bias grads wrapped like the parameters (in
+    their dtype: under autocast the grads were computed in autocast's)."""
     return (
         grad_x,
-        dtensor_like(grad_w, ctx.weight),
-        dtensor_like(grad_b, ctx.bias) if grad_b is not None else None,
+        dtensor_like(grad_w.to(ctx.weight.dtype), ctx.weight),
+        dtensor_like(grad_b.to(ctx.bias.dtype), ctx.bias) if grad_b is not None else None,
         None,
     )
 
@@ -40,8 +54,8 @@ class ColumnLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        w = weight._local_tensor
         b = bias._local_tensor if bias is not None else None
+        x, w, b = _autocast_operands(x, weight._local_tensor, b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
         return torch.nn.functional.linear(x, w, b)
@@ -72,11 +86,11 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, regather: bool = False
     ) -> torch.Tensor:
-        full = _all_gather(x, mesh, 1)
-        w = weight._local_tensor
+        x, w, b = _autocast_operands(x, weight._local_tensor, bias._local_tensor if bias is not None else None)
+        full = _all_gather(x, mesh, 1)  # after the cast: under autocast the gather moves half the bytes
         ctx.save_for_backward(x if regather else full, w)
         ctx.weight, ctx.bias, ctx.mesh, ctx.regather = weight, bias, mesh, regather
-        return torch.nn.functional.linear(full, w, bias._local_tensor if bias is not None else None)
+        return torch.nn.functional.linear(full, w, b)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -108,6 +122,8 @@ class ColumnLinearLocalFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.dtypes = (w.dtype, b.dtype if b is not None else None)
+        x, w, b = _autocast_operands(x, w, b)
         ctx.save_for_backward(x, w)
         ctx.mesh, ctx.has_bias = mesh, b is not None
         return torch.nn.functional.linear(x, w, b)
@@ -120,8 +136,8 @@ class ColumnLinearLocalFunction(torch.autograd.Function):
         if communicate:
             grad_x = all_reduce_start(grad_x, ctx.mesh)  # in flight during the weight-grad matmul
         grad_w = _flat(grad_out).t() @ _flat(x)
-        grad_b = _flat(grad_out).sum(0) if ctx.has_bias else None
-        return all_reduce_wait(grad_x) if communicate else grad_x, grad_w, grad_b, None
+        grad_b = _flat(grad_out).sum(0).to(ctx.dtypes[1]) if ctx.has_bias else None
+        return all_reduce_wait(grad_x) if communicate else grad_x, grad_w.to(ctx.dtypes[0]), grad_b, None
 
 
 class RowLinearFunction(torch.autograd.Function):
@@ -133,8 +149,8 @@ class RowLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        w = weight._local_tensor
         b = bias._local_tensor if bias is not None else None
+        x, w, b = _autocast_operands(x, weight._local_tensor, b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias = weight, bias
         if mesh.size() == 1:  # nothing to reduce: the bias goes into the matmul's epilogue (one addmm)
@@ -160,12 +176,12 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        w = weight._local_tensor
+        x, w, b = _autocast_operands(x, weight._local_tensor, bias._local_tensor if bias is not None else None)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
         y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, 1)
-        if bias is not None:
-            y.add_(bias._local_tensor)  # y is the reduce-scatter's fresh output
+        if b is not None:
+            y.add_(b)  # y is the reduce-scatter's fresh output
         return y
 
     @staticmethod

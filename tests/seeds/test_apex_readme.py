@@ -189,3 +189,43 @@ def test_a_wrong_tensor_shape_is_refused_on_every_rank(tensor_shape: tuple[int, 
     for text in ranks:
         assert re.search(r"received an activation of shape \[2, 6, 16\].*" + wanted, text), text
     assert "PeerFailedError" in ranks[0] and "PipelineShapeError" in ranks[1]
+
+
+def autocast_case(dtype: torch.dtype | None, disable_autocast: bool) -> list[tuple[bool, str]]:
+    """apex's contract: with ``dtype`` half or bfloat16 the forward step and loss run under autocast, unless
+    ``disable_autocast`` (then the model itself is in ``dtype``, as with apex's O2-style training: ``dtype`` is also
+    what the stages send); records, per forward step, whether autocast was on and the stage output's dtype."""
+    parallel_state.initialize_model_parallel(1, 2)
+    setup_microbatch_calculator(0, None, MBS * 2, MBS, 1)
+    model = build_model(model_provider_func, False, None)
+    if disable_autocast:
+        model[0].to(dtype)
+    seen = []
+
+    def recording_step(batch, model):
+        out, loss = forward_step_func(batch, model)
+        seen.append((torch.is_autocast_enabled("cpu"), str(out.dtype)))
+        return out, loss
+
+    batch = [torch.zeros(MBS * 2, SEQ, dtype=torch.long)] * 2
+    get_forward_backward_func(None, 2)(
+        recording_step, batch, model[0], forward_only=False, tensor_shape=(MBS, SEQ, H), dtype=dtype,
+        disable_autocast=disable_autocast,
+    )  # fmt: skip
+    return seen
+
+
+@pytest.mark.parametrize(
+    "dtype, disable_autocast, on, out",
+    [
+        (torch.bfloat16, False, True, None),  # fp32 residual adds promote the bfloat16 matmul outputs
+        (torch.bfloat16, True, False, "torch.bfloat16"),  # a bfloat16 model, no autocast
+        (None, False, False, "torch.float32"),
+    ],
+)
+def test_dtype_and_disable_autocast_as_apex(
+    dtype: torch.dtype | None, disable_autocast: bool, on: bool, out: str | None
+) -> None:
+    for seen in run_distributed(autocast_case, 2, dtype, disable_autocast):
+        assert len(seen) == 2 and all(enabled == on for enabled, _ in seen), seen
+        assert out is None or all(dtype_seen == out for _, dtype_seen in seen), seen

@@ -219,3 +219,32 @@ def test_uneven_vocab_embedding_and_gathered_head_match_dense(tp: int) -> None:
 def test_regather_input_needs_sequence_parallel() -> None:
     with pytest.raises(ValueError, match="regather_input=True\\) needs sequence_parallel=True"):
         ColumnParallel(regather_input=True)
+
+
+def autocast_case(sp: bool) -> None:
+    """A column -> row pair under CPU bfloat16 autocast: output and every grad (in the parameters' fp32) equal the
+    dense pair under the same autocast, within bfloat16's tolerance."""
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(IN, OUT), nn.Linear(OUT, IN))
+    x = torch.randn(BATCH, SEQ, IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dense(x).float().square().sum().backward()
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(IN, OUT, gather_output=False, sequence_parallel_enabled=sp)
+    row = RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel_enabled=sp)
+    x_local = shard_of(x, dims.tp_mesh, 1) if sp else x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = row(column(x_local))
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+    for layer, reference in ((column, dense[0]), (row, dense[1])):
+        for name, param in layer.named_parameters():
+            assert param.grad.dtype == torch.float32, name
+            expected = dict(reference.named_parameters())[name].grad
+            assert_matches_dense(param.grad, expected, atol=0.05, rtol=0.02, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_parallel_linears_under_autocast_match_dense(sp: bool) -> None:
+    run_distributed(autocast_case, 2, sp)
