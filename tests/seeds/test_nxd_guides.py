@@ -235,3 +235,50 @@ def conflicting_arguments_case(kind: str) -> None:
 def test_nxd_pipeline_refuses_what_it_cannot_honour(kind: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         run_distributed(conflicting_arguments_case, 2, kind)
+
+
+class TPLayer(nn.Module):
+    """A block written with the guide's layers (column then row parallel), for NxDPPModel at tp2 x pp2."""
+
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        if parallel:
+            self.fc1 = ColumnParallelLinear(H, 2 * H, gather_output=False)
+            self.fc2 = RowParallelLinear(2 * H, H, input_is_parallel=True)
+        else:
+            self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class TPStack(Stack):
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TPLayer(parallel) for _ in range(4))
+
+
+def tp_pipeline_case() -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    dense = TPStack(parallel=False)
+    module = TPStack(parallel=True)
+    copy_dense_into(module, dense.state_dict())
+    ids, labels = torch.randint(0, V, (4, SEQ)), torch.randint(0, V, (4, SEQ))
+    model = NxDPPModel(
+        module, transformer_layer_cls=TPLayer, num_microbatches=2, broadcast_and_average_loss=True,
+        input_names=["ids"], loss_fn=lambda logits, ids, labels: F.cross_entropy(logits.reshape(-1, V),
+                                                                                labels.reshape(-1)),
+    )  # fmt: skip
+    loss = model.run_train(ids=ids, labels=labels)
+    pairs = zip(ids.chunk(2), labels.chunk(2), strict=True)
+    dense_loss = torch.stack([F.cross_entropy(dense(i).reshape(-1, V), lab.reshape(-1)) for i, lab in pairs]).mean()
+    dense_loss.backward()
+    torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-5, rtol=1e-5)
+    grads = {n: p.grad for n, p in dense.named_parameters()}
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(full(param.grad), grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_nxd_pipeline_of_tensor_parallel_layers_tp2_pp2() -> None:
+    run_distributed(tp_pipeline_case, 4)
