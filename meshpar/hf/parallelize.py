@@ -98,8 +98,10 @@ def _summed_over(loss: torch.Tensor, scored: torch.Tensor, normalizer: torch.Ten
 def _causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
 ) -> torch.Tensor:
-    scored = _scored(labels, True)
-    return _summed_over(_token_losses(logits[:, :-1], scored.contiguous(), vocab_sharded), scored, normalizer)
+    """Position t predicts token t+1: the labels shift left (the last position scores nothing), as HF does; slicing
+    the logits instead would copy them forward and zero-fill plus copy a full-size grad in backward."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return _summed_over(_token_losses(logits, shifted, vocab_sharded), shifted, normalizer)
 
 
 def _masked_lm_loss(

@@ -1,7 +1,8 @@
 """The local half of vocab-parallel cross entropy, in one pass over a logits shard.
 
-- ``meshpar::vocab_ce_stats(logits [N, V], labels [N], vocab_start) -> [N, 4]`` fp32: per row the max, the sum of
-  ``exp(x - max)`` (online over V), the target logit when this shard owns the label (else 0) and the sum of logits.
+- ``meshpar::vocab_ce_stats(logits [N, V], labels [N], vocab_start) -> [N, 4]`` fp32: per row a pair ``(m, s)`` with
+  ``m + log(s)`` the shard's log-partition (the kernel: the max and the online sum of ``exp(x - max)``; the CPU
+  reference: ``(logsumexp, 1)``), the target logit when this shard owns the label (else 0) and the sum of logits.
 - ``meshpar::vocab_ce_grad(logits, labels, log_z, scale, vocab_start, vocab_size, label_smoothing) -> dlogits``:
   ``(softmax - eps/V - (1-eps) * onehot) * scale`` written in the logits' dtype, chunk by chunk.
 
@@ -62,14 +63,16 @@ def _grad_kernel(
 
 
 def vocab_ce_stats_reference(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    x = logits.float()
-    row_max = x.amax(dim=-1)
-    sum_exp = torch.exp(x - row_max.unsqueeze(-1)).sum(dim=-1)
+    """The CPU (and fallback) path: one temporary of the shard's size, exponentiated in place; ``logsumexp`` gives
+    the log-partition in aten's vectorised kernel (reported as ``max = logZ, sum_exp = 1``, which merges across
+    ranks exactly like a (max, sum) pair)."""
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    log_z = torch.logsumexp(x, dim=-1)
     local_label = labels - vocab_start
     owned = (local_label >= 0) & (local_label < x.shape[-1])
     target = x.gather(-1, local_label.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     target = torch.where(owned, target, torch.zeros_like(target))
-    return torch.stack((row_max, sum_exp, target, x.sum(dim=-1)), dim=-1)
+    return torch.stack((log_z, torch.ones_like(log_z), target, x.sum(dim=-1)), dim=-1)
 
 
 def vocab_ce_grad_reference(
@@ -81,12 +84,16 @@ def vocab_ce_grad_reference(
     vocab_size: int,
     label_smoothing: float,
 ) -> torch.Tensor:
-    grad = torch.exp(logits.float() - log_z.unsqueeze(-1)) - label_smoothing / vocab_size
+    """``(softmax - eps/V - (1-eps) onehot) * scale`` in one temporary, updated in place."""
+    grad = torch.sub(logits.float(), log_z.unsqueeze(-1)).exp_()
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab_size)
     local_label = labels - vocab_start
     owned = (local_label >= 0) & (local_label < logits.shape[-1])
     index = local_label.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
     grad.scatter_add_(-1, index, (owned.to(grad.dtype) * -(1.0 - label_smoothing)).unsqueeze(-1))
-    return (grad * scale.unsqueeze(-1)).to(logits.dtype)
+    grad.mul_(scale.unsqueeze(-1))
+    return grad if grad.dtype == logits.dtype else grad.to(logits.dtype)
 
 
 @triton_op("meshpar::vocab_ce_stats", mutates_args=())
