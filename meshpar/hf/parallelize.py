@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -233,7 +232,9 @@ class ParallelizedModel(nn.Module):
                 layer.compile(fullgraph=False)
         if self._fsdp:  # last, as in torchtitan: TP -> compile inside activation checkpointing -> FSDP
             hf_shapes = {n: p.hf_shape for n, p in module.named_parameters() if hasattr(p, "hf_shape")}
-            apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls)
+            # under pp a stage runs each microbatch forward then backward: keep its gathered parameters between
+            # the two instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled)
+            apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls, reshard_after_forward=self.dims.pp == 1)
             for name, shape in hf_shapes.items():  # fully_shard makes new parameters: keep the merged-export layout
                 module.get_parameter(name).hf_shape = shape
         return module
@@ -560,10 +561,6 @@ def parallelize(
     installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both. An
     error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
     return ParallelizedModel(model, load_config(config), plan)
-
-
-def write_config(path: str | Path, config: ParallelConfig) -> None:
-    Path(path).write_text(json.dumps(config.__dict__, indent=2))
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:

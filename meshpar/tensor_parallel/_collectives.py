@@ -157,11 +157,6 @@ def scatter_to_sp(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tens
     return scatter_to_tp(x, mesh, dim)
 
 
-def all_reduce_max(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Non-differentiable max over tp (used for the cross-entropy stabiliser)."""
-    return x if mesh.size() == 1 else _all_reduce(x, mesh, "max")
-
-
 def all_reduce_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Non-differentiable sum over tp."""
     return x if mesh.size() == 1 else _all_reduce(x, mesh, "sum")

@@ -6,7 +6,7 @@ import torch
 
 from meshpar._compat import DeviceMesh, DTensor
 from meshpar._shards import local_slice
-from meshpar.parallel_dims import ParallelDims, _set_parallel, get_parallel
+from meshpar.parallel_dims import ParallelDims, _set_parallel
 
 _MESH_CACHE: dict[tuple[int, int, int], ParallelDims] = {}
 
@@ -46,7 +46,3 @@ def assert_matches_dense(
     actual: torch.Tensor, dense: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5, msg: str = ""
 ) -> None:
     torch.testing.assert_close(local(actual), expected_local(dense, actual), atol=atol, rtol=rtol, msg=msg or None)
-
-
-def current_tp_mesh() -> DeviceMesh:
-    return get_parallel().tp_mesh
