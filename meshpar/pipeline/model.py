@@ -7,10 +7,12 @@ keyword inputs; the first stage calls the module with the ``input_names`` inputs
 activation, and the last stage computes the loss with ``loss_fn(output, **microbatch)`` or, NxD-style, picks it from
 the module's output with ``output_loss_value_spec``.
 
-meshpar splits by module structure (the layers of ``transformer_layer_cls`` in one container, see
-:mod:`meshpar.pipeline.split`), not by tracing: NxD's tracing arguments (``leaf_module_cls``, ``autowrap_functions``,
-``autowrap_modules``, ``tracer_cls``, ``trace_file_path``) raise ``NotImplementedError`` naming themselves rather
-than being ignored.
+Two ways to cut the module, both keeping the original FQNs. Given a ``loss_fn``, meshpar splits by module structure
+(the layers of ``transformer_layer_cls`` in one container, see :mod:`meshpar.pipeline.split`) and stages run the
+module's own submodules. Without one (NxD's own usage: the loss is computed inside ``forward`` and picked with
+``output_loss_value_spec``), or when one of NxD's tracing arguments is given (``leaf_module_cls``,
+``autowrap_functions``, ``autowrap_modules``, ``tracer_cls``, ``trace_file_path``), the forward is traced with
+torch.fx and cut after layers (:mod:`meshpar.pipeline.trace`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from meshpar.parallel_dims import ParallelDims, get_parallel
 from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import run_schedule
 from meshpar.pipeline.split import split_model
+from meshpar.pipeline.trace import traced_stages
 
 
 class StageChunk(nn.Module):
@@ -58,7 +61,11 @@ class StageChunk(nn.Module):
         extras = {n: inputs[n] for n in self.stage_kwargs if n in inputs}
         if self._input is not None:
             return self.stage(self._input, **extras)
-        names = self.input_names or [n for n in inputs if n != "labels" and n not in self.stage_kwargs]
+        names = (
+            self.input_names
+            if self.input_names is not None
+            else [n for n in inputs if n != "labels" and n not in self.stage_kwargs]
+        )
         return self.stage(*(inputs[n] for n in names), **extras)
 
 
@@ -122,12 +129,11 @@ class PipelineModel(nn.Module):
             "tracer_cls": tracer_cls,
             "trace_file_path": trace_file_path,
         }
-        traced = [name for name, value in tracing.items() if value is not None]
-        if traced:
+        trace_it = loss_fn is None or any(value is not None for value in tracing.values())
+        if trace_it and (keep_modules or stage_init_fn is not None or param_init_fn is not None):
             raise NotImplementedError(
-                f"NxDPPModel: {', '.join(traced)} configure NxD's tracer; meshpar splits the model by its module "
-                "structure (transformer_layer_cls layers in one container) and does not trace. Remove them; a model "
-                "whose forward is not a plain stack of layers cannot be pipelined by meshpar"
+                "NxDPPModel: a traced pipeline (no loss_fn, or a tracing argument) takes no param_init_fn, "
+                "stage_init_fn or keep_modules: build the model on CPU, or pass loss_fn to split it by structure"
             )
         if return_mb_loss and broadcast_and_average_loss:
             raise ValueError("NxDPPModel: broadcast_and_average_loss=True requires return_mb_loss=False (as in NxD)")
@@ -138,22 +144,36 @@ class PipelineModel(nn.Module):
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
         if dims.pp == 1 and virtual_pipeline_size > 1:
             raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
-        stages, self.plan = split_model(
-            module,
-            dims.pp_rank,
-            dims.pp,
-            transformer_layer_cls=transformer_layer_cls,
-            pipeline_cuts=pipeline_cuts,
-            auto_partition=auto_partition,
-            virtual_pipeline_size=virtual_pipeline_size,
-            param_init_fn=param_init_fn,
-            stage_init_fn=stage_init_fn,
-            device=dims.device,
-            keep_modules=keep_modules,
-        )
+        if trace_it:
+            traced, self.plan = traced_stages(
+                module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,
+                pipeline_cuts=pipeline_cuts, auto_partition=auto_partition,
+                virtual_pipeline_size=virtual_pipeline_size, device=dims.device, **tracing,
+            )  # fmt: skip
+            # each traced stage reads the model inputs it needs from the microbatch, by name
+            stages = [(index, stage) for index, stage, _ in traced]
+            calls = [((), reads) for _, _, reads in traced]
+        else:
+            stages, self.plan = split_model(
+                module,
+                dims.pp_rank,
+                dims.pp,
+                transformer_layer_cls=transformer_layer_cls,
+                pipeline_cuts=pipeline_cuts,
+                auto_partition=auto_partition,
+                virtual_pipeline_size=virtual_pipeline_size,
+                param_init_fn=param_init_fn,
+                stage_init_fn=stage_init_fn,
+                device=dims.device,
+                keep_modules=keep_modules,
+            )
+            calls = [(input_names, stage_kwargs)] * len(stages)
         if stage_transform is not None:
             stages = [(index, stage_transform(stage)) for index, stage in stages]
-        self.chunks = nn.ModuleList(StageChunk(stage, index, input_names, stage_kwargs) for index, stage in stages)
+        self.chunks = nn.ModuleList(
+            StageChunk(stage, index, names, kwargs)
+            for (index, stage), (names, kwargs) in zip(stages, calls, strict=True)
+        )
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss

@@ -159,13 +159,14 @@ def test_nxd_pipeline_model_matches_dense(pp: int, v: int, m: int, broadcast: bo
 def bad_inputs_case(kind: str) -> None:
     setup_parallel(pp=2)
     model = PipeGPT(layers=2)
+    loss = {"loss_fn": lambda out, **_: out.sum()}  # the structural split (without a loss_fn NxDPPModel traces)
     if kind == "few_microbatches":
-        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=1)
+        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=1, **loss)
     elif kind == "indivisible_batch":
-        pm = PipelineModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"])
+        pm = PipelineModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"], **loss)
         pm.run_train(ids=torch.zeros(4, 8, dtype=torch.long), labels=torch.zeros(4, 8, dtype=torch.long))
     elif kind == "too_many_stages":
-        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2)
+        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2, **loss)
     elif kind == "chunks_vs_virtual_size":
         get_parallel().virtual_pipeline_size = 2
         stages, _ = split_model(PipeGPT(layers=6), get_parallel().pp_rank, 2, transformer_layer_cls=Block,

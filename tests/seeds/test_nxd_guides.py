@@ -222,15 +222,22 @@ def test_nxd_pipeline_pp2_dp2(meta: bool) -> None:
 
 def conflicting_arguments_case(kind: str) -> None:
     parallel_state.initialize_model_parallel(1, 2)
-    kwargs = {"return_mb_loss": True, "broadcast_and_average_loss": True}
-    if kind == "tracer":
-        kwargs = {"leaf_module_cls": [Layer]}
+    kwargs = {"return_mb_loss": True, "broadcast_and_average_loss": True, "loss_fn": lambda out, **_: out.sum()}
+    if kind == "cut":  # the embedding output is used again after the last layer: two values cross every cut
+        kwargs = {"input_names": ["ids", "labels"], "output_loss_value_spec": (True, False)}
+        NxDPPModel(LossInside(skip=True), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
+    if kind == "meta":
+        kwargs = {"input_names": ["ids"], "param_init_fn": init_own}
     NxDPPModel(Stack(), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
 
 
 @pytest.mark.parametrize(
     ("kind", "message"),
-    [("loss", "broadcast_and_average_loss=True requires return_mb_loss=False"), ("tracer", "leaf_module_cls")],
+    [
+        ("loss", "broadcast_and_average_loss=True requires return_mb_loss=False"),
+        ("cut", r"stage 1 is crossed by \['mul', 'layers_1'\]: meshpar's pipeline sends one activation"),
+        ("meta", "a traced pipeline .* takes no param_init_fn"),
+    ],
 )
 def test_nxd_pipeline_refuses_what_it_cannot_honour(kind: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
@@ -282,3 +289,58 @@ def tp_pipeline_case() -> None:
 
 def test_nxd_pipeline_of_tensor_parallel_layers_tp2_pp2() -> None:
     run_distributed(tp_pipeline_case, 4)
+
+
+class LossInside(nn.Module):
+    """NxD's usual model: the loss is computed inside forward, from the labels; a mask derived from the inputs."""
+
+    def __init__(self, skip: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+        self.head = nn.Linear(H, V)
+        self.skip = skip
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = (ids % 7 != 0).unsqueeze(-1).float()  # from the inputs alone: recomputed on each stage that needs it
+        h0 = self.embed(ids) * keep
+        h = h0
+        for layer in self.layers:
+            h = layer(h) * keep
+        logits = self.head(h + h0 if self.skip else h)
+        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)), logits
+
+
+def traced_case(vpp: int, leaf: bool) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    dense = LossInside()
+    module = LossInside()
+    torch.manual_seed(2 + parallel_state.get_data_parallel_rank())
+    ids, labels = torch.randint(0, V, (4, SEQ)), torch.randint(0, V, (4, SEQ))
+    model = NxDPPModel(
+        module, transformer_layer_cls=Layer, num_microbatches=4, virtual_pipeline_size=vpp,
+        output_loss_value_spec=(True, False), broadcast_and_average_loss=True, input_names=["ids", "labels"],
+        leaf_module_cls=[nn.Embedding] if leaf else None,
+    )  # fmt: skip
+    loss = model.run_train(ids=ids, labels=labels)
+    group = parallel_state.get_data_parallel_group()
+    all_ids, all_labels = [torch.empty_like(ids) for _ in range(2)], [torch.empty_like(labels) for _ in range(2)]
+    torch.distributed.all_gather(all_ids, ids, group=group)
+    torch.distributed.all_gather(all_labels, labels, group=group)
+    pairs = zip(torch.cat(all_ids).chunk(8), torch.cat(all_labels).chunk(8), strict=True)
+    dense_loss = torch.stack([dense(i, lab)[0] for i, lab in pairs]).mean()
+    dense_loss.backward()
+    torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-5, rtol=1e-5)
+    grads = {n: p.grad for n, p in dense.named_parameters()}
+    names = [name for name, _ in model.local_named_parameters()]
+    assert names and all(name in grads for name in names), names  # the original FQNs
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("vpp", "leaf"), [(1, False), (2, True)])
+def test_nxd_pipeline_traces_a_model_with_its_loss_inside_forward(vpp: int, leaf: bool) -> None:
+    """No loss_fn: the module is traced (leaf_module_cls honoured), cut after layers; labels reach the last stage
+    from the microbatch; pp2 x dp2 (and interleaved) equal to dense."""
+    run_distributed(traced_case, 4, vpp, leaf)
