@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshpar.pipeline import build_schedule, inspect_schedule, make_pipeline_stages, split_model
+from meshpar.pipeline import inspect_schedule, split_model
 from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing.torch_runtime import build_schedule, make_pipeline_stages
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 HIDDEN = 128

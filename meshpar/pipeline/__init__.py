@@ -1,4 +1,5 @@
-"""Pipeline parallelism: FQN-preserving splitting, schedules as data, torch's runtime and meshpar's executor."""
+"""Pipeline parallelism: FQN-preserving splitting (by structure or by tracing), schedules as data, meshpar's
+executor (the one runtime; torch's runs the same action lists as a cross-check in :mod:`meshpar.testing`)."""
 
 from meshpar.pipeline.apex import (
     forward_backward_no_pipelining,
@@ -9,12 +10,10 @@ from meshpar.pipeline.apex import (
 from meshpar.pipeline.inspector import ScheduleDeadlockError, Timeline, inspect_schedule, simulate
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.schedule_ir import Action, build_actions
-from meshpar.pipeline.schedules import MeshparSchedule, build_schedule, make_pipeline_stages
 from meshpar.pipeline.split import PipelineLayers, StagePlan, build_stage, plan_stages, split_model
 
 __all__ = [
     "Action",
-    "MeshparSchedule",
     "PipelineLayers",
     "PipelineModel",
     "ScheduleDeadlockError",
@@ -22,14 +21,12 @@ __all__ = [
     "StagePlan",
     "Timeline",
     "build_actions",
-    "build_schedule",
     "build_stage",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
     "inspect_schedule",
-    "make_pipeline_stages",
     "plan_stages",
     "simulate",
     "split_model",

@@ -1,11 +1,17 @@
-"""meshpar's own pipeline executor: runs an action list (see :mod:`.schedule_ir`) with explicit sends/receives.
+"""meshpar's pipeline runtime: runs an action list (see :mod:`.schedule_ir`) with explicit sends/receives.
 
-It backs the apex- and NxD-style entry points, whose contract differs from ``torch.distributed.pipelining``: every
-stage calls the user's ``forward_step_func(microbatch, model)`` (so the last stage sees labels and masks), non-first
-stages receive their input through ``model.set_input_tensor(t)`` (apex), and activation shapes may change from one
-microbatch to the next. Follow one microbatch: ``F`` receives the input (or reads the batch on stage 0), runs the
-chunk and sends the output on; ``B`` receives the output grad (or starts from the loss on the last stage), runs
-backward and sends the input grad back.
+The one runtime of every entry point (HF ``parallelize``, NxD's ``NxDPPModel``, apex's schedules). Why not torch's
+``torch.distributed.pipelining`` runtime: the apex and NxD contracts need what it does not offer: every stage calls
+the user's ``forward_step_func(microbatch, model)`` (so the last stage sees labels and masks), non-first stages
+receive their input through ``model.set_input_tensor(t)`` (apex), activation shapes may change from one microbatch
+to the next (variable sequence lengths, checked against apex's ``tensor_shape``), losses are scaled and reported as
+apex returns them, and an error on one rank stops the others (:mod:`meshpar.failure`). torch's runtime stays the
+reference: the tests run the same action lists on it (:mod:`meshpar.testing.torch_runtime`) and the benchmarks time
+this executor against torch's schedules.
+
+Follow one microbatch: ``F`` receives the input (or reads the batch on stage 0), runs the chunk and sends the output
+on; ``B`` receives the output grad (or starts from the loss on the last stage), runs backward and sends the input
+grad back.
 """
 
 from __future__ import annotations

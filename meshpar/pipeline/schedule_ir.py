@@ -2,8 +2,8 @@
 
 An action is ``(kind, stage, microbatch)`` with kind ``"F"`` (forward) or ``"B"`` (full backward). Stage ``s`` of
 ``pp * v`` stages lives on rank ``s % pp`` (rank ``r`` owns chunks ``r, r + pp, r + 2pp, ...``). These lists are
-what :mod:`meshpar.pipeline.inspector` simulates and what the runtime in :mod:`meshpar.pipeline.schedules` executes
-(after torch's pass adds the sends and receives).
+what :mod:`meshpar.pipeline.inspector` simulates and what :mod:`meshpar.pipeline.executor` runs (and, as a
+cross-check in the tests, torch's runtime after its pass adds the sends and receives).
 
 Each schedule is three small steps per rank: the forward order, the backward order, and how they interleave
 (warm-up forwards, steady one-forward-one-backward, cool-down backwards).

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
-from meshpar.pipeline.schedules import build_schedule, make_pipeline_stages
 from meshpar.pipeline.split import split_model
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
+from meshpar.testing.torch_runtime import build_schedule, make_pipeline_stages
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 
 BATCH_PER_MB, SEQ = 2, 8

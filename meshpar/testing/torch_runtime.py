@@ -1,9 +1,10 @@
-"""Pipeline schedules executed by torch's ``torch.distributed.pipelining`` runtime.
+"""meshpar's schedules on torch's ``torch.distributed.pipelining`` runtime: the cross-check, not a second runtime.
 
-meshpar builds each rank's compute actions (:mod:`meshpar.pipeline.schedule_ir`: GPipe, 1F1B, and its own
-interleaved 1F1B that accepts any ``num_microbatches >= pp``); torch's runtime adds the sends/receives and runs
-them on ``PipelineStage``s. ``build_schedule`` is the one factory; torch's own schedule classes are available under
-``"torch_*"`` names for comparison.
+Every meshpar entry point runs its pipeline on :mod:`meshpar.pipeline.executor` (see why there). torch's runtime is
+the ecosystem's reference, so the tests run meshpar's action lists (:mod:`meshpar.pipeline.schedule_ir`: GPipe, 1F1B
+and the interleaved 1F1B for any ``num_microbatches >= pp``) on it too: torch's pass adds the sends/receives and its
+``PipelineStage``s run them, and the results must equal both the executor's and the dense model's. The benchmarks
+time the executor against torch's own schedule classes (``"torch_*"`` names) through ``build_schedule``.
 """
 
 from __future__ import annotations
