@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 MESH_DIM_NAMES = ("dp", "pp", "tp")
 
 
+def check_virtual_pipeline_size(pp: int, virtual_pipeline_size: int | None) -> None:
+    """The one check that interleaving (several model chunks per rank) has a pipeline to interleave."""
+    if virtual_pipeline_size is not None and virtual_pipeline_size > 1 and pp == 1:
+        raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pipeline parallelism (pp > 1), got pp=1")
+
+
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -65,10 +71,7 @@ class ParallelDims:
             )
         if self.virtual_pipeline_size is not None:
             _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
-            if self.virtual_pipeline_size > 1 and self.pp == 1:
-                raise ValueError(
-                    f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline parallelism (pp > 1), got pp=1"
-                )
+            check_virtual_pipeline_size(self.pp, self.virtual_pipeline_size)
             if self.virtual_pipeline_rank is None:
                 self.virtual_pipeline_rank = 0
 

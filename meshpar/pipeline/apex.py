@@ -35,7 +35,7 @@ from torch import nn
 
 from meshpar import parallel_state
 from meshpar.grad_sync import OverlappedGradSync
-from meshpar.parallel_dims import ParallelDims, get_parallel
+from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import ForwardStep, run_schedule
 
 # apex keywords meshpar accepts although they change nothing here (communication tuning of apex's p2p)
@@ -360,8 +360,7 @@ def get_forward_backward_func(
     """apex's dispatcher: no pipelining for pp=1, interleaving when a virtual size > 1 is given."""
     pp = pipeline_model_parallel_size if pipeline_model_parallel_size is not None else get_parallel().pp
     if pp == 1:
-        if virtual_pipeline_model_parallel_size not in (None, 1):
-            raise ValueError("virtual pipeline parallelism needs pipeline_model_parallel_size > 1")
+        check_virtual_pipeline_size(pp, virtual_pipeline_model_parallel_size)
         return forward_backward_no_pipelining
     if virtual_pipeline_model_parallel_size not in (None, 1):
         return forward_backward_pipelining_with_interleaving

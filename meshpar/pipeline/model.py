@@ -27,7 +27,7 @@ from torch import nn
 from meshpar._dp_checks import is_dp_sharded
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.grad_sync import OverlappedGradSync
-from meshpar.parallel_dims import ParallelDims, get_parallel
+from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import run_schedule
 from meshpar.pipeline.split import split_model
@@ -142,8 +142,7 @@ class PipelineModel(nn.Module):
         dims = get_parallel()
         if num_microbatches < dims.pp:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
-        if dims.pp == 1 and virtual_pipeline_size > 1:
-            raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
+        check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
         if trace_it:
             traced, self.plan = traced_stages(
                 module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,

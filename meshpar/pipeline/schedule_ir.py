@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from meshpar.parallel_dims import check_virtual_pipeline_size
+
 
 class Action(NamedTuple):
     kind: str  # "F" or "B"
@@ -29,8 +31,7 @@ RankActions = dict[int, list[Action]]
 def check_schedule_args(pp: int, v: int, m: int) -> None:
     if pp < 1 or v < 1 or m < 1:
         raise ValueError(f"pp, virtual_pipeline_size and num_microbatches must be >= 1, got {pp}, {v}, {m}")
-    if v > 1 and pp == 1:
-        raise ValueError(f"virtual_pipeline_size={v} needs pp > 1")
+    check_virtual_pipeline_size(pp, v)
     if pp > 1 and m < pp:
         raise ValueError(
             f"num_microbatches={m} is smaller than pp={pp}: every stage would idle; use at least {pp} microbatches"

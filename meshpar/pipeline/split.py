@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshpar.parallel_dims import check_virtual_pipeline_size
+
 
 class PipelineLayers(nn.ModuleDict):
     """The layers one stage owns, keyed by their index in the full model; iterates over modules like a ModuleList."""
@@ -236,8 +238,7 @@ def split_model(
     ``param_init_fn`` per module, or every submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank
     only ever allocates its own stages.
     """
-    if virtual_pipeline_size > 1 and pp == 1:
-        raise ValueError(f"virtual_pipeline_size={virtual_pipeline_size} needs pp > 1")
+    check_virtual_pipeline_size(pp, virtual_pipeline_size)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is out of range for pp={pp}")
     plan = plan_stages(

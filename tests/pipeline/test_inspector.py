@@ -71,7 +71,7 @@ def test_grid_and_png(tmp_path) -> None:
     ("schedule", "pp", "v", "m", "message"),
     [
         ("interleaved_1f1b", 4, 2, 3, "num_microbatches=3 is smaller than pp=4"),
-        ("interleaved_1f1b", 1, 2, 4, "needs pp > 1"),
+        ("interleaved_1f1b", 1, 2, 4, "needs pipeline parallelism \\(pp > 1\\)"),
         ("1f1b", 2, 2, 4, "use interleaved_1f1b"),
         ("zero_bubble", 2, 1, 4, "unknown schedule"),
     ],

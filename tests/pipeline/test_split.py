@@ -76,7 +76,7 @@ def test_meta_model_materialises_only_the_local_stage() -> None:
         ({"pp": 2, "pipeline_cuts": ["layers.9"]}, "pipeline_cuts name unknown layers"),
         ({"pp": 3, "pipeline_cuts": ["layers.1"]}, "1 pipeline_cuts make 2 stages, need 3"),
         ({"pp": 2, "pipeline_cuts": ["layers.4"]}, "leave a stage without layers"),
-        ({"pp": 1, "virtual_pipeline_size": 2}, "needs pp > 1"),
+        ({"pp": 1, "virtual_pipeline_size": 2}, "needs pipeline parallelism \\(pp > 1\\)"),
         ({"pp": 2, "transformer_layer_cls": nn.GRU}, "no nn.ModuleList or nn.Sequential"),
     ],
 )
