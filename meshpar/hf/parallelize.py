@@ -53,6 +53,7 @@ from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
 from meshpar.rebind import record_replacements
 from meshpar.tensor_parallel import parallel_cross_entropy
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 _log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
 
 def _summed_over(loss: torch.Tensor, scored: torch.Tensor, normalizer: torch.Tensor | None) -> torch.Tensor:
     """Summed token losses over ``normalizer`` (default: the scored tokens of this batch, i.e. the mean)."""
-    return loss.sum() / (normalizer if normalizer is not None else (scored != -100).sum().clamp(min=1))
+    return loss.sum() / (normalizer if normalizer is not None else (scored != IGNORE_INDEX).sum().clamp(min=1))
 
 
 def _causal_lm_loss(
@@ -99,7 +100,7 @@ def _causal_lm_loss(
 ) -> torch.Tensor:
     """Position t predicts token t+1: the labels shift left (the last position scores nothing), as HF does; slicing
     the logits instead would copy them forward and zero-fill plus copy a full-size grad in backward."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return _summed_over(_token_losses(logits, shifted, vocab_sharded), shifted, normalizer)
 
 
@@ -350,7 +351,7 @@ class ParallelizedModel(nn.Module):
         if self.loss_fn is None:
             yield
             return
-        count = (_scored(labels, self.plan.task == "causal_lm") != -100).sum()
+        count = (_scored(labels, self.plan.task == "causal_lm") != IGNORE_INDEX).sum()
         if self.dims.dp > 1:
             count = count.clone()
             dist.all_reduce(count, group=self.dims.dp_mesh.get_group())

@@ -21,6 +21,9 @@ from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, funco
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._init import shard_range
 
+# the label that scores nothing (torch's and HF's convention): padding, the token after the last, masked positions
+IGNORE_INDEX = -100
+
 
 def _merge_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge ``[tp, N, 4]`` per-rank statistics into (logZ, target logit, sum of logits), each ``[N]``."""
@@ -86,7 +89,7 @@ def parallel_cross_entropy(
     parallel_logits: torch.Tensor,
     labels: torch.Tensor,
     label_smoothing: float = 0.0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     *,
     tp_mesh: DeviceMesh | None = None,
     vocab_size: int | None = None,

@@ -18,7 +18,7 @@ from meshpar._compat import DeviceMesh, DTensor
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import all_reduce_sum
 from meshpar.tensor_parallel._init import shard_range
-from meshpar.tensor_parallel.cross_entropy import token_losses
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_losses
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -73,7 +73,7 @@ def fused_linear_cross_entropy(
     *,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     tp_mesh: DeviceMesh | None = None,
