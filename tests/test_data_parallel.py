@@ -9,10 +9,12 @@ import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import clip_grad_norm
+from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.grad_clip import total_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
+from meshpar.testing.reference import local
 from tests._models import Block, TinyTransformer, block_plan
 
 BATCH = 4
@@ -97,13 +99,24 @@ def test_zero1_shards_optimizer_state_over_dp() -> None:
 
 
 def mixed_params_case() -> None:
-    """A model with DTensor and plain parameters steps with foreach AdamW (torch alone rejects the mixed group)."""
+    """A model with DTensor and plain parameters steps with foreach AdamW (torch alone rejects the mixed group): the
+    step runs the multi-tensor path and updates every parameter exactly as the per-tensor path does."""
     dims = setup_parallel(tp=2)
-    torch.manual_seed(0)
-    model = parallelize_module(TinyTransformer(), dims.tp_mesh, block_plan())
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(TinyTransformer(), dims.tp_mesh, block_plan()))
     x, target = _data()
-    _loss(model, x, target).backward()
-    DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, foreach=True).step()
+    before = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    assert len({isinstance(p, DTensor) for p in models[0].parameters()}) == 2  # the group really is mixed
+    for model, foreach in zip(models, (True, False), strict=True):
+        _loss(model, x, target).backward()
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, foreach=foreach)
+        assert optimizer.param_groups[0]["foreach"] is foreach
+        optimizer.step()
+    for (name, fast), slow in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert not torch.equal(local(fast.detach()), local(before[name])), f"{name} was not updated"
+        torch.testing.assert_close(local(fast.detach()), local(slow.detach()), atol=1e-7, rtol=1e-6, msg=name)
 
 
 def test_mixed_dtensor_and_plain_parameters_use_foreach() -> None:

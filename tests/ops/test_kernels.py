@@ -252,10 +252,20 @@ def _opcheck_cases() -> list:
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
-def test_opcheck(case: int) -> None:
-    op, args = _opcheck_cases()[case]
+_OPCHECK = _opcheck_cases()
+
+
+@pytest.mark.parametrize(
+    ("op", "args"), _OPCHECK, ids=[f"{op._qualified_op_name.split('::')[-1]}-{i}" for i, (op, _) in enumerate(_OPCHECK)]
+)
+def test_opcheck(op: object, args: tuple) -> None:
     torch.library.opcheck(op, args)
+
+
+def test_opcheck_covers_every_meshpar_op() -> None:
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("meshpar::")}
+    checked = {op._qualified_op_name for op, _ in _OPCHECK}
+    assert registered and registered <= checked, f"ops without an opcheck case: {sorted(registered - checked)}"
 
 
 def test_meshpar_imports_and_runs_references_without_triton() -> None:
