@@ -16,12 +16,15 @@ GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-p
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+_log = logging.getLogger(__name__)
 
 
 def _positions(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +110,16 @@ def install_stage_forward(stage: nn.Module, family: str) -> nn.Module:
     if family not in STAGE_FORWARDS:
         raise ValueError(f"pipeline parallelism supports the families {sorted(STAGE_FORWARDS)}, not {family!r}")
     stage.forward = types.MethodType(STAGE_FORWARDS[family][0], stage)
-    stage.config._attn_implementation = "sdpa"  # causal attention without a mask
+    # meshpar's stage forwards pass no mask tensor for causal attention: only sdpa's is_causal applies it
+    chosen = getattr(stage.config, "_attn_implementation", None)
+    if chosen not in (None, "sdpa"):
+        _log.warning(
+            "%s pipeline stages run attention with sdpa (is_causal, no mask tensor), not the configured %r; the "
+            "math is the same within float tolerance",
+            family,
+            chosen,
+        )
+    stage.config._attn_implementation = "sdpa"
     return stage
 
 
