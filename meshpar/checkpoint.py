@@ -432,24 +432,32 @@ def load(
     return {"step": state["meta"]["step"], "extra": json.loads(state["meta"]["extra"])}
 
 
-def export_consolidated(
-    checkpoint: str | os.PathLike, output_dir: str | os.PathLike, config: dict[str, Any] | None = None
-) -> Path:
-    """Merge a checkpoint into ``output_dir/model.safetensors`` (+ ``config.json``), on one process, no mesh."""
-    from safetensors.torch import save_file
+def consolidated_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint, whole, on this one process (no mesh): the one merge of meshpar's exports."""
+    import tempfile
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source = Path(checkpoint)
     problem = _verify_manifest(source)
     if problem:
         raise CheckpointError(problem)
+    with tempfile.TemporaryDirectory() as scratch:
+        torch_file = Path(scratch) / "consolidated.pt"
+        dcp_to_torch_save(str(source), str(torch_file))
+        full = torch.load(torch_file, weights_only=False)
+    return {k: v.contiguous() for k, v in full["model"].items()}
+
+
+def export_consolidated(
+    checkpoint: str | os.PathLike, output_dir: str | os.PathLike, config: dict[str, Any] | None = None
+) -> Path:
+    """Merge a checkpoint into ``output_dir/model.safetensors`` (+ ``config.json``), on one process, no mesh."""
+    from safetensors.torch import save_file
+
+    tensors = consolidated_state(checkpoint)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch_file = out / ".consolidated.pt"
-    dcp_to_torch_save(str(source), str(torch_file))
-    full = torch.load(torch_file, weights_only=False)
-    torch_file.unlink()
-    tensors = {k: v.contiguous() for k, v in full["model"].items()}
     _save_untied(save_file, tensors, out / "model.safetensors")
     if config is not None:
         (out / "config.json").write_text(json.dumps(config, indent=2))

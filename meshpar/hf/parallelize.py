@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
-from meshpar._compat import DTensor
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
@@ -502,28 +502,33 @@ class ParallelizedModel(nn.Module):
                     "merge_checkpoints=True only"
                 )
             return checkpoint.save(directory, self.local_modules(), step=step, tied=self.tied_parameters)
-        full = self._gather_full_state()
+        # the merge goes through a DCP checkpoint (checkpoint.consolidated_state): only rank 0 ever holds the whole
+        # model, and it is the same merge as checkpoint.export_consolidated
+        scratch = directory.parent / f".{directory.name}.merging"
+        saved = checkpoint.save(scratch, self.local_modules(), step=0, tied=self.tied_parameters)
+        shapes = self._hf_shapes()
         if dist.get_rank() == 0:
+            full = {
+                name: tensor.reshape(shapes[name]) if name in shapes else tensor
+                for name, tensor in checkpoint.consolidated_state(saved).items()
+            }
             dense = self.model_class(self.hf_config)
             dense.load_state_dict(full, strict=False)
             dense.save_pretrained(directory, **save_pretrained_kwargs)
+            shutil.rmtree(scratch, ignore_errors=True)
         dist.barrier()
         return directory
 
-    def _gather_full_state(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = {}
+    def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF's shape of every parameter meshpar keeps in another layout (GPT-2's fused QKV), over all ranks."""
+        shapes = {}
         for module in self.local_modules():
-            for name, tensor in module.state_dict().items():
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                param = _find_param(module, name)
-                hf_shape = getattr(param, "hf_shape", None)
-                state[name] = (full.reshape(hf_shape) if hf_shape else full).detach().cpu()
-        if self.dims.pp > 1:
-            parts: list[dict] = [{}] * dist.get_world_size()
-            dist.all_gather_object(parts, state)
-            for part in parts:
-                state.update(part)
-        return state
+            for name, param in module.named_parameters():
+                if getattr(param, "hf_shape", None):
+                    shapes[name] = tuple(param.hf_shape)
+        everyone: list[dict] = [{}] * dist.get_world_size()
+        dist.all_gather_object(everyone, shapes)
+        return {name: shape for part in everyone for name, shape in part.items()}
 
     def from_parallelized(self, directory: str | Path) -> ParallelizedModel:
         """Load a checkpoint written by :meth:`save_parallelized` (DCP or merged HF directory) into this layout."""
@@ -547,12 +552,6 @@ def _has_param(module: nn.Module, name: str) -> bool:
         module.get_parameter(name)
         return True
     return False
-
-
-def _find_param(module: nn.Module, name: str) -> torch.Tensor | None:
-    with contextlib.suppress(AttributeError):
-        return module.get_parameter(name)
-    return None
 
 
 def parallelize(
