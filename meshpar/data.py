@@ -67,21 +67,29 @@ def broadcast_data(
 
 @torch.no_grad()
 def move_model_to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """``model.to(device)`` that keeps DTensor parameters DTensors (same mesh and placements) and their attributes."""
+    """``model.to(device)`` for parallel models: what is already there stays untouched; plain parameters move in
+    place (``.data``: the same objects, so optimizers and attributes such as the merged-export ``hf_shape`` stay
+    valid); DTensor parameters keep their mesh, placements and attributes."""
     device = torch.device(device)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None:
+            if param is None or param.device == device:
                 continue
             if isinstance(param, DTensor):
                 local = param._local_tensor.to(device)
                 moved = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
-            else:
-                moved = param.data.to(device)
-            new = nn.Parameter(moved, requires_grad=param.requires_grad)
-            new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
-            module._parameters[name] = new
+                new = nn.Parameter(moved, requires_grad=param.requires_grad)
+                new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
+                module._parameters[name] = new
+                continue
+            moved = param.data.to(device)
+            try:
+                param.data = moved
+            except RuntimeError:  # another tensor type there (meta, XLA): swap the data, keep the attributes
+                attributes = dict(param.__dict__)
+                torch.utils.swap_tensors(param, nn.Parameter(moved, requires_grad=param.requires_grad))
+                param.__dict__.update(attributes)
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
+            if buffer is not None and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
     return model

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
+from meshpar.data import move_model_to_device
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
@@ -63,26 +64,6 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int
     if vocab_sharded:
         return parallel_cross_entropy(logits, labels, vocab_size=vocab_sharded)
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
-
-
-def _move_unsharded(module: nn.Module, device: torch.device) -> None:
-    """Move the parameters and buffers that ``parallelize_module`` left where the model was built (a CPU-built model
-    on a CUDA rank: embeddings, norms, buffers) to ``device``. Done after sharding, so no rank ever holds a full copy
-    of the model on its device. In place (``.data``), not ``module.to``: that swaps DTensor parameters for new
-    objects' contents and drops attributes set on them (the merged-export ``hf_shape``)."""
-    for sub in module.modules():
-        for param in sub._parameters.values():
-            if param is not None and param.device != device:
-                moved = param.data.to(device)
-                try:
-                    param.data = moved
-                except RuntimeError:  # another tensor type there (meta, XLA): swap the data, keep the attributes
-                    attributes = dict(param.__dict__)
-                    torch.utils.swap_tensors(param, nn.Parameter(moved, requires_grad=param.requires_grad))
-                    param.__dict__.update(attributes)
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and buffer.device != device:
-                sub._buffers[name] = buffer.to(device)
 
 
 def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -215,7 +196,7 @@ class ParallelizedModel(nn.Module):
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
         if not self._from_meta:
-            _move_unsharded(module, self.dims.device)
+            move_model_to_device(module, self.dims.device)  # what tp left where the model was built
         for fixup in self.plan.fixups:
             fixup(module, self.dims.tp)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
