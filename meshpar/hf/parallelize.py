@@ -55,6 +55,7 @@ from meshpar.pipeline.split import plan_stages
 from meshpar.rebind import record_replacements
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
+from meshpar.tensor_parallel.shared_input import group_shared_inputs
 
 _log = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ class ParallelizedModel(nn.Module):
             move_model_to_device(module, self.dims.device)  # what tp left where the model was built
         for fixup in self.plan.fixups:
             fixup(module, self.dims.tp)
+        group_shared_inputs(module)  # q/k/v and gate/up: one input-grad all-reduce each (Megatron's count)
         present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
         apply_ties(module, present)
         if self._from_meta and self.dims.pp == 1:

@@ -220,6 +220,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
             y = F.linear(x, self.weight.to_local(), _local_or_none(self.bias))
         elif torch.compiler.is_compiling():
             y = ColumnLinearLocalFunction.apply(x, self.weight.to_local(), _local_or_none(self.bias), self.tp_mesh)
+        elif getattr(self, "shared_input_group", None) is not None:  # q/k/v, gate/up: one input-grad all-reduce
+            y = self.shared_input_group.output_for(self, x)
         else:
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         return self._maybe_gather(y)

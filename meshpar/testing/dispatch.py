@@ -26,18 +26,24 @@ _COLLECTIVE_NAMES = {
 
 class AtenOps(TorchDispatchMode):
     """The aten ops a region dispatches: ``compute`` (op name -> count; the ops that launch kernels, metadata-only
-    views left out), ``collectives`` (c10d and functional) and ``syncs`` (ops that read a value back to the host)."""
+    views left out), ``collectives`` (c10d and functional; ``collective_names``: by name, eager c10d names mapped
+    onto the functional ones, waits left out) and ``syncs`` (ops that read a value back to the host). Counted where
+    ops are dispatched, so every collective is seen once, in backward too (``CommDebugMode`` can count an eager
+    c10d collective issued inside an autograd function's forward more than once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.compute: Counter = Counter()
         self.collectives = 0
+        self.collective_names: Counter = Counter()
         self.syncs = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
         if func.namespace in ("c10d", "_c10d_functional"):
             self.collectives += 1
+            if name != "wait_tensor":
+                self.collective_names[_COLLECTIVE_NAMES.get(name, name)] += 1
         elif name in _SYNC_OPS:
             self.syncs += 1
         elif func.namespace == "aten" and name not in _METADATA_OPS:

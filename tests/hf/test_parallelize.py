@@ -601,13 +601,13 @@ def test_unsharded_parameters_follow_the_shards_in_place() -> None:
     """On a CUDA rank a CPU-built model's embeddings, norms and buffers move to the device after sharding (found on
     an H100). The move is in place: tied parameters stay one object and attributes set on parameters survive
     (``module.to`` would swap DTensor parameters' contents and drop the merged-export ``hf_shape``)."""
-    from meshpar.hf.parallelize import _move_unsharded
+    from meshpar.data import move_model_to_device
 
     model = build("gpt2")
     model.lm_head.weight = model.transformer.wte.weight
     model.transformer.wte.weight.hf_shape = (1, 2)
     model.transformer.register_buffer("probe", torch.zeros(2))  # GPT-2 has no buffers of its own here
-    _move_unsharded(model, torch.device("meta"))
+    move_model_to_device(model, torch.device("meta"))
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.transformer.probe.device.type == "meta"
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -657,3 +657,23 @@ def test_an_optimizer_built_before_parallelize_trains_the_parallel_model(family:
     dense = _dense_adamw_losses(family, 3)
     for losses in run_distributed(optimizer_first_case, world, family, layout, 3):
         assert losses == pytest.approx(dense, abs=2e-5)
+
+
+def collective_count_case(family: str, layers: int) -> dict[str, int]:
+    from meshpar.testing.dispatch import AtenOps
+
+    model = meshpar.parallelize(build(family, layers=layers), {"tensor_parallel_size": 2})
+    with AtenOps() as ops:
+        model.train_step(**batch(family))
+    return dict(ops.collective_names)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_megatron_collective_count_per_layer(family: str) -> None:
+    """Per transformer layer at tp=2 without SP: 2 all-reduces forward (after the attention output and the MLP
+    down projection) and 2 backward (one input grad for q/k/v, one for gate/up: the shared-input groups), as
+    Megatron's fused QKV and gate/up layers; nothing else grows with depth."""
+    two, four = (run_distributed(collective_count_case, 2, family, n)[0] for n in (2, 4))
+    per_layer = {name: (four.get(name, 0) - two.get(name, 0)) // 2 for name in set(two) | set(four)}
+    assert per_layer.pop("all_reduce") == 4, (two, four)
+    assert not any(per_layer.values()), (two, four)
