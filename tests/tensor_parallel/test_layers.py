@@ -248,3 +248,48 @@ def autocast_case(sp: bool) -> None:
 @pytest.mark.parametrize("sp", [False, True])
 def test_parallel_linears_under_autocast_match_dense(sp: bool) -> None:
     run_distributed(autocast_case, 2, sp)
+
+
+def shared_input_case(mode: str) -> None:
+    """q/k/v as one shared-input group (meshpar.tensor_parallel.shared_input) stay exact when the group guesses
+    wrong: a member called with another tensor, or a member whose output never reaches the loss."""
+    from meshpar.tensor_parallel.shared_input import group_shared_inputs
+
+    dims = setup_parallel(tp=2)
+
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(IN, OUT) for _ in range(3))
+
+    dense = QKV()
+    sharded = QKV()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(sharded, name, ColumnParallelLinear.from_linear(getattr(sharded, name), dims.tp_mesh))
+    assert group_shared_inputs(sharded) == 1
+    torch.manual_seed(1)
+    x, other = torch.randn(BATCH, SEQ, IN, requires_grad=True), torch.randn(BATCH, SEQ, IN, requires_grad=True)
+
+    def loss(model: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        q, k = model.q_proj(x), model.k_proj(x)
+        v = model.v_proj(other if mode == "other_input" else x)
+        parts = [q, v] if mode == "unused_output" else [q, k, v]
+        # each rank squares its feature shard; summed over tp that is the dense loss
+        return sum(p.square().sum() for p in parts)
+
+    loss(dense, x, other).backward()
+    x_local, other_local = x.detach().clone().requires_grad_(), other.detach().clone().requires_grad_()
+    loss(sharded, x_local, other_local).backward()
+    torch.testing.assert_close(x_local.grad, x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(other_local.grad, other.grad, atol=1e-5, rtol=1e-5)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        if getattr(dense, name).weight.grad is None:  # the unused output: its shard's grads are zero
+            assert all(not p.grad.to_local().any() for p in getattr(sharded, name).parameters()), name
+            continue
+        _check_params(getattr(sharded, name), getattr(dense, name))
+
+
+@pytest.mark.parametrize("mode", ["same_input", "other_input", "unused_output"])
+def test_shared_input_groups_are_exact_whatever_the_calls(mode: str) -> None:
+    run_distributed(shared_input_case, 2, mode)
