@@ -52,6 +52,11 @@ def all_reduce_wait(x: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(x)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard without an autograd node (``DTensor._local_tensor``, private); a plain tensor as is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape around ``local`` (no checks, no autograd): the
     cheap way to hand a local grad back for a DTensor parameter."""

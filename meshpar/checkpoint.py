@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshpar._compat import DTensor
+from meshpar._compat import DTensor, local_tensor
 from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
 from meshpar.failure import stop_all_ranks_on_error
@@ -510,6 +510,6 @@ def load_consolidated(
                 raise CheckpointError(f"{name}: file has shape {tuple(source.shape)}, model {tuple(target.shape)}")
             source = source.reshape(target.shape)
         if isinstance(target, DTensor):
-            target._local_tensor.copy_(local_slice(source, target))
+            local_tensor(target).copy_(local_slice(source, target))
         else:
             target.copy_(source)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from meshpar._compat import DTensor
+from meshpar._compat import DTensor, local_tensor
 from meshpar.parallel_dims import get_parallel
 
 
@@ -76,7 +76,7 @@ def move_model_to_device(model: nn.Module, device: torch.device | str) -> nn.Mod
             if param is None or param.device == device:
                 continue
             if isinstance(param, DTensor):
-                local = param._local_tensor.to(device)
+                local = local_tensor(param).to(device)
                 moved = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
                 new = nn.Parameter(moved, requires_grad=param.requires_grad)
                 new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})

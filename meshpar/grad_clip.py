@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DTensor, Partial, Replicate
+from meshpar._compat import DTensor, Partial, Replicate, local_tensor
 from meshpar.parallel_dims import get_parallel, is_initialized
 
 _SHARED_COPY = "_meshpar_shared_copy"
@@ -106,7 +106,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_grad_norm(params, norm_type)
-    scale_to_max_norm([p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params], norm, max_norm)
+    scale_to_max_norm([local_tensor(p.grad) for p in params], norm, max_norm)
     return norm
 
 

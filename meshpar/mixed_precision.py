@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DTensor
+from meshpar._compat import local_tensor
 from meshpar.parallel_dims import get_parallel, is_initialized
 
 
@@ -40,7 +40,7 @@ class GradScaler:
         for param in parameters:
             if param.grad is None:
                 continue
-            grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+            grad = local_tensor(param.grad)
             grad.mul_(1.0 / self.scale)
             if not torch.isfinite(grad).all():
                 found.fill_(1.0)

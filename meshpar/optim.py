@@ -25,15 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DeviceMesh, DTensor
+from meshpar._compat import DeviceMesh, DTensor, local_tensor
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
 from meshpar.parallel_dims import get_parallel, is_initialized
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _assign_owners(sizes: list[int], ranks: int) -> list[int]:
@@ -255,7 +251,7 @@ class DistributedOptimizer:
 
     # -- FQN-keyed state for DCP -------------------------------------------------------------------------------
     def _wrap_like(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        if isinstance(param, DTensor) and value.dim() > 0 and value.shape == param._local_tensor.shape:
+        if isinstance(param, DTensor) and value.dim() > 0 and value.shape == local_tensor(param).shape:
             # the parameter's own global shape: from_local would guess it from the local shape (wrong when uneven)
             return DTensor.from_local(
                 value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from meshpar._compat import DeviceMesh, DTensor, Placement, Shard
+from meshpar._compat import DeviceMesh, DTensor, Placement, Shard, local_tensor
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -61,7 +61,7 @@ def fill_from_full_(param: torch.Tensor, init_full: InitMethod) -> None:
     if isinstance(param, DTensor):
         full = torch.empty(param.shape, dtype=torch.float32)
         init_full(full)
-        local = param._local_tensor
+        local = local_tensor(param)
         for mesh_dim, placement in enumerate(param.placements):
             if isinstance(placement, Shard):
                 size = param.device_mesh.size(mesh_dim)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like
+from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like, local_tensor
 from meshpar.tensor_parallel._collectives import _all_gather, _reduce_scatter
 
 
@@ -54,8 +54,8 @@ class ColumnLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        b = bias._local_tensor if bias is not None else None
-        x, w, b = _autocast_operands(x, weight._local_tensor, b)
+        b = local_tensor(bias) if bias is not None else None
+        x, w, b = _autocast_operands(x, local_tensor(weight), b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
         return torch.nn.functional.linear(x, w, b)
@@ -86,7 +86,7 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, regather: bool = False
     ) -> torch.Tensor:
-        x, w, b = _autocast_operands(x, weight._local_tensor, bias._local_tensor if bias is not None else None)
+        x, w, b = _autocast_operands(x, local_tensor(weight), local_tensor(bias) if bias is not None else None)
         full = _all_gather(x, mesh, 1)  # after the cast: under autocast the gather moves half the bytes
         ctx.save_for_backward(x if regather else full, w)
         ctx.weight, ctx.bias, ctx.mesh, ctx.regather = weight, bias, mesh, regather
@@ -149,8 +149,8 @@ class RowLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        b = bias._local_tensor if bias is not None else None
-        x, w, b = _autocast_operands(x, weight._local_tensor, b)
+        b = local_tensor(bias) if bias is not None else None
+        x, w, b = _autocast_operands(x, local_tensor(weight), b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias = weight, bias
         if mesh.size() == 1:  # nothing to reduce: the bias goes into the matmul's epilogue (one addmm)
@@ -176,7 +176,7 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        x, w, b = _autocast_operands(x, weight._local_tensor, bias._local_tensor if bias is not None else None)
+        x, w, b = _autocast_operands(x, local_tensor(weight), local_tensor(bias) if bias is not None else None)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
         y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, 1)
@@ -207,7 +207,7 @@ class SequenceShardParamsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, mesh: DeviceMesh, *params: DTensor) -> tuple[torch.Tensor, ...]:
         ctx.mesh, ctx.params = mesh, params
-        return tuple(p._local_tensor.detach() for p in params)
+        return tuple(local_tensor(p).detach() for p in params)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:

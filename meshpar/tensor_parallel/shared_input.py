@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DeviceMesh, DTensor, dtensor_like
+from meshpar._compat import DeviceMesh, DTensor, dtensor_like, local_tensor
 from meshpar.tensor_parallel._linear_functions import _autocast_operands, _flat
 
 # sibling modules that read one input in HF's families (attention projections, gated MLPs)
@@ -33,7 +33,7 @@ class SharedInputColumnFunction(torch.autograd.Function):
         ctx.mesh, ctx.weights, ctx.biases = mesh, weights, biases
         outputs, saved = [], []
         for weight, bias in zip(weights, biases, strict=True):
-            xc, w, b = _autocast_operands(x, weight._local_tensor, bias._local_tensor if bias is not None else None)
+            xc, w, b = _autocast_operands(x, local_tensor(weight), local_tensor(bias) if bias is not None else None)
             saved.append(w)
             outputs.append(torch.nn.functional.linear(xc, w, b))
         ctx.save_for_backward(xc, *saved)
