@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshpar._compat import DTensor, local_tensor
 from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
-from meshpar.failure import stop_all_ranks_on_error
+from meshpar.failure import first_failure_on_any_rank, stop_all_ranks_on_error
 from meshpar.optim import DistributedOptimizer
 from meshpar.random import get_rng_tracker
 
@@ -383,13 +383,11 @@ def _check_keys(
                 problems.append(f"missing optimizer state {_listed([k.removeprefix('state.') for k in missing])}")
             if wrong:
                 problems.append(f"optimizer state shape mismatches {wrong[:10]}")
-    failed = [problems]
-    if dist.is_initialized():  # a rank whose own keys fit must not enter DCP while another refuses
-        failed = [None] * _world()
-        dist.all_gather_object(failed, problems)
-    if any(failed):
-        first = next(rank for rank, found in enumerate(failed) if found)
-        raise CheckpointError(f"checkpoint {path} does not fit this model (rank {first}): " + "; ".join(failed[first]))
+    # a rank whose own keys fit must not enter DCP while another refuses
+    failed = first_failure_on_any_rank("; ".join(problems) if problems else None)
+    if failed is not None:
+        rank, found = failed
+        raise CheckpointError(f"checkpoint {path} does not fit this model (rank {rank}): {found}")
 
 
 @stop_all_ranks_on_error("checkpoint.load")

@@ -34,6 +34,17 @@ class PeerFailedError(RuntimeError):
     """Raised on a rank that stopped because another rank failed."""
 
 
+def first_failure_on_any_rank(problem: str | None, group: dist.ProcessGroup | None = None) -> tuple[int, str] | None:
+    """``(rank in group, its problem)`` of the first rank of ``group`` that found one, on every rank (``None``: all
+    fine). For refusals that one rank detects alone (its own file, its own shards): every rank raises alike instead
+    of the others walking into a collective the failing rank never joins. No-op without a process group."""
+    if not dist.is_initialized():
+        return (0, problem) if problem is not None else None
+    problems: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    return next(((rank, p) for rank, p in enumerate(problems) if p is not None), None)
+
+
 def _record_failure(store: dist.Store | None, report: str) -> None:
     """Record ``report`` as the job's first failure unless another rank got there first."""
     if store is not None:

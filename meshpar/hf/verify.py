@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import DTensor
 from meshpar._shards import local_slice
+from meshpar.failure import first_failure_on_any_rank
 from meshpar.hf.hf_plan import embedding_and_head, text_config
 from meshpar.hf.plans import HFPlan
 from meshpar.parallel_dims import ParallelDims
@@ -241,15 +241,17 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
     for index, block in enumerate(model.get_submodule(plan.layers)):
         firsts.setdefault(_structure(block), index)
     failure = _first_failure(model, plan, dims, list(firsts.values()))
-    failed = torch.tensor([1 if failure else 0], device=dims.device)
-    dist.all_reduce(failed, group=dims.tp_mesh.get_group())
-    if failed.item():
-        index, problems, differing = failure or (None, [], [])
+    report = None
+    if failure is not None:
+        index, problems, differing = failure
         block = f"block {plan.layers}.{index}" if index is not None else "embedding or block"
         where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
-        what = ", ".join(problems[:8]) if problems else "another tp rank's shards differ"
+        what = ", ".join(problems[:8])
+        report = f"the plan's sharded {block} does not match the dense one at tp={dims.tp}: {what}{where}"
+    failed = first_failure_on_any_rank(report, dims.tp_mesh.get_group())  # every tp rank raises alike
+    if failed is not None:
+        rank, found = failed
         raise PlanVerificationError(
-            f"{type(model).__name__}: the plan's sharded {block} does not match the dense one at tp={dims.tp}: "
-            f"{what}{where}. The modules named compute with something sharding changed "
-            "(a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
+            f"{type(model).__name__} (tp rank {rank}): {found}. The modules named compute with something sharding "
+            "changed (a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
         )

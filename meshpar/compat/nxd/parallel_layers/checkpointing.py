@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DTensor
+from meshpar.failure import first_failure_on_any_rank
 from meshpar.parallel_dims import ParallelDims, get_parallel
 
 _FILE = "checkpoint.pt"
@@ -55,12 +56,10 @@ def save(checkpoint: dict[str, Any], output_dir: str | os.PathLike, master_dp_on
 
 def _agree(error: str | None) -> None:
     """Every rank raises if any rank failed (each rank reads only its own file)."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, first = failed[0]
-        raise ValueError(f"parallel_layers.load failed on {len(failed)} rank(s); rank {rank}: {first}")
+    failed = first_failure_on_any_rank(error)
+    if failed is not None:
+        rank, first = failed
+        raise ValueError(f"parallel_layers.load failed on rank {rank}: {first}")
 
 
 def _into_model(model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:
