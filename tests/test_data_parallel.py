@@ -6,13 +6,16 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from meshpar import clip_grad_norm
+from meshpar import clip_grad_norm, get_rng_tracker
 from meshpar._compat import DTensor
-from meshpar.data_parallel import allreduce_gradients, apply_fsdp
+from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.grad_clip import total_grad_norm
 from meshpar.optim import DistributedOptimizer
+from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from meshpar.testing.reference import local
 from tests._models import Block, TinyTransformer, block_plan
@@ -121,3 +124,56 @@ def mixed_params_case() -> None:
 
 def test_mixed_dtensor_and_plain_parameters_use_foreach() -> None:
     run_distributed(mixed_params_case, 2)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        with get_rng_tracker().fork():  # sharded region: per-rank masks
+            h = F.dropout(h, 0.3)
+        return F.dropout(self.fc2(h), 0.2)  # replicated region: same mask on every tp rank
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DropoutMLP() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def checkpointing_case(compile: bool) -> tuple[bool, int]:
+    dims = setup_parallel(tp=2, seed=5)
+    plan = {"blocks.*.fc1": ColumnParallel(), "blocks.*.fc2": RowParallel()}
+    torch.manual_seed(0)
+    plain = parallelize_module(Net(), dims.tp_mesh, plan)
+    recomputed = apply_activation_checkpointing(copy.deepcopy(plain), DropoutMLP, compile_blocks=compile)
+    if compile:  # the reference: the same blocks compiled, without checkpointing
+        for block in plain.blocks:
+            block.forward = torch.compile(block.forward)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(4, 16)
+    grads = []
+    for model in (plain, recomputed):
+        setup_parallel(tp=2, seed=5)  # same RNG streams for both runs
+        model(x).square().sum().backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), graphs
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_activation_checkpointing_reproduces_tp_dropout_exactly(compile: bool) -> None:
+    """Sharded-region dropout (TP RNG tracker) and replicated dropout replay exactly on recompute, also with each
+    block compiled inside the checkpoint (``compile_blocks``)."""
+    for equal, graphs in run_distributed(checkpointing_case, 2, compile, timeout=600):
+        assert equal
+        assert (graphs > 0) == compile

@@ -7,13 +7,15 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import CommDebugMode
 from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.optim import DistributedOptimizer
+from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
-from meshpar.testing.dispatch import comm_counts
+from meshpar.testing.dispatch import AtenOps, comm_counts
 from tests._models import TinyTransformer, block_plan
 
 BATCH, MICROBATCHES = 8, 2
@@ -143,3 +145,63 @@ def test_reduce_scatter_without_zero1_is_refused() -> None:
     model = TinyTransformer()
     with pytest.raises(ValueError, match="reduce_scatter_grads=True needs zero1=True"):
         DistributedOptimizer(model, torch.optim.SGD, reduce_scatter_grads=True, lr=0.1)
+
+
+def bf16_master_weights_case() -> float:
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    model = parallelize_module(
+        copy.deepcopy(dense).to(torch.bfloat16), dims.tp_mesh, {"0": ColumnParallel(), "2": RowParallel()}
+    )
+    opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        dense_opt.zero_grad()
+        dense(x).square().mean().backward()
+        dense_opt.step()
+        opt.zero_grad()
+        model(x.bfloat16()).float().square().mean().backward()
+        allreduce_gradients(model.parameters(), reduce_dtype=torch.float32)
+        opt.step()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert opt.state_bytes() > 0  # fp32 masters live in the optimizer
+    master = opt.state_dict()["state"]["0.weight"]["master_weight"]
+    expected = dense[0].weight.detach().chunk(2)[dims.tp_rank]
+    return float((master.to_local() - expected).abs().max())
+
+
+def test_bf16_params_with_fp32_master_weights_track_the_fp32_run() -> None:
+    errors = run_distributed(bf16_master_weights_case, 4)
+    assert max(errors) < 2e-2  # bf16 compute noise only; without masters 0.1 * grad updates would be lost to rounding
+
+
+def _mixed_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(dtype)
+
+
+def test_optimizer_step_writes_nothing_back_when_leaves_share_the_parameters() -> None:
+    """fp32 parameters (master_weights or not) are stepped in place: no copy-back, no master copy, no master state."""
+    model = _mixed_model(torch.float32)
+    opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    with AtenOps() as counter:
+        opt.step()
+    assert counter.compute["copy_"] == 0, counter.compute
+    momentum_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert opt.state_bytes() == momentum_bytes
+    assert all("master_weight" not in entry for entry in opt.state_dict()["state"].values())
+
+
+def test_bf16_master_weights_are_counted_and_copied_back() -> None:
+    model = _mixed_model(torch.bfloat16)
+    opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1)
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    with AtenOps() as counter:
+        opt.step()
+    params = list(model.parameters())
+    assert counter.compute["copy_"] == len(params)  # one fp32 -> bf16 write-back per parameter
+    assert opt.state_bytes() == sum(p.numel() * 4 for p in params)  # plain SGD: the fp32 masters are the state
+    assert set(opt.state_dict()["state"]["0.weight"]) == {"master_weight"}
