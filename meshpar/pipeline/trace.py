@@ -78,7 +78,14 @@ def trace(
     missing = [name for name, value in concrete.items() if value is inspect.Parameter.empty]
     if missing:
         raise ValueError(f"input_names must name every argument of forward without a default; missing {missing}")
-    graph = LeafTracer(**kwargs).trace(module, concrete_args=concrete or None)
+    try:
+        graph = LeafTracer(**kwargs).trace(module, concrete_args=concrete or None)
+    except Exception as error:  # data-dependent control flow, untraceable calls, ...
+        raise ValueError(
+            f"NxDPPModel could not trace {type(module).__name__}.forward with torch.fx ({type(error).__name__}: "
+            f"{error}); pass leaf_module_cls=[...] for the modules that cannot be traced, autowrap_functions for "
+            "such functions, or loss_fn=... to split the model by its module structure instead"
+        ) from error
     return fx.GraphModule(module, graph)
 
 
@@ -182,8 +189,10 @@ def traced_stages(
     device: torch.device | None = None,
 ) -> tuple[list[tuple[int, nn.Module, list[str]]], StagePlan]:
     """This rank's stages ``[(stage_index, GraphModule, model inputs it reads), ...]`` and the stage plan."""
-    if input_names is None:
-        raise ValueError("a traced pipeline needs input_names (the forward arguments the microbatches carry)")
+    if input_names is None:  # NxD traces the forward's required arguments
+        parameters = inspect.signature(module.forward).parameters.values()
+        input_names = [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
+            p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
     if any(p.is_meta for p in module.parameters()):
         raise NotImplementedError("a traced pipeline of a model built on meta: build it on CPU (or pass loss_fn)")
     num_stages = pp * virtual_pipeline_size

@@ -226,6 +226,8 @@ def conflicting_arguments_case(kind: str) -> None:
     if kind == "cut":  # the embedding output is used again after the last layer: two values cross every cut
         kwargs = {"input_names": ["ids", "labels"], "output_loss_value_spec": (True, False)}
         NxDPPModel(LossInside(skip=True), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
+    if kind == "untraceable":  # data-dependent control flow; input_names default to forward's required arguments
+        NxDPPModel(Branchy(), transformer_layer_cls=Layer, num_microbatches=2, output_loss_value_spec=(True, False))
     if kind == "meta":
         kwargs = {"input_names": ["ids"], "param_init_fn": init_own}
     NxDPPModel(Stack(), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
@@ -237,6 +239,7 @@ def conflicting_arguments_case(kind: str) -> None:
         ("loss", "broadcast_and_average_loss=True requires return_mb_loss=False"),
         ("cut", r"stage 1 is crossed by \['mul', 'layers_1'\]: meshpar's pipeline sends one activation"),
         ("meta", "a traced pipeline .* takes no param_init_fn"),
+        ("untraceable", r"could not trace Branchy.forward with torch.fx .*leaf_module_cls"),
     ],
 )
 def test_nxd_pipeline_refuses_what_it_cannot_honour(kind: str, message: str) -> None:
@@ -381,3 +384,10 @@ def zero1_case() -> None:
 
 def test_nxd_pipeline_with_use_zero1_optimizer_steps_like_dense() -> None:
     run_distributed(zero1_case, 4)
+
+
+class Branchy(LossInside):
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids.sum() > 0:  # a data-dependent branch: symbolic tracing cannot follow it
+            ids = ids - 1
+        return super().forward(ids, labels)
