@@ -4,7 +4,8 @@
 meshpar's own keys work too; microbatches default to the pipeline size). The returned model is a
 :class:`meshpar.hf.ParallelizedModel`: ``train_step``, ``generate``, ``save_parallelized`` (``save_pretrained``'s
 arguments, ``merge_checkpoints``) and ``from_parallelized`` as documented there. An optimizer built on the model
-before ``initialize`` keeps training the sharded parameters (their identity is kept; not with ``fsdp``).
+before ``initialize`` keeps training the parallel model, FSDP included (:mod:`meshpar.rebind` points it at what
+replaced its parameters on this rank); ``generate`` works at any pp (:mod:`meshpar.hf.generation`).
 """
 
 from __future__ import annotations
