@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh
+from meshpar._compat import local_tensor as _local
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
-from meshpar.optim import local_tensor as _local
 from meshpar.parallel_dims import get_parallel
 
 

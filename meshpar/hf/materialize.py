@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DTensor, Shard
-from meshpar.optim import local_tensor
+from meshpar._compat import DTensor, Shard, local_tensor
 from meshpar.parallel_dims import ParallelDims
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
+from meshpar._compat import local_tensor
 from meshpar.data import move_model_to_device
 from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
 from meshpar.failure import stop_all_ranks_on_error
@@ -48,7 +49,6 @@ from meshpar.hf.stages import (
     pipeline_layout,
 )
 from meshpar.hf.verify import verify_plan
-from meshpar.optim import local_tensor
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
