@@ -57,6 +57,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def local_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of this rank's shard of ``t``: the box DCP saves (``compute_local_shape_and_
+    global_offset``, private; uneven shards included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offsets)
+
+
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape around ``local`` (no checks, no autograd): the
     cheap way to hand a local grad back for a DTensor parameter."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -40,8 +41,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshpar._compat import DTensor, local_tensor
-from meshpar._fqn import checkpoint_modules, tied_of
+from meshpar._fqn import checkpoint_modules, original_named_parameters, tied_of
 from meshpar._shards import local_slice
+from meshpar._stored_layout import stored_as
 from meshpar.failure import first_failure_on_any_rank, stop_all_ranks_on_error
 from meshpar.optim import DistributedOptimizer
 from meshpar.random import get_rng_tracker
@@ -171,6 +173,43 @@ def _full_state(
 Aliases = dict[str, tuple[str, dict[str, Any]]]
 
 
+def _model_shapes(model: nn.Module | Sequence[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """FQN -> the model's own shape, for every parameter meshpar keeps in another shape (``hf_shape``: packed
+    parameters such as GPT-2's fused QKV)."""
+    return {
+        name: tuple(param.hf_shape)
+        for name, param in original_named_parameters(model)
+        if getattr(param, "hf_shape", None) and tuple(param.hf_shape) != tuple(param.shape)
+    }
+
+
+def in_model_shapes(state: dict[str, Any], model: nn.Module | Sequence[nn.Module], *, for_load: bool) -> dict[str, Any]:
+    """``state`` as DCP should see it: packed parameters and their optimizer state in the model's own shapes
+    (:mod:`meshpar._stored_layout`), so torch's tools and a plain model read the checkpoint. A shallow copy; with
+    ``for_load`` the stand-ins are views, so DCP's in-place load fills ``state``'s own tensors."""
+    shapes = _model_shapes(model)
+    if not shapes:
+        return state
+
+    def stored(value: Any, shape: tuple[int, ...]) -> Any:
+        if torch.is_tensor(value) and value.dim() == len(shape) + 1 and value.numel() == math.prod(shape):
+            return stored_as(value, shape, for_load=for_load)
+        return value
+
+    out = dict(state)
+    out["model"] = {k: stored(v, shapes[k]) if k in shapes else v for k, v in state["model"].items()}
+    if "optim" in state:
+        entries = state["optim"]["state"]
+        out["optim"] = {
+            **state["optim"],
+            "state": {
+                fqn: {k: stored(v, shapes[fqn]) for k, v in entry.items()} if fqn in shapes else entry
+                for fqn, entry in entries.items()
+            },
+        }
+    return out
+
+
 def _fold_tied_optimizer_state(
     state: dict[str, Any], tied: dict[str, str] | None, for_load: bool
 ) -> tuple[dict[str, Any], Aliases]:
@@ -256,7 +295,7 @@ def save(
     state = _full_state(model, optimizer, scheduler, tied_of(model, tied))
     # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
     state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
-    _run_dcp(dcp.save, state, tmp)
+    _run_dcp(dcp.save, in_model_shapes(state, model, for_load=False), tmp)
     _barrier()
     if _rank() == 0:
         _crash_point("written")
@@ -414,15 +453,18 @@ def load(
     if optimizer is not None:
         optimizer.init_state()
         state["optim"], aliases = _fold_tied_optimizer_state(optimizer.state_dict(), tied, for_load=True)
+    unpacked_optim = state.get("optim")
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    _check_keys(path, metadata, state["model"], state.get("optim"))
     rng_key = next(k for k in state if k.startswith("rng_rank"))
     if not any(k.startswith(rng_key + ".") for k in metadata):
         del state[rng_key]  # a different world size: RNG streams cannot be mapped
     state["meta"] = {"step": 0, "extra": "{}", "world_size": 0}
-    _run_dcp(dcp.load, state, path)  # in place: the state dict's tensors share storage with the params
+    # packed parameters as views in the model's shapes: DCP loads in place, through them, into state's tensors
+    state = in_model_shapes(state, model, for_load=True)
+    _check_keys(path, metadata, state["model"], state.get("optim"))
+    _run_dcp(dcp.load, state, path)
     if optimizer is not None:
-        optimizer.load_state_dict(_unfold_tied_optimizer_state(state["optim"], aliases))
+        optimizer.load_state_dict(_unfold_tied_optimizer_state(unpacked_optim, aliases))
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     if rng_key in state:

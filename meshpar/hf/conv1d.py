@@ -3,7 +3,8 @@
 GPT-2 fuses Q, K and V into one ``c_attn`` whose output is ``[q | k | v]``. Splitting that dim blindly would give
 rank 0 all of Q. Here the fused weight is kept as a DTensor of logical shape ``[in, 3, hidden]`` sharded on the last
 dim, so each rank holds ``[q_r | k_r | v_r]`` (whole heads of each) and the logical tensor does not depend on tp,
-which keeps DCP resharding exact. ``hf_shape`` on the parameter records the HF layout for merged exports.
+which keeps DCP resharding exact. ``hf_shape`` on the parameter records the HF layout, in which checkpoints store
+it (:mod:`meshpar._stored_layout`).
 """
 
 from __future__ import annotations

@@ -489,29 +489,13 @@ class ParallelizedModel(nn.Module):
         # model, and it is the same merge as checkpoint.export_consolidated
         scratch = directory.parent / f".{directory.name}.merging"
         saved = checkpoint.save(scratch, self.local_modules(), step=0, tied=self.tied_parameters)
-        shapes = self._hf_shapes()
         if dist.get_rank() == 0:
-            full = {
-                name: tensor.reshape(shapes[name]) if name in shapes else tensor
-                for name, tensor in checkpoint.consolidated_state(saved).items()
-            }
             dense = self.model_class(self.hf_config)
-            dense.load_state_dict(full, strict=False)
+            dense.load_state_dict(checkpoint.consolidated_state(saved), strict=False)  # stored in HF's shapes
             dense.save_pretrained(directory, **save_pretrained_kwargs)
             shutil.rmtree(scratch, ignore_errors=True)
         dist.barrier()
         return directory
-
-    def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF's shape of every parameter meshpar keeps in another layout (GPT-2's fused QKV), over all ranks."""
-        shapes = {}
-        for module in self.local_modules():
-            for name, param in module.named_parameters():
-                if getattr(param, "hf_shape", None):
-                    shapes[name] = tuple(param.hf_shape)
-        everyone: list[dict] = [{}] * dist.get_world_size()
-        dist.all_gather_object(everyone, shapes)
-        return {name: shape for part in everyone for name, shape in part.items()}
 
     def from_parallelized(self, directory: str | Path) -> ParallelizedModel:
         """Load a checkpoint written by :meth:`save_parallelized` (DCP or merged HF directory) into this layout."""

@@ -1,0 +1,91 @@
+"""DCP checkpoints hold every parameter (and its optimizer state) in the HF model's own shape and names, so torch's
+standard tools read them: ``dcp_to_torch_save`` + ``load_state_dict``, and ``dcp.load`` into a plain model."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import meshpar
+from meshpar import checkpoint
+from meshpar._compat import DTensor
+from meshpar.optim import DistributedOptimizer
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import batch, build
+
+PACKED = "transformer.h.0.attn.c_attn.weight"  # meshpar keeps it [in, 3, hidden]; HF has [in, 3 * hidden]
+
+
+def _full(tensor: torch.Tensor, like: torch.nn.Parameter) -> torch.Tensor:
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().reshape(getattr(like, "hf_shape", full.shape)).clone()
+
+
+def save_case(
+    directory: str, family: str, tp: int, fsdp: bool, kv_heads: int | None
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]] | None:
+    """Train one AdamW step in a sharded layout, save, and return the whole tensors in HF's shapes (rank 0)."""
+    setup_parallel(tp=tp)
+    dense = build(family, kv_heads=kv_heads)
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp, "fsdp": fsdp})
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    model.train_step(**batch(family))
+    optimizer.step()
+    checkpoint.save(directory, model, optimizer, step=1)
+    params = dict(model.local_modules()[0].named_parameters())
+    state = optimizer.state_dict()["state"]
+    full = {
+        "model": {name: _full(p, p) for name, p in params.items()},
+        "exp_avg": {name: _full(entry["exp_avg"], params[name]) for name, entry in state.items()},
+    }
+    return (full, model.tied_parameters) if torch.distributed.get_rank() == 0 else None
+
+
+CASES = {  # world, family, tp, fsdp, kv heads
+    "gpt2-tp2": (2, "gpt2", 2, False, None),  # packed QKV
+    "gpt2-tp2-fsdp-dp2": (4, "gpt2", 2, True, None),
+    "llama-tp2-kv1": (2, "llama", 2, False, 1),  # KV heads replicated
+    "mixtral-tp2": (2, "mixtral", 2, False, None),  # 3-D experts
+    "qwen3-tp2": (2, "qwen3", 2, False, None),
+    "bert-tp2": (2, "bert", 2, False, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoint_stores_hf_shapes_that_torch_tools_read(tmp_path: Path, case: str) -> None:
+    world, family, tp, fsdp, kv_heads = CASES[case]
+    expected, tied = run_distributed(save_case, world, str(tmp_path), family, tp, fsdp, kv_heads)[0]
+    reference = build(family, kv_heads=kv_heads)
+    path = checkpoint.latest_checkpoint(tmp_path)
+    if family == "gpt2":
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        hidden = reference.config.n_embd
+        assert tuple(metadata[f"model.{PACKED}"].size) == (hidden, 3 * hidden)
+        assert tuple(metadata[f"optim.state.{PACKED}.exp_avg"].size) == (hidden, 3 * hidden)
+
+    # dcp_to_torch_save + load_state_dict (strict) into the stock HF class
+    dcp_to_torch_save(str(path), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    plain = type(reference)(reference.config)
+    weights = dict(whole["model"])
+    weights.update({alias: weights[source] for alias, source in tied.items()})  # tied: stored once
+    plain.load_state_dict(weights, strict=True)
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(param.detach(), expected["model"][name], rtol=0, atol=0, msg=name)
+    for name, value in expected["exp_avg"].items():
+        torch.testing.assert_close(whole["optim"]["state"][name]["exp_avg"], value, rtol=0, atol=0, msg=name)
+
+    # dcp.load into a plain, unsharded model's own state dict
+    other = type(reference)(reference.config).eval()
+    state = {k: v for k, v in other.state_dict().items() if k not in tied and k in weights}
+    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    for name, value in state.items():
+        if name in expected["model"]:
+            torch.testing.assert_close(value, expected["model"][name], rtol=0, atol=0, msg=name)
+    data = batch(family)
+    torch.testing.assert_close(other(**data).loss, plain.eval()(**data).loss, rtol=0, atol=0)
