@@ -98,3 +98,16 @@ def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
     assert re.search(r"^qwen3\s+OK\s+OK\s*$", out, re.MULTILINE), out
     assert re.search(r"^opt\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out  # OPT ships no pipeline plan
     assert "tp2: OK 2" in out and "pp2: OK 1, refused 1" in out and "| qwen3 | OK | OK |" in out
+
+
+def test_bench_pipeline_runtime_receives_as_many_messages_as_torchs_runtime() -> None:
+    """One extra receive per stage per step (the first activation's shape header), no more: the count is what makes
+    the executor level with torch's runtime."""
+    out = _run("bench_pipeline_runtime.py", "--rounds", "1", "--batch", "8", "--seq", "8")
+    counts = dict(re.findall(r"^\s*(\d+ \w+)\s.*x (\S+)$", out, re.MULTILINE))
+    assert counts == {
+        "4 1f1b": "4:4/5:4",
+        "4 interleaved_1f1b": "13:12/14:12",
+        "8 1f1b": "8:8/9:8",
+        "8 interleaved_1f1b": "25:24/26:24",
+    }, out

@@ -1,14 +1,14 @@
-"""Point-to-point transfers between neighbouring pipeline ranks.
+"""Point-to-point transfers between neighbouring pipeline ranks, posted ahead of their use.
 
 Every transfer carries a tag naming what it is (activation or gradient, stage, microbatch), so that two ranks that
 exchange both directions of several stages (interleaving with pp=2) never confuse one message for another.
 
-Every activation is preceded by a small header (dtype code, ndim, sizes): the receiver allocates exactly what was
-sent, so microbatches of different sequence lengths flow through the pipeline, and a ``tensor_shape`` the caller
-declared is *checked* against what really arrives (the same element count in another layout, say apex's
-``(seq, batch, hidden)`` for a batch-first model, would otherwise be read silently wrong). Gradients travel without
-a header: their shape is that of the activation the receiver itself sent. Sends are asynchronous; their buffers are
-kept until the work completes.
+Receives are posted early (:class:`Receive`, ``irecv``) so the transfer overlaps the receiver's compute instead of
+starting when it needs the data: a receive whose size is known costs no round trip on the critical path. A size is
+known for a gradient (the shape of the activation the receiver itself sent) and for an activation whose shape the
+step has fixed; otherwise a small header (dtype code, ndim, sizes) goes first and the receiver allocates exactly
+what was sent, so microbatches of different sequence lengths flow through the pipeline. Sends are asynchronous;
+their buffers are kept until the work completes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,45 @@ class PipelineShapeError(ValueError):
     """An activation arrived with another shape than the ``tensor_shape`` the schedule was given."""
 
 
+class Receive:
+    """A receive posted ahead. Without a header the payload is posted at once; with one the header is, and
+    :meth:`resolve` (waiting for it) posts the payload. ``wait()`` returns the tensor."""
+
+    def __init__(
+        self, src: int, tag: int, device: torch.device, shape: tuple[int, ...] | None, dtype: torch.dtype | None
+    ) -> None:
+        self.src, self.tag, self.device = src, tag, device
+        if shape is None:
+            self.header: torch.Tensor | None = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            self.work = dist.irecv(self.header, src, tag=tag)
+        else:
+            self.header, self.buffer = None, torch.empty(shape, dtype=dtype, device=device)
+            self.work = dist.irecv(self.buffer, src, tag=tag)
+
+    @property
+    def has_header(self) -> bool:
+        """The payload is not posted yet: it waits for the header."""
+        return self.header is not None
+
+    def header_arrived(self) -> bool:
+        return self.header is not None and self.work.is_completed()
+
+    def resolve(self) -> None:
+        """Wait for the header and post the payload's receive."""
+        if self.header is None:
+            return
+        self.work.wait()
+        dtype, ndim = _DTYPES[int(self.header[0])], int(self.header[1])
+        shape = tuple(int(s) for s in self.header[2 : 2 + ndim])
+        self.buffer, self.header = torch.empty(shape, dtype=dtype, device=self.device), None
+        self.work = dist.irecv(self.buffer, self.src, tag=self.tag)
+
+    def wait(self) -> torch.Tensor:
+        self.resolve()
+        self.work.wait()
+        return self.buffer
+
+
 class P2P:
     def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
@@ -34,38 +73,23 @@ class P2P:
         self._pending.append((dist.isend(tensor, dst, tag=tag), tensor))
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
-    def send_activation(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, header: bool) -> None:
+        """Send ``tensor``; with ``header`` its dtype and shape go first (the receiver does not know them)."""
         tensor = tensor.detach().contiguous()
-        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-            raise ValueError(f"cannot send a {tensor.dim()}-d {tensor.dtype} activation between pipeline stages")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        self._isend(header, dst, tag)
+        if header:
+            if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+                raise ValueError(f"cannot send a {tensor.dim()}-d {tensor.dtype} activation between pipeline stages")
+            meta = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            meta[0], meta[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            self._isend(meta, dst, tag)
         self._isend(tensor, dst, tag)
 
-    def recv_activation(self, src: int, tag: int, expected_shape: tuple[int, ...] | None, stage: int) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, tag=tag)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        shape = tuple(int(s) for s in header[2 : 2 + ndim])
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buffer, src, tag=tag)  # first, even if refused: the sender's transfer completes
-        if expected_shape is not None and shape != tuple(expected_shape):
-            raise PipelineShapeError(
-                f"pipeline stage {stage} received an activation of shape {list(shape)} from rank {src}, but the "
-                f"schedule was given tensor_shape={list(expected_shape)}: pass the shape the previous stage really "
-                "outputs (mind batch-first vs apex's [seq, batch, hidden]), or tensor_shape=None"
-            )
-        return buffer
-
-    def send_grad(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._isend(tensor.detach().contiguous(), dst, tag)
-
-    def recv_grad(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, tag: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buffer, src, tag=tag)
-        return buffer
+    def post(
+        self, src: int, tag: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> Receive:
+        """Post the receive of one message now: of ``shape`` and ``dtype``, or, with ``shape=None``, header first."""
+        return Receive(src, tag, self.device, shape, dtype)
 
     def wait_all(self) -> None:
         for work, _ in self._pending:

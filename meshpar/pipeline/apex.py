@@ -16,8 +16,10 @@ num_microbatches=None)``:
   ``grad_scaler.scale`` if one is given, and backpropagated. The schedule returns the ``loss_reduced`` values (the
   losses where ``loss_func`` returns only a loss) on the last pipeline stage, ``[]`` elsewhere.
 - ``dtype`` half or bfloat16 runs forward and loss under autocast unless ``disable_autocast``.
-- ``tensor_shape`` is checked against the shape each activation really has (it travels with it); with
-  ``sequence_parallel_enabled`` its first (sequence) dim is divided by tp, as apex does. ``None`` accepts any shape.
+- ``tensor_shape`` is checked against the shape activations really have (each stage's first of the step travels
+  with its shape, the receiver checks it; the sender refuses a later one of another shape); with
+  ``sequence_parallel_enabled`` its first (sequence) dim is divided by tp, as apex does. ``None`` accepts any shape,
+  a different one for every microbatch too (each activation then carries its shape).
 - ``model`` is a module, or a list of this rank's chunks (one per virtual stage for the interleaved schedule).
   Chunks wrapped by :func:`build_model` (``wrap_with_ddp``) average their grads over dp after the step.
 """

@@ -12,12 +12,16 @@ this executor against torch's schedules.
 Follow one microbatch: ``F`` receives the input (or reads the batch on stage 0), runs the chunk and sends the output
 on; ``B`` receives the output grad (or starts from the loss on the last stage), runs backward and sends the input
 grad back.
+
+Receives are posted ahead of their use, in each neighbour's send order (:mod:`._inbox`). When ``fixed_shapes``
+(a declared ``tensor_shape``, or microbatches split from one batch), only each stage's first activation of a step
+carries its shape; the sender refuses a later one of another shape. Otherwise every activation brings its shape.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +32,8 @@ from torch import nn
 from meshpar._compat import run_backward_unchecked
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.parallel_dims import ParallelDims
-from meshpar.pipeline._p2p import P2P, message_tag
+from meshpar.pipeline._inbox import Inbox
+from meshpar.pipeline._p2p import P2P, PipelineShapeError, message_tag
 from meshpar.pipeline.schedule_ir import Action, build_actions
 
 if TYPE_CHECKING:
@@ -62,6 +67,8 @@ class PipelineExecutor:
     pp: int
     p2p: P2P
     tensor_shape: tuple[int, ...] | None = None
+    # every activation a stage receives in one step has the shape and dtype of its first (implied by tensor_shape)
+    fixed_shapes: bool = False
     dtype: torch.dtype = torch.float32
     deallocate_pipeline_outputs: bool = False
     loss_scale: float = 1.0
@@ -77,6 +84,9 @@ class PipelineExecutor:
     # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
     reported: dict[int, Any] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)  # the last stage's, set by run
+    # (shape, dtype) of the first activation sent to each stage this step
+    _sent_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    _inbox: Inbox | None = None  # this step's receives
 
     @property
     def num_stages(self) -> int:
@@ -91,8 +101,7 @@ class PipelineExecutor:
         if self.set_virtual_rank is not None:
             self.set_virtual_rank(stage // self.pp)
         if stage > 0:
-            tag = message_tag("F", stage, action.microbatch)
-            received = self.p2p.recv_activation(self.p2p.prev_rank, tag, self.tensor_shape, stage)
+            received = self._receive_activation(action)
             slot.input = received if forward_only else received.requires_grad_()
         target = _stage_module(chunk)
         if hasattr(target, "set_input_tensor"):
@@ -112,8 +121,7 @@ class PipelineExecutor:
             self.reported[action.microbatch] = reported
             result = loss_value.detach()
         else:
-            tag = message_tag("F", stage + 1, action.microbatch)
-            self.p2p.send_activation(output, self.p2p.next_rank, tag)
+            self._send_activation(output, action)
             slot.output, slot.output_shape = output, tuple(output.shape)
             if self.deallocate_pipeline_outputs and not forward_only:
                 # The next stage holds the values; backward needs only the graph. Megatron's trick.
@@ -128,15 +136,45 @@ class PipelineExecutor:
         if stage == self.num_stages - 1:
             (self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss).backward()
         else:
-            tag = message_tag("B", stage, action.microbatch)
-            grad = self.p2p.recv_grad(self.p2p.next_rank, slot.output_shape, slot.output.dtype, tag)
+            grad = self._inbox.take(("B", stage, action.microbatch))
             if self.deallocate_pipeline_outputs:
                 run_backward_unchecked(slot.output, grad)
             else:
                 torch.autograd.backward(slot.output, grad)
         if stage > 0:
             tag = message_tag("B", stage - 1, action.microbatch)
-            self.p2p.send_grad(slot.input.grad, self.p2p.prev_rank, tag)
+            self.p2p.send(slot.input.grad, self.p2p.prev_rank, tag, header=False)
+
+    @property
+    def _fixed(self) -> bool:
+        return self.fixed_shapes or self.tensor_shape is not None
+
+    def _receive_activation(self, action: Action) -> torch.Tensor:
+        received = self._inbox.take(("F", action.stage, action.microbatch))
+        shape = tuple(received.shape)
+        if self.tensor_shape is not None and shape != tuple(self.tensor_shape):
+            raise PipelineShapeError(
+                f"pipeline stage {action.stage} received an activation of shape {list(shape)} from rank "
+                f"{self.p2p.prev_rank}, but the schedule was given tensor_shape={list(self.tensor_shape)}: pass the "
+                "shape the previous stage really outputs (mind batch-first vs apex's [seq, batch, hidden]), or "
+                "tensor_shape=None"
+            )
+        return received
+
+    def _send_activation(self, output: torch.Tensor, action: Action) -> None:
+        receiver, meta = action.stage + 1, (tuple(output.shape), output.dtype)
+        first = self._sent_meta.get(receiver)
+        if first is None:
+            self._sent_meta[receiver] = meta
+        elif self._fixed and first != meta:
+            raise PipelineShapeError(
+                f"pipeline stage {action.stage} output {list(meta[0])} ({meta[1]}) for microbatch "
+                f"{action.microbatch}, but {list(first[0])} ({first[1]}) for the step's first: this step runs with "
+                "one activation shape per stage (a declared tensor_shape, or microbatches split from one batch); "
+                "pass tensor_shape=None for activations whose shape changes between microbatches"
+            )
+        header = not self._fixed or first is None  # the receiver knows the shape from the step's first message
+        self.p2p.send(output, self.p2p.next_rank, message_tag("F", receiver, action.microbatch), header=header)
 
     def _grad_sync_context(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
         if self.grad_syncs is None or last:
@@ -144,12 +182,24 @@ class PipelineExecutor:
         return self.grad_syncs[stage // self.pp].no_sync()
 
     def run(
-        self, actions: Sequence[Action], microbatches: Sequence[Any], forward_step: ForwardStep, forward_only: bool
+        self,
+        actions_by_rank: Mapping[int, Sequence[Action]],
+        microbatches: Sequence[Any],
+        forward_step: ForwardStep,
+        forward_only: bool,
     ) -> list[torch.Tensor]:
-        """Execute ``actions``; returns the per-microbatch losses on the rank owning the last stage, else ``[]``."""
+        """Execute this rank's actions (``actions_by_rank[pp_rank]``; the others tell what the neighbours send);
+        returns the per-microbatch losses on the rank owning the last stage, else ``[]``."""
+        actions = actions_by_rank[self.pp_rank]
+        self._sent_meta.clear()
+        self._inbox = Inbox(
+            self.p2p, self.pp_rank, self.pp, self.num_stages, actions_by_rank, forward_only=forward_only,
+            fixed_shapes=self._fixed, grad_meta=self._grad_meta, ahead=2 * self.num_stages,
+        )  # fmt: skip
         losses: dict[int, torch.Tensor] = {}
         last_backward = {action.stage: i for i, action in enumerate(actions) if action.kind != "F"}
         for i, action in enumerate(actions):
+            self._inbox.post_ahead()
             if action.kind == "F":
                 with torch.set_grad_enabled(not forward_only):
                     loss = self.forward(action, microbatches[action.microbatch], forward_step, forward_only)
@@ -161,6 +211,11 @@ class PipelineExecutor:
         self.p2p.wait_all()
         self.losses = [losses[i] for i in sorted(losses)]
         return self.losses
+
+    def _grad_meta(self, stage: int, microbatch: int) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """Shape and dtype of the grad stage ``stage`` receives for ``microbatch``: its output's, once it ran."""
+        slot = self.slots.get((stage, microbatch))
+        return None if slot is None else (slot.output_shape, slot.output.dtype)
 
 
 def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
@@ -183,7 +238,7 @@ def run_schedule(
     loss, a shape check) stops every rank at once (:mod:`meshpar.failure`) instead of leaving its neighbours in a
     recv."""
     schedule = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
-    actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))[dims.pp_rank]
+    actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))
     prev_rank, next_rank = pipeline_neighbours(dims)
     executor = PipelineExecutor(
         chunks=chunks, pp_rank=dims.pp_rank, pp=dims.pp, p2p=P2P(prev_rank, next_rank, dims.device), **options

@@ -246,6 +246,7 @@ class PipelineModel(nn.Module):
             split_batch(inputs, self.num_microbatches),
             self._forward_step,
             forward_only,
+            fixed_shapes=True,  # the microbatches are equal slices of one batch
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             loss_scale=1.0 / self.num_microbatches,
             keep_outputs=keep_outputs,

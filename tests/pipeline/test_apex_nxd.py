@@ -106,6 +106,31 @@ def test_apex_schedules_match_dense(pp, tp, v, m, layers, variable_seq, dealloca
     run_distributed(apex_case, 4, pp, tp, v, m, layers, variable_seq, deallocate)
 
 
+def changing_shape_case(v: int) -> None:
+    """A declared tensor_shape fixes one activation shape per step: a microbatch whose output differs is refused by
+    the sending stage (only the step's first activation per stage carries a header), and every rank stops."""
+    dims = setup_parallel(pp=2)
+    if v > 1:
+        dims.virtual_pipeline_size, dims.virtual_pipeline_rank = v, 0
+    microbatches = [_batch(1, seq=4 + 2 * (i % 2)) for i in range(4)]
+    stages, _ = split_model(PipeGPT(layers=4), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=v)
+    chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]
+    get_forward_backward_func(v if v > 1 else None, 2)(
+        forward_step, PerChunkMicrobatches(microbatches), chunks if v > 1 else chunks[0], forward_only=False,
+        tensor_shape=(2, 4, 16), num_microbatches=4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_an_activation_shape_changing_under_a_declared_tensor_shape_is_refused(v: int) -> None:
+    with pytest.raises(AssertionError) as caught:
+        run_distributed(changing_shape_case, 2, v)
+    text = str(caught.value)
+    assert "no answer" not in text, text
+    assert "PipelineShapeError: pipeline stage 0 output [2, 6, 16]" in text and "[2, 4, 16]" in text, text
+    assert "for the step's first" in text and "PeerFailedError" in text, text
+
+
 def apex_forward_only_case() -> None:
     dims = setup_parallel(pp=2)
     microbatches = [{k: t.chunk(2)[i] for k, t in _batch(2).items()} for i in range(2)]

@@ -1,0 +1,167 @@
+"""The pipeline executor on its own: every rank in a thread of one process, point-to-point replaced by in-memory
+mailboxes that record what is sent and what is posted. Checks results against the dense model, that each pair of
+ranks posts its receives in exactly the order the peer sends (what NCCL, which has no tags, needs), and how many
+messages carry a shape header."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+from meshpar.pipeline.executor import PipelineExecutor
+from meshpar.pipeline.model import StageChunk
+from meshpar.pipeline.schedule_ir import build_actions
+
+HIDDEN = 6
+
+
+class Mailboxes:
+    """Messages in flight between simulated ranks, and the per-pair logs of sends and receive posts."""
+
+    def __init__(self) -> None:
+        self.messages: dict[tuple[int, int, int], list[torch.Tensor]] = defaultdict(list)
+        self.sent: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
+        self.posted: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
+        self.cond = threading.Condition()
+
+    def take(self, src: int, dst: int, tag: int) -> torch.Tensor:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.messages[(src, dst, tag)], timeout=30):
+                raise TimeoutError(f"rank {dst} waits for tag {tag} from rank {src}")
+            return self.messages[(src, dst, tag)].pop(0)
+
+
+class FakeReceive:
+    def __init__(self, box: Mailboxes, src: int, dst: int, tag: int, shape: tuple[int, ...] | None) -> None:
+        self.box, self.src, self.dst, self.tag, self.shape = box, src, dst, tag, shape
+        box.posted[(src, dst)].append((tag, "header" if shape is None else "payload"))
+
+    @property
+    def has_header(self) -> bool:
+        return self.shape is None
+
+    def header_arrived(self) -> bool:
+        return self.has_header and bool(self.box.messages[(self.src, self.dst, self.tag)])
+
+    def resolve(self) -> None:
+        if self.has_header:
+            self.shape = tuple(self.box.take(self.src, self.dst, self.tag).tolist())
+            self.box.posted[(self.src, self.dst)].append((self.tag, "payload"))
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape)
+
+    def wait(self) -> torch.Tensor:
+        self.resolve()
+        data = self.box.take(self.src, self.dst, self.tag)
+        assert tuple(data.shape) == self.shape, (data.shape, self.shape)
+        return data.clone()
+
+
+class FakeP2P:
+    def __init__(self, box: Mailboxes, rank: int, pp: int) -> None:
+        self.box, self.rank = box, rank
+        self.prev_rank, self.next_rank = (rank - 1) % pp, (rank + 1) % pp
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, header: bool) -> None:
+        with self.box.cond:
+            if header:
+                self.box.sent[(self.rank, dst)].append((tag, "header"))
+                self.box.messages[(self.rank, dst, tag)].append(torch.tensor(tensor.shape))
+            self.box.sent[(self.rank, dst)].append((tag, "payload"))
+            self.box.messages[(self.rank, dst, tag)].append(tensor.detach().clone())
+            self.box.cond.notify_all()
+
+    def post(self, src: int, tag: int, shape=None, dtype=None) -> FakeReceive:
+        return FakeReceive(self.box, src, self.rank, tag, shape)
+
+    def wait_all(self) -> None:
+        pass
+
+
+class Layers(nn.Module):
+    def __init__(self, layers: nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def run_pipeline(schedule: str, pp: int, v: int, m: int, fixed: bool, forward_only: bool = False):
+    torch.manual_seed(0)
+    dense = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(pp * v))
+    lengths = [3 + i % 2 for i in range(m)]  # microbatches of two sequence lengths unless fixed
+    batches = [torch.randn(2, 3 if fixed else n, HIDDEN) for n in lengths]
+    box = Mailboxes()
+    losses: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+    replicas = [nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(pp * v)) for _ in range(pp)]
+    for replica in replicas:
+        replica.load_state_dict(dense.state_dict())
+
+    def forward_step(x: torch.Tensor, chunk: StageChunk) -> tuple[torch.Tensor, object]:
+        return chunk(x=x), lambda out: out.square().mean()
+
+    def rank_main(rank: int) -> None:
+        try:
+            stages = [rank + k * pp for k in range(v)]
+            chunks = [StageChunk(Layers(nn.ModuleList([replicas[rank][s]])), s, ["x"]) for s in stages]
+            executor = PipelineExecutor(
+                chunks, rank, pp, FakeP2P(box, rank, pp), fixed_shapes=fixed, loss_scale=1.0 / m
+            )
+            losses[rank] = executor.run(build_actions(schedule, pp, v, m), batches, forward_step, forward_only)
+        except BaseException as error:  # reported by the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(pp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return dense, replicas, batches, losses, box
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "v", "m"),
+    [("gpipe", 2, 1, 3), ("1f1b", 2, 1, 4), ("1f1b", 3, 1, 5), ("interleaved_1f1b", 2, 2, 4),
+     ("interleaved_1f1b", 2, 2, 5), ("interleaved_1f1b", 3, 2, 7), ("interleaved_1f1b", 4, 3, 6)],
+)  # fmt: skip
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "variable"])
+def test_executor_matches_dense_and_posts_receives_in_send_order(
+    schedule: str, pp: int, v: int, m: int, fixed: bool
+) -> None:
+    dense, replicas, batches, losses, box = run_pipeline(schedule, pp, v, m, fixed)
+    expected = []
+    for x in batches:
+        for layer in dense:
+            x = torch.tanh(layer(x))
+        expected.append(x.square().mean())
+    (sum(expected) / m).backward()
+    last = (pp * v - 1) % pp
+    torch.testing.assert_close(torch.stack(losses[last]), torch.stack(expected).detach())
+    for rank, replica in enumerate(replicas):  # each rank's own layers got the dense grads
+        for stage in range(rank, pp * v, pp):
+            for mine, ref in zip(replica[stage].parameters(), dense[stage].parameters(), strict=True):
+                torch.testing.assert_close(mine.grad, ref.grad, atol=1e-6, rtol=1e-5)
+    assert set(box.sent) == set(box.posted)
+    for pair, sent in box.sent.items():
+        assert box.posted[pair] == sent, pair  # same messages, same order, on every pair
+    headers = sum(kind == "header" for sent in box.sent.values() for kind in [k for _, k in sent])
+    activations = (pp * v - 1) * m
+    assert headers == (pp * v - 1 if fixed else activations)  # fixed: one per receiving stage per step
+
+
+def test_forward_only_posts_no_gradient_receives() -> None:
+    _, _, _, losses, box = run_pipeline("1f1b", 2, 1, 4, fixed=True, forward_only=True)
+    assert len(losses[1]) == 4
+    assert all(tag % 2 == 0 for posted in box.posted.values() for tag, _ in posted)  # activations only ("F")
