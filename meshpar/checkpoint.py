@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshpar._compat import DTensor, local_tensor
-from meshpar._fqn import checkpoint_modules, original_named_parameters, tied_of
+from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
 from meshpar._stored_layout import stored_as
 from meshpar.failure import first_failure_on_any_rank, stop_all_ranks_on_error
@@ -174,13 +174,16 @@ Aliases = dict[str, tuple[str, dict[str, Any]]]
 
 
 def _model_shapes(model: nn.Module | Sequence[nn.Module]) -> dict[str, tuple[int, ...]]:
-    """FQN -> the model's own shape, for every parameter meshpar keeps in another shape (``hf_shape``: packed
-    parameters such as GPT-2's fused QKV)."""
-    return {
-        name: tuple(param.hf_shape)
-        for name, param in original_named_parameters(model)
-        if getattr(param, "hf_shape", None) and tuple(param.hf_shape) != tuple(param.shape)
-    }
+    """FQN -> the model's own shape, for every parameter meshpar keeps in another shape: a module that does says so
+    in ``checkpoint_shapes`` (its parameter name -> shape; packed parameters such as GPT-2's fused QKV)."""
+    shapes = {}
+    for module in checkpoint_modules(model):
+        for prefix, sub in module.named_modules():
+            for name, shape in getattr(sub, "checkpoint_shapes", {}).items():
+                param = sub._parameters.get(name)
+                if param is not None and tuple(param.shape) != tuple(shape):
+                    shapes[f"{prefix}.{name}" if prefix else name] = tuple(shape)
+    return shapes
 
 
 def in_model_shapes(state: dict[str, Any], model: nn.Module | Sequence[nn.Module], *, for_load: bool) -> dict[str, Any]:

@@ -68,8 +68,8 @@ def broadcast_data(
 @torch.no_grad()
 def move_model_to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
     """``model.to(device)`` for parallel models: what is already there stays untouched; plain parameters move in
-    place (``.data``: the same objects, so optimizers and attributes such as the merged-export ``hf_shape`` stay
-    valid); DTensor parameters keep their mesh, placements and attributes."""
+    place (``.data``: the same objects, so optimizers and attributes set on parameters stay valid); DTensor
+    parameters keep their mesh, placements and attributes."""
     device = torch.device(device)
     for module in model.modules():
         for name, param in list(module._parameters.items()):

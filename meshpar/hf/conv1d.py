@@ -3,8 +3,9 @@
 GPT-2 fuses Q, K and V into one ``c_attn`` whose output is ``[q | k | v]``. Splitting that dim blindly would give
 rank 0 all of Q. Here the fused weight is kept as a DTensor of logical shape ``[in, 3, hidden]`` sharded on the last
 dim, so each rank holds ``[q_r | k_r | v_r]`` (whole heads of each) and the logical tensor does not depend on tp,
-which keeps DCP resharding exact. ``hf_shape`` on the parameter records the HF layout, in which checkpoints store
-it (:mod:`meshpar._stored_layout`).
+which keeps DCP resharding exact. The module's ``checkpoint_shapes`` records HF's shapes of its parameters, in which
+checkpoints store them (:mod:`meshpar._stored_layout`); on the module, it survives what replaces parameters
+(materialising a model built on meta, ``fully_shard``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ from meshpar.tensor_parallel._collectives import (
 from meshpar.tensor_parallel._init import check_divisible
 
 
-def _param(tensor: torch.Tensor, mesh: DeviceMesh, placement: object, hf_shape: tuple[int, ...]) -> nn.Parameter:
-    param = nn.Parameter(distribute_tensor(tensor.detach(), mesh, [placement], src_data_rank=0))
-    param.hf_shape = hf_shape
-    return param
+def _param(tensor: torch.Tensor, mesh: DeviceMesh, placement: object) -> nn.Parameter:
+    return nn.Parameter(distribute_tensor(tensor.detach(), mesh, [placement], src_data_rank=0))
 
 
 class ColumnParallelConv1D(Conv1D):
@@ -51,11 +50,12 @@ class ColumnParallelConv1D(Conv1D):
         n_in, n_out = conv.weight.shape
         check_divisible(n_out // fused, mesh.size(), "output features per fused block", cls.__name__)
         if fused == 1:
-            conv.weight = _param(conv.weight, mesh, Shard(1), (n_in, n_out))
-            conv.bias = _param(conv.bias, mesh, Shard(0), (n_out,))
+            conv.weight = _param(conv.weight, mesh, Shard(1))
+            conv.bias = _param(conv.bias, mesh, Shard(0))
         else:
-            conv.weight = _param(conv.weight.view(n_in, fused, n_out // fused), mesh, Shard(2), (n_in, n_out))
-            conv.bias = _param(conv.bias.view(fused, n_out // fused), mesh, Shard(1), (n_out,))
+            conv.weight = _param(conv.weight.view(n_in, fused, n_out // fused), mesh, Shard(2))
+            conv.bias = _param(conv.bias.view(fused, n_out // fused), mesh, Shard(1))
+            conv.checkpoint_shapes = {"weight": (n_in, n_out), "bias": (n_out,)}
         conv.__class__ = cls
         conv.tp_mesh, conv.fused = mesh, fused
         conv.gather_output, conv.sequence_parallel = gather_output, sequence_parallel
@@ -79,10 +79,10 @@ class RowParallelConv1D(Conv1D):
 
     @classmethod
     def from_conv1d(cls, conv: Conv1D, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> RowParallelConv1D:
-        n_in, n_out = conv.weight.shape
+        n_in = conv.weight.shape[0]
         check_divisible(n_in, mesh.size(), "input features", cls.__name__)
-        conv.weight = _param(conv.weight, mesh, Shard(0), (n_in, n_out))
-        conv.bias = _param(conv.bias, mesh, Replicate(), (n_out,))
+        conv.weight = _param(conv.weight, mesh, Shard(0))
+        conv.bias = _param(conv.bias, mesh, Replicate())
         conv.__class__ = cls
         conv.tp_mesh, conv.sequence_parallel = mesh, sequence_parallel
         return conv

@@ -21,9 +21,10 @@ from tests.hf._configs import batch, build
 PACKED = "transformer.h.0.attn.c_attn.weight"  # meshpar keeps it [in, 3, hidden]; HF has [in, 3 * hidden]
 
 
-def _full(tensor: torch.Tensor, like: torch.nn.Parameter) -> torch.Tensor:
+def _full(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The whole tensor, in the HF model's ``shape``."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().reshape(getattr(like, "hf_shape", full.shape)).clone()
+    return full.detach().reshape(shape).clone()
 
 
 def save_case(
@@ -40,8 +41,8 @@ def save_case(
     params = dict(model.local_modules()[0].named_parameters())
     state = optimizer.state_dict()["state"]
     full = {
-        "model": {name: _full(p, p) for name, p in params.items()},
-        "exp_avg": {name: _full(entry["exp_avg"], params[name]) for name, entry in state.items()},
+        "model": {name: _full(p, dense.get_parameter(name).shape) for name, p in params.items()},
+        "exp_avg": {name: _full(entry["exp_avg"], dense.get_parameter(name).shape) for name, entry in state.items()},
     }
     return (full, model.tied_parameters) if torch.distributed.get_rank() == 0 else None
 

@@ -600,18 +600,18 @@ def test_batches_move_to_the_ranks_device() -> None:
 def test_unsharded_parameters_follow_the_shards_in_place() -> None:
     """On a CUDA rank a CPU-built model's embeddings, norms and buffers move to the device after sharding (found on
     an H100). The move is in place: tied parameters stay one object and attributes set on parameters survive
-    (``module.to`` would swap DTensor parameters' contents and drop the merged-export ``hf_shape``)."""
+    (``module.to`` would swap DTensor parameters' contents and drop attributes set on them)."""
     from meshpar.data import move_model_to_device
 
     model = build("gpt2")
     model.lm_head.weight = model.transformer.wte.weight
-    model.transformer.wte.weight.hf_shape = (1, 2)
+    model.transformer.wte.weight.marker = (1, 2)
     model.transformer.register_buffer("probe", torch.zeros(2))  # GPT-2 has no buffers of its own here
     move_model_to_device(model, torch.device("meta"))
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.transformer.probe.device.type == "meta"
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert model.transformer.wte.weight.hf_shape == (1, 2)
+    assert model.transformer.wte.weight.marker == (1, 2)
 
 
 def _dense_adamw_losses(family: str, steps: int) -> list[float]:
