@@ -44,6 +44,7 @@ from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
 from meshpar.hf.stages import (
     STAGE_FORWARDS,
     check_stage_composition,
+    inferred_pipeline_layout,
     install_decoder_stage,
     install_stage_forward,
     pipeline_layout,
@@ -215,12 +216,9 @@ class ParallelizedModel(nn.Module):
             for layer in layers:
                 layer.compile(fullgraph=False)
         if self._fsdp:  # last, as in torchtitan: TP -> compile inside activation checkpointing -> FSDP
-            hf_shapes = {n: p.hf_shape for n, p in module.named_parameters() if hasattr(p, "hf_shape")}
             # under pp a stage runs each microbatch forward then backward: keep its gathered parameters between
             # the two instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled)
             apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls, reshard_after_forward=self.dims.pp == 1)
-            for name, shape in hf_shapes.items():  # fully_shard makes new parameters: keep the merged-export layout
-                module.get_parameter(name).hf_shape = shape
         return module
 
     def _split(self, model: nn.Module) -> PipelineModel:
@@ -239,14 +237,24 @@ class ParallelizedModel(nn.Module):
 
         else:
             layout = pipeline_layout(model)
+            inferred = layout is None
+            if inferred:
+                layout = inferred_pipeline_layout(model)
             if layout is None or self.plan.task != "causal_lm":
                 raise ValueError(
                     f"pipeline parallelism needs a causal LM whose config carries transformers' pipeline plan "
-                    f"(base_model_pp_plan), or one of {sorted(STAGE_FORWARDS)}; {type(model).__name__} has neither"
+                    f"(base_model_pp_plan) or whose base model holds one list of layers, or one of "
+                    f"{sorted(STAGE_FORWARDS)}; {type(model).__name__} is none of these"
                 )
             if config.sequence_parallel:
                 raise ValueError(f"sequence_parallel with pipeline stages is supported for {sorted(STAGE_FORWARDS)}")
             keep = layout.keep
+            if self._from_meta and inferred:
+                raise ValueError(
+                    f"{type(model).__name__} has no transformers pipeline plan: meshpar reads one from the model's "
+                    "modules and proves it on the dense model, which a model built on meta cannot run; build it on "
+                    "cpu, or use pipeline_parallel_size 1"
+                )
             if self._from_meta:
                 _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
             else:

@@ -1,13 +1,14 @@
 """Pipeline stage forwards for HuggingFace models.
 
-Every causal LM whose config carries transformers' ``base_model_pp_plan`` runs the model's *own* forward on each
-stage (:func:`decoder_stage_forward`): the layer list is swapped for a view of the full depth in which the stage's
-layers sit at their global indices and every other index passes its input through, so per-layer data the forward
-reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables) stays right; the pieces
-before the layers (embedding, dropout) act only on the first stage and those after them (final norm) only on the
-last, which returns the head's logits. Masks, positions and rotary tables are built by the model's forward itself,
-with the user's attention implementation. :func:`check_stage_composition` proves, on the dense model before it is
-split, that the stages composed reproduce its forward.
+Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one, whose base model holds
+one layer list: the plan is then read from its children and must pass the composition check) runs the model's
+*own* forward on each stage (:func:`decoder_stage_forward`): the layer list is swapped for a view of the full depth
+in which the stage's layers sit at their global indices and every other index passes its input through, so
+per-layer data the forward reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables)
+stays right; the pieces before the layers (embedding, dropout) act only on the first stage and those after them
+(final norm) only on the last, which returns the head's logits. Masks, positions and rotary tables are built by the
+model's forward itself, with the user's attention implementation. :func:`check_stage_composition` proves, on the
+dense model before it is split, that the stages composed reproduce its forward.
 
 GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the same
 4-D mask as the HF model from the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend).
@@ -133,6 +134,8 @@ class PipelineLayout:
     keep: tuple[str, ...]  # parameter-free base-model modules every stage needs (rotary embeddings)
     base: str  # the base model, whose forward non-last stages run
     num_layers: int
+    # each layer's plain attributes (attention_type, block_type, ...): a forward may read them from every layer
+    layer_attributes: tuple[tuple[tuple[str, object], ...], ...] = ()
 
 
 def _holds_parameters(module: nn.Module, name: str) -> bool:
@@ -143,17 +146,36 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     """The layout of a causal LM with transformers' ``base_model_pp_plan``; ``None`` when it has none. Raises when
     the plan does not describe the model (a base-model module outside the plan holds parameters)."""
     config = getattr(model, "config", None)
-    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    plan = list(dict(getattr(config, "base_model_pp_plan", None) or {}))
+    return _layout(model, plan) if plan else None
+
+
+def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
+    """For a causal LM without transformers' pipeline plan: the plan read from its base model's children, in
+    registration order (the one layer list, and every child holding parameters); ``None`` when the base model has
+    no single layer list among its children. Only a guess until :func:`check_stage_composition` proves it on the
+    dense model (a module registered in another order than it runs fails that check)."""
     prefix = getattr(model, "base_model_prefix", "")
-    if not plan or not prefix or not hasattr(model, prefix) or not type(model).__name__.endswith("ForCausalLM"):
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
         return None
     base = model.get_submodule(prefix)
-    lists = [name for name in plan if isinstance(getattr(base, name, None), nn.ModuleList)]
+    lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if len(lists) != 1:
         return None
-    names = list(plan)
+    plan = [n for n, _ in base.named_children() if n == lists[0] or _holds_parameters(base, n)]
+    return _layout(model, plan)
+
+
+def _layout(model: nn.Module, names: list[str]) -> PipelineLayout | None:
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not hasattr(model, prefix) or not type(model).__name__.endswith("ForCausalLM"):
+        return None
+    base = model.get_submodule(prefix)
+    lists = [name for name in names if isinstance(getattr(base, name, None), nn.ModuleList)]
+    if len(lists) != 1:
+        return None
     index = names.index(lists[0])
-    others = [n for n, m in base.named_children() if n not in plan]
+    others = [n for n, m in base.named_children() if n not in names]
     holding = [n for n in others if _holds_parameters(base, n)]
     if holding:
         raise ValueError(
@@ -171,6 +193,14 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
         keep=tuple(f"{prefix}.{n}" for n in others) + tuple(free),
         base=prefix,
         num_layers=len(base.get_submodule(lists[0])),
+        layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(lists[0])),
+    )
+
+
+def _plain_attributes(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    plain = (str, int, float, bool, type(None))
+    return tuple(
+        (k, v) for k, v in vars(module).items() if not k.startswith("_") and k != "training" and isinstance(v, plain)
     )
 
 
@@ -181,13 +211,16 @@ def _present(model: nn.Module, fqn: str) -> bool:
 
 
 class _PassThrough(nn.Module):
-    """Stands in for a layer another stage owns: hands its hidden states on unchanged."""
+    """Stands in for a layer another stage owns: hands its hidden states on unchanged, and carries that layer's
+    plain attributes (a forward may read ``layer.attention_type`` of every layer to pick its mask)."""
+
+    def __init__(self, attributes: tuple[tuple[str, object], ...] = ()) -> None:
+        super().__init__()
+        for name, value in attributes:
+            setattr(self, name, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return hidden_states
-
-
-_PASS = _PassThrough()
 
 
 @contextlib.contextmanager
@@ -207,7 +240,9 @@ def _stage_view(
         swap(fqn, nn.Identity())
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
-    swap(layout.container, nn.ModuleList([owned.get(i, _PASS) for i in range(layout.num_layers)]))
+    attributes = layout.layer_attributes or ((),) * layout.num_layers
+    stand_ins = [owned.get(i) or _PassThrough(attributes[i]) for i in range(layout.num_layers)]
+    swap(layout.container, nn.ModuleList(stand_ins))
     try:
         yield
     finally:
@@ -271,6 +306,11 @@ def check_stage_composition(
             for stage, keys in enumerate(stage_layers):
                 owned = {int(k): container[int(k)] for k in keys}
                 x = _run_stage(model, layout, owned, stage == 0, stage == len(stage_layers) - 1, x, mask)
+    except Exception as error:  # the forward needs something a stage does not have
+        raise ValueError(
+            f"{type(model).__name__}: its forward cannot run stage by stage ({type(error).__name__}: {error}); use "
+            "pipeline_parallel_size 1"
+        ) from error
     finally:
         for module, training in modes:
             module.training = training
@@ -278,8 +318,8 @@ def check_stage_composition(
     if x.shape != want.shape or error > 1e-5:
         raise ValueError(
             f"{type(model).__name__}: its pipeline stages do not reproduce the dense forward (relative error "
-            f"{error:.1e}): its forward does something transformers' pipeline plan does not describe; use "
-            "pipeline_parallel_size 1"
+            f"{error:.1e}): its forward does something its pipeline plan (transformers', or read from its "
+            "modules) does not describe; use pipeline_parallel_size 1"
         )
 
 

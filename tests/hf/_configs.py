@@ -34,6 +34,9 @@ GENERIC = {
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
     "opt": ("OPTConfig", "OPTForCausalLM", {}),  # no transformers plan: meshpar's table
+    # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",

@@ -224,6 +224,27 @@ def test_tp_x_pp_from_transformers_plans_matches_dense(family: str, vpp: int) ->
     run_distributed(pipeline_case, 4, family, 2, 2, vpp)
 
 
+@pytest.mark.parametrize(("family", "world", "tp"), [("nemotron", 2, 1), ("olmoe", 4, 2)])
+def test_pipeline_from_a_plan_read_off_the_model_matches_dense(family: str, world: int, tp: int) -> None:
+    """Families without transformers' pipeline plan: the plan is read from the base model's children, proven on the
+    dense model, and the pipelined step equals the dense one (OLMoE: experts under tp too)."""
+    assert not getattr(build(family).config, "base_model_pp_plan", None)
+    run_distributed(pipeline_case, world, family, tp, 2)
+
+
+def inferred_meta_case() -> None:
+    setup_parallel(pp=2)
+    with torch.device("meta"):
+        skeleton = build("nemotron", layers=4)
+    meshpar.parallelize(skeleton, {"pipeline_parallel_size": 2, "num_microbatches": 2})
+
+
+def test_a_plan_read_off_a_meta_model_is_refused() -> None:
+    """Nothing can prove the read plan on a model without values: refused, not guessed."""
+    with pytest.raises(AssertionError, match=r"has no transformers pipeline plan.*built on meta cannot run"):
+        run_distributed(inferred_meta_case, 2)
+
+
 def merged_case(directory: str, family: str) -> float:
     setup_parallel(tp=2)
     model = meshpar.parallelize(build(family), {"tensor_parallel_size": 2})
