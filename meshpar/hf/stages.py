@@ -135,7 +135,7 @@ class PipelineLayout:
     base: str  # the base model, whose forward non-last stages run
     num_layers: int
     # each layer's plain attributes (attention_type, block_type, ...): a forward may read them from every layer
-    layer_attributes: tuple[tuple[tuple[str, object], ...], ...] = ()
+    layer_attributes: tuple[tuple[tuple[str, object], ...], ...]
 
 
 def _holds_parameters(module: nn.Module, name: str) -> bool:
@@ -240,8 +240,7 @@ def _stage_view(
         swap(fqn, nn.Identity())
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
-    attributes = layout.layer_attributes or ((),) * layout.num_layers
-    stand_ins = [owned.get(i) or _PassThrough(attributes[i]) for i in range(layout.num_layers)]
+    stand_ins = [owned.get(i) or _PassThrough(layout.layer_attributes[i]) for i in range(layout.num_layers)]
     swap(layout.container, nn.ModuleList(stand_ins))
     try:
         yield

@@ -88,7 +88,8 @@ class Inbox:
                     break
 
     def _learn(self, key: Key, receive: Receive) -> None:
-        if self.fixed_shapes and key[0] == "F" and not receive.has_header:
+        """With fixed shapes, a stage's first activation (its payload posted) gives the shape of the rest."""
+        if self.fixed_shapes and key[0] == "F":
             self._activation_meta.setdefault(key[1], (tuple(receive.buffer.shape), receive.buffer.dtype))
 
     def _post_next(self, peer: int, *, blocking: bool) -> bool:
@@ -104,8 +105,9 @@ class Inbox:
             before.resolve()  # its payload's receive is posted before anything the peer sends after it
             self._learn(queue[index - 1], before)
         kind, stage, microbatch = key = queue[index]
-        meta = self._activation_meta.get(stage) if kind == "F" and self.fixed_shapes else None
-        if kind == "B":
+        if kind == "F":
+            meta = self._activation_meta.get(stage)  # None: a header comes first
+        else:
             meta = self.grad_meta(stage, microbatch)
             if meta is None:
                 if blocking:  # a valid schedule never needs a grad before its forward ran
