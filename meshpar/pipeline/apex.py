@@ -326,7 +326,6 @@ def _pipelined(
         forward_step_func,
         options.forward_only,
         tensor_shape=options.received_shape(dims),
-        dtype=options.dtype or torch.float32,
         deallocate_pipeline_outputs=options.deallocate_pipeline_outputs,
         loss_scale=1.0 / len(microbatches),
         set_virtual_rank=parallel_state.set_virtual_pipeline_model_parallel_rank if len(chunks) > 1 else None,

@@ -69,7 +69,6 @@ class PipelineExecutor:
     tensor_shape: tuple[int, ...] | None = None
     # every activation a stage receives in one step has the shape and dtype of its first (implied by tensor_shape)
     fixed_shapes: bool = False
-    dtype: torch.dtype = torch.float32
     deallocate_pipeline_outputs: bool = False
     loss_scale: float = 1.0
     set_virtual_rank: Callable[[int], None] | None = None
