@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,13 @@ try:
 except ImportError:  # run as a script from benchmarks/
     from bench_pipeline import HIDDEN, Block, Model  # type: ignore[no-redef]
 
-PAIRS = [("1f1b", "torch_1f1b", 1), ("interleaved_1f1b", "torch_interleaved_1f1b", 2)]
+# (meshpar's schedule, v) against (a reference, v): "torch_*" names run on torch's runtime, others on meshpar's
+ROWS = [
+    (("1f1b", 1), ("torch_1f1b", 1)),
+    (("interleaved_1f1b", 2), ("torch_interleaved_1f1b", 2)),
+    (("zero_bubble", 1), ("1f1b", 1)),
+    (("zero_bubble", 1), ("torch_interleaved_zero_bubble", 1)),
+]
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -62,31 +69,34 @@ class RecvCounter:
         dist.ProcessGroup.recv = self._recv
 
 
-def measure(schedule: str, torch_schedule: str, v: int, m: int, rounds: int, batch: int, seq: int, variable: bool):
-    dims = setup_parallel(pp=2)
+def _side(name: str, v: int, dims, m: int, ids: torch.Tensor, variable: bool) -> Callable[[], None]:
+    """One step of ``name`` on its own copy of the stages (the same initial weights for every side)."""
     torch.manual_seed(0)
-    ours, _ = split_model(Model(), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=v)
-    torch.manual_seed(0)
-    theirs, plan = split_model(Model(), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=v)
-    chunks = [StageChunk(module, index, input_names=["x"]) for index, module in ours]
-    stages = make_pipeline_stages(theirs, plan.num_stages, dims.pp_mesh, torch.device("cpu"))
-    torch_step = build_schedule(torch_schedule, stages, m, loss_fn=loss_fn)
-    ids = torch.randint(0, 256, (batch, seq))
+    stages, plan = split_model(Model(), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=v)
+    if name.startswith("torch_"):
+        schedule = build_schedule(
+            name, make_pipeline_stages(stages, plan.num_stages, dims.pp_mesh, ids.device), m, loss_fn
+        )
+        return lambda: schedule.step(ids, target=ids) if dims.pp_rank == 0 else schedule.step(target=ids)
+    chunks = [StageChunk(module, index, input_names=["x"]) for index, module in stages]
     microbatches = [{"x": x, "labels": x} for x in ids.chunk(m)]
 
     def forward_step(microbatch: dict, chunk: StageChunk) -> tuple:
         return chunk(**microbatch), lambda out: loss_fn(out, microbatch["labels"])
 
-    def meshpar_step() -> None:
-        run_schedule(dims, chunks, microbatches, forward_step, False, loss_scale=1.0 / m, fixed_shapes=not variable)
+    schedule = "zero_bubble" if name == "zero_bubble" else "1f1b"
+    options = {"loss_scale": 1.0 / m, "fixed_shapes": not variable}
+    return lambda: run_schedule(dims, chunks, microbatches, forward_step, False, schedule, **options)
 
-    def torch_step_fn() -> None:
-        torch_step.step(ids, target=ids) if dims.pp_rank == 0 else torch_step.step(target=ids)
 
-    times: dict[str, list[float]] = {"meshpar": [], "torch": []}
+def measure(ours: tuple[str, int], theirs: tuple[str, int], m: int, rounds: int, batch: int, seq: int, variable: bool):
+    dims = setup_parallel(pp=2)
+    ids = torch.randint(0, 256, (batch, seq))
+    steps = {"meshpar": _side(*ours, dims, m, ids, variable), "reference": _side(*theirs, dims, m, ids, variable)}
+    times: dict[str, list[float]] = {"meshpar": [], "reference": []}
     recvs = {}
     for step in range(rounds + 1):
-        for name, fn in (("meshpar", meshpar_step), ("torch", torch_step_fn)):
+        for name, fn in steps.items():
             dist.barrier()
             with RecvCounter() as counter:
                 start = time.perf_counter()
@@ -106,15 +116,20 @@ def main() -> None:
     parser.add_argument("--variable", action="store_true", help="shapes may change per microbatch: header on each")
     args = parser.parse_args()
     print(f"pp=2 on 2 gloo processes (CPU), 8-layer MLP-block model, hidden {HIDDEN}, batch {args.batch}x{args.seq}")
-    print(f"{'m':>3s} {'meshpar':18s} {'torch':24s} {'meshpar ms':>10s} {'torch ms':>9s} {'ratio':>6s} recvs/rank")
+    print(f"{'m':>3s} {'meshpar':18s} {'reference':30s} {'meshpar ms':>10s} {'ref ms':>9s} {'ratio':>6s} recvs/rank")
     for m in (4, 8):
-        for ours, theirs, v in PAIRS:
-            per_rank = run_distributed(measure, 2, ours, theirs, v, m, args.rounds, args.batch, args.seq, args.variable)
-            slowest = {k: [max(r[0][k][i] for r in per_rank) for i in range(args.rounds)] for k in ("meshpar", "torch")}
-            ratio = statistics.median(a / b for a, b in zip(slowest["meshpar"], slowest["torch"], strict=True))
-            recvs = "/".join(f"{r[1]['meshpar']}:{r[1]['torch']}" for r in per_rank)
+        for ours, theirs in ROWS:
+            per_rank = run_distributed(measure, 2, ours, theirs, m, args.rounds, args.batch, args.seq, args.variable)
+            slowest = {
+                k: [max(r[0][k][i] for r in per_rank) for i in range(args.rounds)] for k in ("meshpar", "reference")
+            }
+            ratio = statistics.median(a / b for a, b in zip(slowest["meshpar"], slowest["reference"], strict=True))
+            recvs = "/".join(f"{r[1]['meshpar']}:{r[1]['reference']}" for r in per_rank)
             ms = {k: statistics.median(v) * 1e3 for k, v in slowest.items()}
-            print(f"{m:3d} {ours:18s} {theirs:24s} {ms['meshpar']:10.1f} {ms['torch']:9.1f} {ratio:5.2f}x {recvs}")
+            label = f"{theirs[0]} (meshpar)" if not theirs[0].startswith("torch_") else theirs[0]
+            print(
+                f"{m:3d} {ours[0]:18s} {label:30s} {ms['meshpar']:10.1f} {ms['reference']:9.1f} {ratio:5.2f}x {recvs}"
+            )
 
 
 if __name__ == "__main__":

@@ -5,11 +5,19 @@ A torch upgrade that moves one of these names should only need a change in this 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT as PP_BACKWARD_INPUT,
+)
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_WEIGHT as PP_BACKWARD_WEIGHT,
+)
 from torch.distributed.pipelining.schedules import (
     FORWARD as PP_FORWARD,
 )
@@ -94,21 +102,41 @@ def plain_eager_context(tensors: tuple) -> bool:
     return all(type(t) is torch.Tensor for t in tensors if isinstance(t, torch.Tensor))
 
 
-def run_backward_unchecked(output: torch.Tensor, grad: torch.Tensor) -> None:
+def run_backward_unchecked(
+    output: torch.Tensor, grad: torch.Tensor, inputs: tuple[torch.Tensor, ...] = (), keep_graph: bool = False
+) -> None:
     """Backward from ``output`` without the shape check, for outputs whose data was freed after sending
-    (Megatron's ``custom_backward``)."""
+    (Megatron's ``custom_backward``); ``inputs``: accumulate only these tensors' grads."""
     torch.autograd.Variable._execution_engine.run_backward(
         tensors=(output,),
         grad_tensors=(grad,),
-        keep_graph=False,
+        keep_graph=keep_graph,
         create_graph=False,
-        inputs=(),
+        inputs=inputs,
         allow_unreachable=True,
         accumulate_grad=True,
     )
 
 
+def grad_needed(ctx: Any, edge: int) -> bool:
+    """Inside a custom autograd function's backward: whether the running backward pass uses the grad of the
+    ``edge``-th *tensor* input of forward (arguments that are not tensors, ``None`` included, have no edge).
+    ``ctx.needs_input_grad`` says whether an input requires grad at all; this also knows when a pass runs towards
+    some inputs only (a zero-bubble schedule's separate input-grad and weight-grad passes)."""
+    node = ctx.next_functions[edge][0]
+    if node is None:
+        return False
+    if torch.compiler.is_compiling():  # traced ahead of any backward pass: keep every grad
+        return True
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf under torch.autograd.grad (torch's pipelining runtime) cannot be asked: compute it
+        return True
+
+
 __all__ = [
+    "PP_BACKWARD_INPUT",
+    "PP_BACKWARD_WEIGHT",
     "PP_FORWARD",
     "PP_FULL_BACKWARD",
     "PP_RECV_B",
@@ -128,6 +156,7 @@ __all__ = [
     "all_gather_single",
     "custom_op_body",
     "distribute_tensor",
+    "grad_needed",
     "dtensor_like",
     "funcol",
     "init_device_mesh",

@@ -94,21 +94,23 @@ def model_parallel_manual_seed(seed: int, dims: Any = None) -> None:
 
 def activation_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Activation checkpointing that replays the tensor-parallel RNG state on recompute (non-reentrant)."""
-    saved = _TRACKER.get_states()
-
-    @contextlib.contextmanager
-    def replay_tracker() -> Iterator[None]:
-        current = _TRACKER.get_states()
-        _TRACKER.set_states(saved)
-        try:
-            yield
-        finally:
-            _TRACKER.set_states(current)
-
+    replay = _ReplayTracker(_TRACKER.get_states())
     return torch.utils.checkpoint.checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), replay_tracker()),
-        **kwargs,
+        function, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay), **kwargs
     )
+
+
+class _ReplayTracker:
+    """Sets the tracker's states of the original forward around a recompute and restores them after. Re-enterable:
+    a zero-bubble schedule's input-grad and weight-grad passes each recompute."""
+
+    def __init__(self, saved: dict[str, torch.Tensor]) -> None:
+        self._saved = saved
+        self._current: list[dict[str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self._current.append(_TRACKER.get_states())
+        _TRACKER.set_states(self._saved)
+
+    def __exit__(self, *exc: object) -> None:
+        _TRACKER.set_states(self._current.pop())

@@ -104,10 +104,15 @@ def test_bench_pipeline_runtime_receives_as_many_messages_as_torchs_runtime() ->
     """One extra receive per stage per step (the first activation's shape header), no more: the count is what makes
     the executor level with torch's runtime."""
     out = _run("bench_pipeline_runtime.py", "--rounds", "1", "--batch", "8", "--seq", "8")
-    counts = dict(re.findall(r"^\s*(\d+ \w+)\s.*x (\S+)$", out, re.MULTILINE))
+    counts = dict(re.findall(r"^\s*(\d+ \w+\s+\w+)\s.*x (\S+)$", out, re.MULTILINE))
+    counts = {" ".join(key.split()): value for key, value in counts.items()}
     assert counts == {
-        "4 1f1b": "4:4/5:4",
-        "4 interleaved_1f1b": "13:12/14:12",
-        "8 1f1b": "8:8/9:8",
-        "8 interleaved_1f1b": "25:24/26:24",
+        "4 1f1b torch_1f1b": "4:4/5:4",
+        "4 interleaved_1f1b torch_interleaved_1f1b": "13:12/14:12",
+        "4 zero_bubble 1f1b": "4:4/5:5",  # the same messages as meshpar's 1F1B
+        "4 zero_bubble torch_interleaved_zero_bubble": "4:4/5:4",
+        "8 1f1b torch_1f1b": "8:8/9:8",
+        "8 interleaved_1f1b torch_interleaved_1f1b": "25:24/26:24",
+        "8 zero_bubble 1f1b": "8:8/9:9",
+        "8 zero_bubble torch_interleaved_zero_bubble": "8:8/9:8",
     }, out

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from meshpar.pipeline.executor import check_pipeline_schedule
+
 
 @dataclass
 class ParallelConfig:
@@ -17,6 +19,9 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
+    # pp: "1f1b" (interleaved when virtual_pipeline_size > 1) or "zero_bubble" (ZB-H1: a third of 1F1B's bubble,
+    # 1F1B's activation memory; one chunk per rank, no FSDP)
+    pipeline_schedule: str = "1f1b"
     sequence_parallel: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
@@ -57,6 +62,12 @@ class ParallelConfig:
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.verify is not None and not isinstance(self.verify, bool):
             raise ValueError(f"config key 'verify' must be true, false or null, got {self.verify!r}")
+        check_pipeline_schedule(self.pipeline_schedule, self.virtual_pipeline_size)
+        if self.pipeline_schedule == "zero_bubble" and self.fsdp:
+            raise ValueError(
+                "config keys 'pipeline_schedule': 'zero_bubble' and 'fsdp' exclude each other: FSDP2 reduces a "
+                "module's grads when its input grad is done, before a zero-bubble schedule computes the weight grads"
+            )
         if self.fsdp and self.overlap_grad_reduce:
             raise ValueError(
                 "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "

@@ -284,6 +284,7 @@ class ParallelizedModel(nn.Module):
             stage_kwargs=("attention_mask",),
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step averages them (allreduce_gradients / overlapped / FSDP)
+            schedule=config.pipeline_schedule,
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:

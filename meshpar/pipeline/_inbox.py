@@ -1,9 +1,9 @@
 """What a pipeline rank receives from each neighbour in one step, posted ahead of use in the neighbour's send order.
 
 Every rank knows every rank's action list, so it knows which messages each neighbour sends it and in which order
-(an ``F`` of a stage sends its activation to the next stage, a ``B`` its input grad to the previous one). Receives
-are posted in exactly that order: gloo would also match them by tag, but NCCL has no tags and pairs a peer's sends
-with the receives in the order they were posted, so a receive posted out of order would take another message's
+(an ``F`` of a stage sends its activation to the next stage, a ``B`` or ``I`` its input grad to the previous one).
+Receives are posted in exactly that order: gloo would also match them by tag, but NCCL has no tags and pairs a peer's
+sends with the receives in the order they were posted, so a receive posted out of order would take another message's
 bytes. Posting ahead lets a transfer overlap the receiver's compute instead of starting when the data is needed.
 
 A receive can be posted once its size is known: a grad's once its forward ran (the shape of the activation the
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from meshpar.pipeline._p2p import P2P, Receive, message_tag
-from meshpar.pipeline.schedule_ir import Action
+from meshpar.pipeline.schedule_ir import SENDS_GRAD, Action
 
 Key = tuple[str, int, int]  # ("F": activation into stage | "B": grad into stage, stage, microbatch)
 Meta = tuple[tuple[int, ...], torch.dtype]
@@ -33,7 +33,9 @@ def messages_from(
     for action in peer_actions:
         if action.kind == "F" and action.stage < num_stages - 1 and (action.stage + 1) % pp == receiver:
             messages.append(("F", action.stage + 1, action.microbatch))
-        elif action.kind != "F" and not forward_only and action.stage > 0 and (action.stage - 1) % pp == receiver:
+        elif (
+            action.kind in SENDS_GRAD and not forward_only and action.stage > 0 and (action.stage - 1) % pp == receiver
+        ):
             messages.append(("B", action.stage - 1, action.microbatch))
     return messages
 

@@ -11,7 +11,8 @@ this executor against torch's schedules.
 
 Follow one microbatch: ``F`` receives the input (or reads the batch on stage 0), runs the chunk and sends the output
 on; ``B`` receives the output grad (or starts from the loss on the last stage), runs backward and sends the input
-grad back.
+grad back. Zero-bubble schedules split ``B``: ``I`` computes and sends the input grad only, ``W`` later the weight
+grads (:mod:`._split_backward`).
 
 Receives are posted ahead of their use, in each neighbour's send order (:mod:`._inbox`). When ``fixed_shapes``
 (a declared ``tensor_shape``, or microbatches split from one batch), only each stage's first activation of a step
@@ -34,7 +35,8 @@ from meshpar.failure import stop_all_ranks_on_error
 from meshpar.parallel_dims import ParallelDims
 from meshpar.pipeline._inbox import Inbox
 from meshpar.pipeline._p2p import P2P, PipelineShapeError, message_tag
-from meshpar.pipeline.schedule_ir import Action, build_actions
+from meshpar.pipeline._split_backward import DeferredWeightGrads, backward_input
+from meshpar.pipeline.schedule_ir import ACCUMULATES_WEIGHT_GRADS, Action, build_actions
 
 if TYPE_CHECKING:
     from meshpar.grad_sync import OverlappedGradSync
@@ -46,8 +48,9 @@ ForwardStep = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[[torch.Ten
 class _Slot:
     input: torch.Tensor | None = None
     output: torch.Tensor | None = None
-    output_shape: tuple[int, ...] = ()
+    output_meta: tuple[tuple[int, ...], torch.dtype] | None = None
     loss: torch.Tensor | None = None
+    weight_grads: DeferredWeightGrads | None = None  # left by an ``I`` for its ``W``
 
 
 def _stage_module(chunk: nn.Module) -> nn.Module:
@@ -121,7 +124,7 @@ class PipelineExecutor:
             result = loss_value.detach()
         else:
             self._send_activation(output, action)
-            slot.output, slot.output_shape = output, tuple(output.shape)
+            slot.output, slot.output_meta = output, (tuple(output.shape), output.dtype)
             if self.deallocate_pipeline_outputs and not forward_only:
                 # The next stage holds the values; backward needs only the graph. Megatron's trick.
                 output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
@@ -130,19 +133,30 @@ class PipelineExecutor:
         return result
 
     def backward(self, action: Action) -> None:
-        stage = action.stage
-        slot = self.slots.pop((stage, action.microbatch))
+        """``B`` (full backward), ``I`` (input grad only) or ``W`` (the weight grads ``I`` left)."""
+        stage, key = action.stage, (action.stage, action.microbatch)
+        if action.kind == "W":
+            self.slots.pop(key).weight_grads.run()
+            return
+        slot = self.slots[key] if action.kind == "I" else self.slots.pop(key)
         if stage == self.num_stages - 1:
-            (self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss).backward()
+            output, grad = self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss, None
         else:
-            grad = self._inbox.take(("B", stage, action.microbatch))
-            if self.deallocate_pipeline_outputs:
-                run_backward_unchecked(slot.output, grad)
-            else:
-                torch.autograd.backward(slot.output, grad)
+            output, grad = slot.output, self._inbox.take(("B", stage, action.microbatch))
+        if action.kind == "I":
+            chunk = self._chunk(stage)
+            slot.weight_grads = backward_input(output, grad, slot.input, chunk.parameters())
+            slot.output = slot.loss = None  # what W needs is in weight_grads
+        elif grad is None:
+            output.backward()
+        elif self.deallocate_pipeline_outputs:
+            run_backward_unchecked(output, grad)
+        else:
+            torch.autograd.backward(output, grad)
         if stage > 0:
             tag = message_tag("B", stage - 1, action.microbatch)
             self.p2p.send(slot.input.grad, self.p2p.prev_rank, tag, header=False)
+            slot.input = None
 
     @property
     def _fixed(self) -> bool:
@@ -196,7 +210,7 @@ class PipelineExecutor:
             fixed_shapes=self._fixed, grad_meta=self._grad_meta, ahead=2 * self.num_stages,
         )  # fmt: skip
         losses: dict[int, torch.Tensor] = {}
-        last_backward = {action.stage: i for i, action in enumerate(actions) if action.kind != "F"}
+        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in ACCUMULATES_WEIGHT_GRADS}
         for i, action in enumerate(actions):
             self._inbox.post_ahead()
             if action.kind == "F":
@@ -205,7 +219,7 @@ class PipelineExecutor:
                 if loss is not None:
                     losses[action.microbatch] = loss
             elif not forward_only:
-                with self._grad_sync_context(action.stage, last=i == last_backward[action.stage]):
+                with self._grad_sync_context(action.stage, last=i == last_backward.get(action.stage)):
                     self.backward(action)
         self.p2p.wait_all()
         self.losses = [losses[i] for i in sorted(losses)]
@@ -214,7 +228,7 @@ class PipelineExecutor:
     def _grad_meta(self, stage: int, microbatch: int) -> tuple[tuple[int, ...], torch.dtype] | None:
         """Shape and dtype of the grad stage ``stage`` receives for ``microbatch``: its output's, once it ran."""
         slot = self.slots.get((stage, microbatch))
-        return None if slot is None else (slot.output_shape, slot.output.dtype)
+        return None if slot is None else slot.output_meta
 
 
 def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
@@ -223,21 +237,54 @@ def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
     return group[(dims.pp_rank - 1) % dims.pp], group[(dims.pp_rank + 1) % dims.pp]
 
 
+PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
+
+
+def check_pipeline_schedule(schedule: str, virtual_pipeline_size: int) -> None:
+    """``"1f1b"`` (interleaved for several chunks per rank) or ``"zero_bubble"`` (ZB-H1, one chunk per rank)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}")
+    if schedule == "zero_bubble" and virtual_pipeline_size != 1:
+        raise ValueError(
+            "the zero_bubble schedule (ZB-H1) runs one chunk per rank: use virtual_pipeline_size=1, or schedule "
+            "'1f1b' for the interleaved schedule"
+        )
+
+
+def refuse_split_backward_with_fsdp(chunks: Sequence[nn.Module]) -> None:
+    """FSDP2 reduce-scatters a module's grads when the backward reaches its inputs: in a split backward that is the
+    input-grad pass, before any weight grad exists."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(module, FSDPModule) for chunk in chunks for module in chunk.modules()):
+        raise ValueError(
+            "the zero_bubble schedule computes weight grads after the input grads, but FSDP2 (fully_shard) reduces "
+            "a module's grads as soon as its input grad is done: use schedule '1f1b' with FSDP, or plain data "
+            "parallelism (fsdp=False) with zero_bubble"
+        )
+
+
 def run_schedule(
     dims: ParallelDims,
     chunks: Sequence[nn.Module],
     microbatches: Sequence[Any],
     forward_step: ForwardStep,
     forward_only: bool,
+    schedule: str = "1f1b",
     **options: Any,
 ) -> PipelineExecutor:
-    """The one way meshpar's entry points (apex, NxD, HF) run a step: 1F1B for one chunk per rank, meshpar's
-    interleaved 1F1B for several; ``options`` are :class:`PipelineExecutor` fields. Returns the executor, whose
-    ``losses`` (last stage) and ``outputs`` / ``reported`` the caller reads. An error on any rank (in a stage, the
-    loss, a shape check) stops every rank at once (:mod:`meshpar.failure`) instead of leaving its neighbours in a
-    recv."""
-    schedule = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
-    actions = build_actions(schedule, dims.pp, len(chunks), len(microbatches))
+    """The one way meshpar's entry points (apex, NxD, HF) run a step: ``schedule="1f1b"`` is 1F1B for one chunk per
+    rank and meshpar's interleaved 1F1B for several, ``"zero_bubble"`` ZB-H1; ``options`` are
+    :class:`PipelineExecutor` fields. Returns the executor, whose ``losses`` (last stage) and ``outputs`` /
+    ``reported`` the caller reads. An error on any rank (in a stage, the loss, a shape check) stops every rank at
+    once (:mod:`meshpar.failure`) instead of leaving its neighbours in a recv."""
+    check_pipeline_schedule(schedule, len(chunks))
+    if schedule == "zero_bubble":
+        refuse_split_backward_with_fsdp(chunks)
+        name = "zb_h1"
+    else:
+        name = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
+    actions = build_actions(name, dims.pp, len(chunks), len(microbatches))
     prev_rank, next_rank = pipeline_neighbours(dims)
     executor = PipelineExecutor(
         chunks=chunks, pp_rank=dims.pp_rank, pp=dims.pp, p2p=P2P(prev_rank, next_rank, dims.device), **options

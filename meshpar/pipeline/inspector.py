@@ -1,11 +1,13 @@
 """Simulate a schedule's action lists: timeline, bubble fraction, in-flight microbatches, deadlocks.
 
 Unit-time model: a forward of one chunk takes ``1 / v`` and a backward ``2 / v`` (a chunk holds ``1 / v`` of a rank's
-layers); communication is free. Each rank runs its actions strictly in order, an action starting as soon as the rank
-is free and its inputs exist (forward of stage ``s`` needs forward ``s - 1`` of the same microbatch; backward of
-``s`` needs backward ``s + 1`` and its own forward). A schedule that stops making progress is a deadlock, reported
-with the step x rank grid. Bubble fraction: ``(makespan - busy) / busy`` with ``busy = 3 * m`` per rank, which for
-1F1B is ``(pp - 1) / m`` and for interleaved 1F1B ``(pp - 1) / (v * m)``.
+layers), split into an input-grad ``I`` and a weight-grad ``W`` of ``1 / v`` each; communication is free. Each rank
+runs its actions strictly in order, an action starting as soon as the rank is free and its inputs exist (forward of
+stage ``s`` needs forward ``s - 1`` of the same microbatch; ``B`` or ``I`` of ``s`` needs its own forward and the
+input grad of ``s + 1``, sent by its ``B`` or ``I``; ``W`` needs its ``I``). A schedule that stops making progress is
+a deadlock, reported with the step x rank grid. Bubble fraction: ``(makespan - busy) / busy`` with ``busy = 3 * m``
+per rank, which for 1F1B is ``(pp - 1) / m``, for interleaved 1F1B ``(pp - 1) / (v * m)`` and for ZB-H1 a third of
+1F1B's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from meshpar.pipeline.schedule_ir import Action, RankActions, build_actions
+from meshpar.pipeline.schedule_ir import ACCUMULATES_WEIGHT_GRADS, SENDS_GRAD, Action, RankActions, build_actions
+
+_UNITS = {"F": 1, "B": 2, "I": 1, "W": 1}  # an action's duration, in forwards of one chunk
+_COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
 
 
 @dataclass
@@ -31,28 +36,29 @@ class Timeline:
         return float((self.makespan - busy) / busy)
 
     def peak_in_flight(self) -> dict[int, int]:
-        """Per rank: the most microbatch-chunks whose forward ran and whose backward has not (activations held)."""
+        """Per rank: the most microbatch-chunks whose forward ran and whose weight grads have not (``B`` or ``W``):
+        their activations are held."""
         peaks = {}
         for rank, actions in self.actions.items():
             live = peak = 0
             for action in actions:
-                live += 1 if action.kind == "F" else -1
+                live += 1 if action.kind == "F" else -(action.kind in ACCUMULATES_WEIGHT_GRADS)
                 peak = max(peak, live)
             peaks[rank] = peak
         return peaks
 
     def grid(self) -> str:
-        """Text chart: one row per rank, one column per unit of time (forward = chunk's F, backward = B)."""
-        scale = self.v  # columns per unit time
+        """Text chart: one row per rank, two columns per chunk forward's time, each action's cells its kind (F, B,
+        I, W) with the microbatch's last digit in the first; ``.`` is idle."""
+        scale = 2 * self.v  # columns per unit time
         width = int(self.makespan * scale)
         rows = []
         for rank, actions in self.actions.items():
             cells = ["."] * width
             for action in actions:
                 begin = int(self.start[(rank, action)] * scale)
-                length = 1 if action.kind == "F" else 2
-                for col in range(begin, begin + length):
-                    cells[col] = action.kind if action.kind == "B" else "F"
+                for col in range(begin, begin + 2 * _UNITS[action.kind]):
+                    cells[col] = action.kind
                 cells[begin] = str(action.microbatch % 10)
             rows.append(f"rank {rank}: " + "".join(cells))
         return "\n".join(rows)
@@ -67,8 +73,7 @@ class Timeline:
         fig, ax = plt.subplots(figsize=(max(6.0, float(self.makespan) * 0.4), 0.6 * self.pp + 1))
         for rank, actions in self.actions.items():
             for action in actions:
-                duration = Fraction(1 if action.kind == "F" else 2, self.v)
-                color = "tab:blue" if action.kind == "F" else "tab:orange"
+                duration, color = Fraction(_UNITS[action.kind], self.v), _COLORS[action.kind]
                 begin = float(self.start[(rank, action)])
                 ax.barh(rank, float(duration), left=begin, color=color, edgecolor="black")
                 ax.text(begin + float(duration) / 2, rank, str(action), ha="center", va="center", fontsize=6)
@@ -88,11 +93,11 @@ class ScheduleDeadlockError(RuntimeError):
 def simulate(actions: RankActions, pp: int, v: int, m: int) -> Timeline:
     """Run the action lists under the unit-time model; raises ``ScheduleDeadlockError`` with the grid of what ran."""
     num_stages = pp * v
-    done: dict[Action, Fraction] = {}
+    # when each (event, stage, microbatch) happened: "F" its forward, "G" its input grad, "I" its input-grad pass
+    done: dict[tuple[str, int, int], Fraction] = {}
     position = dict.fromkeys(actions, 0)
     free_at = dict.fromkeys(actions, Fraction(0))
     timeline = Timeline(pp, v, m, actions)
-    f_time, b_time = Fraction(1, v), Fraction(2, v)
     remaining = sum(len(a) for a in actions.values())
     while remaining:
         progressed = False
@@ -100,18 +105,21 @@ def simulate(actions: RankActions, pp: int, v: int, m: int) -> Timeline:
             if position[rank] == len(rank_actions):
                 continue
             action = rank_actions[position[rank]]
-            if action.kind == "F":
-                deps = [Action("F", action.stage - 1, action.microbatch)] if action.stage > 0 else []
+            kind, stage, mb = action
+            if kind == "F":
+                deps = [("F", stage - 1, mb)] if stage > 0 else []
+            elif kind == "W":
+                deps = [("I", stage, mb)]
             else:
-                deps = [Action("F", action.stage, action.microbatch)]
-                if action.stage < num_stages - 1:
-                    deps.append(Action("B", action.stage + 1, action.microbatch))
+                deps = [("F", stage, mb)] + ([("G", stage + 1, mb)] if stage < num_stages - 1 else [])
             if any(dep not in done for dep in deps):
                 continue
             begin = max([free_at[rank], *(done[dep] for dep in deps)])
-            end = begin + (f_time if action.kind == "F" else b_time)
+            end = begin + Fraction(_UNITS[kind], v)
             timeline.start[(rank, action)] = begin
-            done[action] = end
+            done[(kind, stage, mb)] = end
+            if kind in SENDS_GRAD:
+                done[("G", stage, mb)] = end
             free_at[rank] = end
             position[rank] += 1
             remaining -= 1

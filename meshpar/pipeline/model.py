@@ -2,10 +2,10 @@
 ``run_train`` / ``run_eval``.
 
 The module is split by :func:`meshpar.pipeline.split.split_model` (FQNs kept) and run by meshpar's executor with
-the interleaved 1F1B schedule (plain 1F1B for ``virtual_pipeline_size=1``). Every stage receives the microbatch's
-keyword inputs; the first stage calls the module with the ``input_names`` inputs, later stages with the received
-activation, and the last stage computes the loss with ``loss_fn(output, **microbatch)`` or, NxD-style, picks it from
-the module's output with ``output_loss_value_spec``.
+the interleaved 1F1B schedule (plain 1F1B for ``virtual_pipeline_size=1``), or ZB-H1 with
+``schedule="zero_bubble"``. Every stage receives the microbatch's keyword inputs; the first stage calls the module
+with the ``input_names`` inputs, later stages with the received activation, and the last stage computes the loss with
+``loss_fn(output, **microbatch)`` or, NxD-style, picks it from the module's output with ``output_loss_value_spec``.
 
 Two ways to cut the module, both keeping the original FQNs. Given a ``loss_fn``, meshpar splits by module structure
 (the layers of ``transformer_layer_cls`` in one container, see :mod:`meshpar.pipeline.split`) and stages run the
@@ -29,7 +29,7 @@ from meshpar.data_parallel import allreduce_gradients
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.apex import split_batch
-from meshpar.pipeline.executor import run_schedule
+from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
 from meshpar.pipeline.split import split_model
 from meshpar.pipeline.trace import traced_stages
 
@@ -120,6 +120,7 @@ class PipelineModel(nn.Module):
         stage_kwargs: Sequence[str] = (),
         stage_init_fn: Callable[[nn.Module], None] | None = None,
         average_grads_over_dp: bool | None = None,
+        schedule: str = "1f1b",
     ) -> None:
         super().__init__()
         tracing = {
@@ -143,6 +144,7 @@ class PipelineModel(nn.Module):
         if num_microbatches < dims.pp:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
+        check_pipeline_schedule(schedule, virtual_pipeline_size)
         if trace_it:
             traced, self.plan = traced_stages(
                 module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,
@@ -173,6 +175,9 @@ class PipelineModel(nn.Module):
             StageChunk(stage, index, names, kwargs)
             for (index, stage), (names, kwargs) in zip(stages, calls, strict=True)
         )
+        if schedule == "zero_bubble":
+            refuse_split_backward_with_fsdp(self.chunks)
+        self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
@@ -246,6 +251,7 @@ class PipelineModel(nn.Module):
             split_batch(inputs, self.num_microbatches),
             self._forward_step,
             forward_only,
+            schedule=self.schedule,
             fixed_shapes=True,  # the microbatches are equal slices of one batch
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             loss_scale=1.0 / self.num_microbatches,

@@ -1,6 +1,8 @@
 """Pipeline schedules as data: per-rank lists of compute actions.
 
-An action is ``(kind, stage, microbatch)`` with kind ``"F"`` (forward) or ``"B"`` (full backward). Stage ``s`` of
+An action is ``(kind, stage, microbatch)`` with kind ``"F"`` (forward), ``"B"`` (full backward), or a backward split in
+two: ``"I"`` (the grad of the stage's input only, sent on at once) and ``"W"`` (the same microbatch's weight grads,
+any time later; zero-bubble schedules fill the pipeline's idle slots with them). Stage ``s`` of
 ``pp * v`` stages lives on rank ``s % pp`` (rank ``r`` owns chunks ``r, r + pp, r + 2pp, ...``). These lists are
 what :mod:`meshpar.pipeline.inspector` simulates and what :mod:`meshpar.pipeline.executor` runs (and, as a
 cross-check in the tests, torch's runtime after its pass adds the sends and receives).
@@ -17,7 +19,7 @@ from meshpar.parallel_dims import check_virtual_pipeline_size
 
 
 class Action(NamedTuple):
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or "I" then "W"
     stage: int
     microbatch: int
 
@@ -86,6 +88,27 @@ def one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
     return actions
 
 
+def zero_bubble_h1(rank: int, pp: int, v: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with every backward split into ``I`` then
+    ``W``. Input grads travel upstream as soon as ``I`` ran, so the next rank's backward starts a weight-grad's time
+    earlier; rank ``r`` holds back its first ``r`` weight-grad passes and runs them in the cool-down, where 1F1B idles.
+    Activations in flight never exceed 1F1B's first rank's (``pp``): a microbatch's are freed by its ``W``. With
+    forward, input-grad and weight-grad passes of equal cost the bubble is a third of 1F1B's."""
+    forwards = forward_order(rank, pp, 1, m)
+    inputs = [Action("I", a.stage, a.microbatch) for a in backward_order(rank, pp, 1, m)]
+    weights = [Action("W", a.stage, a.microbatch) for a in inputs]
+    warmup = warmup_forwards(rank, pp, 1, m)
+    actions, done_w = list(forwards[:warmup]), 0
+    for index, grad in enumerate(inputs):
+        if warmup + index < len(forwards):
+            actions.append(forwards[warmup + index])
+        actions.append(grad)
+        if index >= rank:  # the first ``rank`` weight passes wait for the cool-down
+            actions.append(weights[done_w])
+            done_w += 1
+    return actions + weights[done_w:]
+
+
 def gpipe(rank: int, pp: int, v: int, m: int) -> list[Action]:
     """All forwards, then all backwards (in reverse microbatch order per stage)."""
     return forward_order(rank, pp, v, m) + list(reversed(backward_order(rank, pp, v, m)))
@@ -95,14 +118,22 @@ def forward_only(rank: int, pp: int, v: int, m: int) -> list[Action]:
     return forward_order(rank, pp, v, m)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": one_f_one_b, "forward_only": forward_only}
+SCHEDULES = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": one_f_one_b,
+    "zb_h1": zero_bubble_h1,
+    "forward_only": forward_only,
+}
+SENDS_GRAD = ("B", "I")  # the kinds that send the stage's input grad upstream
+ACCUMULATES_WEIGHT_GRADS = ("B", "W")
 
 
 def build_actions(schedule: str, pp: int, v: int, m: int) -> RankActions:
     """The action list of every rank for ``schedule`` in ``SCHEDULES``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
-    if schedule == "1f1b" and v != 1:
-        raise ValueError("1f1b runs one stage per rank; use interleaved_1f1b for virtual_pipeline_size > 1")
+    if schedule in ("1f1b", "zb_h1") and v != 1:
+        raise ValueError(f"{schedule} runs one stage per rank; use interleaved_1f1b for virtual_pipeline_size > 1")
     check_schedule_args(pp, v, m)
     return {rank: SCHEDULES[schedule](rank, pp, v, m) for rank in range(pp)}

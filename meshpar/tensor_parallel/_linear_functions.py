@@ -15,7 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor, all_reduce_start, all_reduce_wait, dtensor_like, local_tensor
+from meshpar._compat import (
+    DeviceMesh,
+    DTensor,
+    all_reduce_start,
+    all_reduce_wait,
+    dtensor_like,
+    grad_needed,
+    local_tensor,
+)
 from meshpar.tensor_parallel._collectives import _all_gather, _reduce_scatter
 
 
@@ -37,16 +45,23 @@ def _autocast_operands(
 
 
 def _dtensor_grads(
-    ctx: Any, grad_x: torch.Tensor, grad_w: torch.Tensor, grad_b: torch.Tensor | None
-) -> tuple[torch.Tensor, DTensor, DTensor | None, None]:
+    ctx: Any, grad_x: torch.Tensor | None, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
+) -> tuple[torch.Tensor | None, DTensor | None, DTensor | None, None]:
     """Backward's return for ``(x, weight, bias, mesh)``: local weight/bias grads wrapped like the parameters (in
     their dtype: under autocast the grads were computed in autocast's)."""
     return (
         grad_x,
-        dtensor_like(grad_w.to(ctx.weight.dtype), ctx.weight),
+        dtensor_like(grad_w.to(ctx.weight.dtype), ctx.weight) if grad_w is not None else None,
         dtensor_like(grad_b.to(ctx.bias.dtype), ctx.bias) if grad_b is not None else None,
         None,
     )
+
+
+def _needed(ctx: Any) -> tuple[bool, bool, bool]:
+    """Which of ``(x, weight, bias)`` this backward pass needs grads for: all of them in a full backward; the input
+    or the weights only in a zero-bubble schedule's split passes (:mod:`meshpar.pipeline._split_backward`), which
+    then skip the other half's matmuls and collectives. The forwards take ``(x, weight, bias, mesh, ...)``."""
+    return grad_needed(ctx, 0), grad_needed(ctx, 1), ctx.bias is not None and grad_needed(ctx, 2)
 
 
 class ColumnLinearFunction(torch.autograd.Function):
@@ -63,10 +78,13 @@ class ColumnLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        grad_x = grad_out @ w
-        work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True) if ctx.mesh.size() > 1 else None
-        grad_w = _flat(grad_out).t() @ _flat(x)
-        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
+        need_x, need_w, need_b = _needed(ctx)
+        grad_x = grad_out @ w if need_x else None
+        work = None
+        if need_x and ctx.mesh.size() > 1:
+            work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True)
+        grad_w = _flat(grad_out).t() @ _flat(x) if need_w else None
+        grad_b = _flat(grad_out).sum(0) if need_b else None
         if work is not None:
             work.wait()
         return _dtensor_grads(ctx, grad_x, grad_w, grad_b)
@@ -96,22 +114,27 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         saved, w = ctx.saved_tensors
         group, tp = ctx.mesh.get_group(), ctx.mesh.size()
-        gather = None
-        if ctx.regather:  # all_gather_into_tensor works on dim 0: gather the shards sequence-first
+        need_x, need_w, need_b = _needed(ctx)
+        gather = scatter = shard = grad_w = None
+        if ctx.regather and need_w:  # all_gather_into_tensor works on dim 0: gather the shards sequence-first
             shard_seq_first = saved.transpose(0, 1).contiguous()
             gathered = shard_seq_first.new_empty((shard_seq_first.shape[0] * tp, *shard_seq_first.shape[1:]))
             gather = dist.all_gather_into_tensor(gathered, shard_seq_first, group=group, async_op=True)
-        # reduce_scatter_tensor splits dim 0: put the sequence first
-        grad_full = (grad_out @ w).transpose(0, 1).contiguous()
-        shard = grad_full.new_empty((grad_full.shape[0] // tp, *grad_full.shape[1:]))
+        if need_x:  # reduce_scatter_tensor splits dim 0: put the sequence first
+            grad_full = (grad_out @ w).transpose(0, 1).contiguous()
+            shard = grad_full.new_empty((grad_full.shape[0] // tp, *grad_full.shape[1:]))
         if gather is not None:
             gather.wait()
             saved = gathered.transpose(0, 1)  # [b, s, h]
-        scatter = dist.reduce_scatter_tensor(shard, grad_full, group=group, async_op=True)
-        grad_w = _flat(grad_out).t() @ _flat(saved)
-        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
-        scatter.wait()
-        return (*_dtensor_grads(ctx, shard.transpose(0, 1), grad_w, grad_b), None)
+        if need_x:
+            scatter = dist.reduce_scatter_tensor(shard, grad_full, group=group, async_op=True)
+        if need_w:
+            grad_w = _flat(grad_out).t() @ _flat(saved)
+        grad_b = _flat(grad_out).sum(0) if need_b else None
+        if scatter is not None:
+            scatter.wait()
+        grad_x = shard.transpose(0, 1) if need_x else None
+        return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None)
 
 
 class ColumnLinearLocalFunction(torch.autograd.Function):
@@ -164,9 +187,10 @@ class RowLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        grad_w = _flat(grad_out).t() @ _flat(x)
-        grad_b = _flat(grad_out).sum(0) if ctx.bias is not None else None
-        return _dtensor_grads(ctx, grad_out @ w, grad_w, grad_b)
+        need_x, need_w, need_b = _needed(ctx)
+        grad_w = _flat(grad_out).t() @ _flat(x) if need_w else None
+        grad_b = _flat(grad_out).sum(0) if need_b else None
+        return _dtensor_grads(ctx, grad_out @ w if need_x else None, grad_w, grad_b)
 
 
 class RowLinearSequenceParallelFunction(torch.autograd.Function):
@@ -187,13 +211,14 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
+        need_x, need_w, need_b = _needed(ctx)
         work = grad_b = None
-        if ctx.bias is not None:
+        if need_b:
             grad_b = _flat(grad_out).sum(0)
             work = dist.all_reduce(grad_b, group=ctx.mesh.get_group(), async_op=True)
-        grad_full = _all_gather(grad_out, ctx.mesh, 1)
-        grad_x = grad_full @ w
-        grad_w = _flat(grad_full).t() @ _flat(x)
+        grad_full = _all_gather(grad_out, ctx.mesh, 1) if need_x or need_w else None
+        grad_x = grad_full @ w if need_x else None
+        grad_w = _flat(grad_full).t() @ _flat(x) if need_w else None
         if work is not None:
             work.wait()
         return _dtensor_grads(ctx, grad_x, grad_w, grad_b)

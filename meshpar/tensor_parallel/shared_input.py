@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DeviceMesh, DTensor, dtensor_like, local_tensor
+from meshpar._compat import DeviceMesh, DTensor, dtensor_like, grad_needed, local_tensor
 from meshpar.tensor_parallel._linear_functions import _autocast_operands, _flat
 
 # sibling modules that read one input in HF's families (attention projections, gated MLPs)
@@ -42,14 +42,20 @@ class SharedInputColumnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         x, *local_weights = ctx.saved_tensors
-        grad_x = grads[0] @ local_weights[0]
-        for grad, w in zip(grads[1:], local_weights[1:], strict=True):
-            grad_x.add_(grad @ w)  # the local sum: one all-reduce for all members
-        work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True) if ctx.mesh.size() > 1 else None
+        grad_x = work = None
+        if grad_needed(ctx, 0):  # a zero-bubble weight-grad pass skips the input grad and its all-reduce
+            grad_x = grads[0] @ local_weights[0]
+            for grad, w in zip(grads[1:], local_weights[1:], strict=True):
+                grad_x.add_(grad @ w)  # the local sum: one all-reduce for all members
+            if ctx.mesh.size() > 1:
+                work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True)
         param_grads: list[DTensor | None] = []
+        edge = 1  # the tensor inputs: x, then each member's weight and bias (where it has one)
         for grad, weight, bias in zip(grads, ctx.weights, ctx.biases, strict=True):
-            param_grads.append(dtensor_like((_flat(grad).t() @ _flat(x)).to(weight.dtype), weight))
-            param_grads.append(dtensor_like(_flat(grad).sum(0).to(bias.dtype), bias) if bias is not None else None)
+            need_w, need_b = grad_needed(ctx, edge), bias is not None and grad_needed(ctx, edge + 1)
+            edge += 1 if bias is None else 2
+            param_grads.append(dtensor_like((_flat(grad).t() @ _flat(x)).to(weight.dtype), weight) if need_w else None)
+            param_grads.append(dtensor_like(_flat(grad).sum(0).to(bias.dtype), bias) if need_b else None)
         if work is not None:
             work.wait()
         return (grad_x, None, *param_grads)

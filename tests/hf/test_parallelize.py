@@ -23,12 +23,20 @@ def _expected_param(dense: torch.nn.Module, name: str, param: torch.Tensor) -> t
 
 
 def equivalence_case(
-    family: str, tp: int, pp: int, sp: bool = False, compile: bool = False, checkpointing: bool = False
+    family: str,
+    tp: int,
+    pp: int,
+    sp: bool = False,
+    compile: bool = False,
+    checkpointing: bool = False,
+    schedule: str = "1f1b",
+    microbatches: int = 2,
 ) -> None:
     setup_parallel(tp=tp, pp=pp)
     dense = build(family)
-    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2, "sequence_parallel": sp}
-    config |= {"compile": compile, "activation_checkpointing": checkpointing}
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": microbatches}
+    config |= {"sequence_parallel": sp, "compile": compile, "activation_checkpointing": checkpointing}
+    config |= {"pipeline_schedule": schedule}
     torch._dynamo.utils.counters.clear()
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family)
@@ -148,6 +156,18 @@ def test_pipeline_and_tp_x_pp_match_dense(family: str, world: int, tp: int, pp: 
     run_distributed(equivalence_case, world, family, tp, pp)
 
 
+@pytest.mark.parametrize(
+    ("family", "world", "tp", "pp", "sp", "checkpointing"),
+    [("llama", 2, 1, 2, False, False), ("llama", 4, 2, 2, False, True), ("gpt2", 4, 2, 2, True, False)],
+)
+def test_zero_bubble_pipeline_matches_dense(
+    family: str, world: int, tp: int, pp: int, sp: bool, checkpointing: bool
+) -> None:
+    """ZB-H1 (input grads first, weight grads later) with tp, sequence parallelism and activation checkpointing:
+    logits, loss and the parameters after a step equal the dense model's."""
+    run_distributed(equivalence_case, world, family, tp, pp, sp, False, checkpointing, "zero_bubble", 4)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (4, 2, 2)])
 def test_sequence_parallel_matches_dense(family: str, world: int, tp: int, pp: int) -> None:
@@ -158,11 +178,13 @@ def test_sequence_parallel_for_bert_classification() -> None:
     run_distributed(equivalence_case, 2, "bert_cls", 2, 1, True)
 
 
-def data_parallel_case(tp: int, pp: int, vpp: int, overlap: bool | None, accumulate: bool, fsdp: bool = False) -> int:
+def data_parallel_case(
+    tp: int, pp: int, vpp: int, overlap: bool | None, accumulate: bool, fsdp: bool = False, schedule: str = "1f1b"
+) -> int:
     dims = setup_parallel(tp=tp, pp=pp)  # world 4: dp = 4 / (tp * pp) = 2
     dense = build("gpt2", layers=2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
-    config |= {"num_microbatches": 2 * pp, "overlap_grad_reduce": overlap, "fsdp": fsdp}
+    config |= {"num_microbatches": 2 * pp, "overlap_grad_reduce": overlap, "fsdp": fsdp, "pipeline_schedule": schedule}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch("gpt2", rows=8)
     if not accumulate:  # dp rank 0 (and its first microbatch) scores fewer tokens: train_step weighs every token alike
@@ -216,6 +238,12 @@ def test_fsdp_over_dp_matches_dense(tp: int, pp: int, accumulate: bool) -> None:
 def test_pp_x_dp_step_matches_dense(overlap: bool, vpp: int) -> None:
     """dp=2 x pp=2 with GPT-2's tied embedding: each chunk's dp all-reduces start in its last backward."""
     assert run_distributed(data_parallel_case, 4, 1, 2, vpp, overlap, False) == [vpp * overlap] * 4
+
+
+def test_zero_bubble_x_dp_starts_the_grad_all_reduces_in_the_last_weight_pass() -> None:
+    """dp=2 x pp=2, ZB-H1, overlapped grad sync: the buckets fill from the weight passes (no grads in input passes),
+    all launched before finish(); GPT-2's tied embedding summed over the first and last stage; equal to dense."""
+    assert run_distributed(data_parallel_case, 4, 1, 2, 1, True, False, False, "zero_bubble") == [1] * 4
 
 
 def clipped_step_case(tp: int, pp: int, reduce_scatter: bool) -> None:
@@ -430,6 +458,12 @@ def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
         ({"compile": "yes"}, "'compile' must be true or false"),
         ({"overlap_grad_reduce": 1}, "'overlap_grad_reduce' must be true, false or null"),
         ({"fsdp": True, "overlap_grad_reduce": True}, "'fsdp' and 'overlap_grad_reduce' exclude each other"),
+        ({"pipeline_schedule": "zb"}, "unknown pipeline schedule 'zb'"),
+        (
+            {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "pipeline_schedule": "zero_bubble"},
+            "runs one chunk per rank",
+        ),
+        ({"pipeline_schedule": "zero_bubble", "fsdp": True}, "'zero_bubble' and 'fsdp' exclude each other"),
     ],
 )
 def test_bad_configs_name_the_key_and_the_rule(config: dict, message: str) -> None:

@@ -31,6 +31,20 @@ def test_in_flight_never_exceeds_the_1f1b_bound(pp: int, v: int) -> None:
                 assert peak <= v * pp + (pp - 1 if v > 1 else 0)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_h1_has_a_third_of_the_bubble_in_1f1b_memory(pp: int) -> None:
+    """ZB-H1: bubble (pp - 1) / (3 m) (1F1B's is (pp - 1) / m) and no rank holds more microbatches' activations than
+    1F1B's first rank (pp); every forward, input grad and weight grad once, each weight grad after its input grad."""
+    for m in range(pp, 8 * pp + 1):
+        timeline = inspect_schedule("zb_h1", pp, 1, m)
+        assert timeline.bubble_fraction == pytest.approx((pp - 1) / (3 * m), abs=1e-12), (pp, m)
+        assert timeline.bubble_fraction < inspect_schedule("1f1b", pp, 1, m).bubble_fraction
+        assert timeline.peak_in_flight() == dict.fromkeys(range(pp), pp)
+        for rank, actions in timeline.actions.items():
+            assert sorted(actions) == sorted(Action(k, rank, i) for k in "FIW" for i in range(m))
+            assert all(actions.index(Action("I", rank, i)) < actions.index(Action("W", rank, i)) for i in range(m))
+
+
 def test_gpipe_holds_every_microbatch_and_has_the_same_bubble() -> None:
     timeline = inspect_schedule("gpipe", 4, 1, 8)
     assert timeline.peak_in_flight() == dict.fromkeys(range(4), 8)
@@ -62,6 +76,8 @@ def test_grid_and_png(tmp_path) -> None:
     timeline = inspect_schedule("interleaved_1f1b", 2, 2, 4)
     grid = timeline.grid()
     assert grid.count("rank") == 2 and "B" in grid
+    zero_bubble = inspect_schedule("zb_h1", 2, 1, 4).grid().splitlines()
+    assert zero_bubble[1] == "rank 1: ..0F0I1F1I0W2F2I1W3F3I2W3W"  # the last rank holds back one W for the cool-down
     pytest.importorskip("matplotlib")
     timeline.plot(str(tmp_path / "schedule.png"))
     assert (tmp_path / "schedule.png").stat().st_size > 1000
@@ -73,6 +89,7 @@ def test_grid_and_png(tmp_path) -> None:
         ("interleaved_1f1b", 4, 2, 3, "num_microbatches=3 is smaller than pp=4"),
         ("interleaved_1f1b", 1, 2, 4, "needs pipeline parallelism \\(pp > 1\\)"),
         ("1f1b", 2, 2, 4, "use interleaved_1f1b"),
+        ("zb_h1", 2, 2, 4, "zb_h1 runs one stage per rank"),
         ("zero_bubble", 2, 1, 4, "unknown schedule"),
     ],
 )

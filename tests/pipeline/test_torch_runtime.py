@@ -62,6 +62,10 @@ def runtime_case(schedule: str, pp: int, tp: int, v: int, m: int, layers: int) -
         ("interleaved_1f1b", 2, 2, 2, 4, 4),
         ("torch_1f1b", 2, 1, 1, 4, 4),
         ("torch_interleaved_1f1b", 2, 1, 2, 4, 4),
+        ("zb_h1", 2, 1, 1, 4, 4),  # the split backward on torch's runtime
+        ("zb_h1", 4, 1, 1, 5, 5),
+        ("zb_h1", 2, 2, 1, 4, 4),
+        ("torch_interleaved_zero_bubble", 2, 1, 2, 4, 4),
     ],
 )
 def test_schedule_matches_dense(schedule: str, pp: int, tp: int, v: int, m: int, layers: int) -> None:

@@ -1,0 +1,146 @@
+"""The zero-bubble split backward on its own: the input-grad pass leaves every parameter's grad untouched and gives
+the stage input the full backward's grad; the weight pass then gives every parameter the full backward's grad, on
+graphs with shared parameters, norms, branches that bypass the input, activation checkpointing, scalar losses and
+meshpar's fused tensor-parallel linears (whose weight pass must not repeat the input grad's all-reduce)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from meshpar.pipeline._split_backward import backward_input
+from meshpar.testing import run_distributed
+
+H = 8
+
+
+class Block(nn.Module):
+    """A norm, a gated MLP, a residual, a bias-only branch and a weight used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.gate, self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.shift = nn.Parameter(torch.randn(H))  # reaches the output without touching the input's path
+        self.shared = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+        x = self.shared(torch.tanh(self.shared(x)))  # the same weight twice: two frontier nodes in one group
+        return x * 0.5 + self.shift.tanh()
+
+
+def _checkpointed(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("variant", ["output_grad", "scalar_loss", "checkpointed", "first_stage"])
+def test_input_pass_then_weight_pass_equal_the_full_backward(variant: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 5, H)
+    grad = torch.randn(3, 5, H)
+    run = _checkpointed(model) if variant == "checkpointed" else model
+    needs_input = variant != "first_stage"
+
+    ref_x = x.clone().requires_grad_(needs_input)
+    ref_out = reference(ref_x)
+    if variant == "scalar_loss":
+        ref_out.square().mean().backward()
+    else:
+        ref_out.backward(grad)
+
+    split_x = x.clone().requires_grad_(needs_input)
+    out = run(split_x)
+    if variant == "scalar_loss":
+        out, seed = out.square().mean(), None
+    else:
+        seed = grad
+    deferred = backward_input(out, seed, split_x if needs_input else None, model.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the input pass touched no parameter
+    if needs_input:
+        torch.testing.assert_close(split_x.grad, ref_x.grad)
+    deferred.run()
+    for (name, mine), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, ref.grad, msg=name)
+
+
+def test_weight_pass_fires_post_accumulate_hooks_once_per_parameter() -> None:
+    torch.manual_seed(0)
+    block = Block()
+    fired: list[str] = []
+    for name, param in block.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, name=name: fired.append(name))
+    x = torch.randn(2, 3, H, requires_grad=True)
+    deferred = backward_input(block(x), torch.randn(2, 3, H), x, block.parameters())
+    assert fired == []
+    deferred.run()
+    assert sorted(fired) == sorted(name for name, _ in block.named_parameters())
+
+
+def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
+    """tp=2 column -> row MLP on meshpar's fused linears: equal to the dense grads, and the weight pass repeats
+    none of the input pass's collectives."""
+    import torch.distributed as dist
+
+    from meshpar import ColumnParallelLinear, RowParallelLinear
+    from meshpar.testing import assert_matches_dense, setup_parallel, shard_of
+
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(H, 4 * H), nn.Tanh(), nn.Linear(4 * H, H))
+    torch.manual_seed(0)  # the sharded layers hold exactly their slices of the dense init
+    column = ColumnParallelLinear(H, 4 * H, gather_output=False, sequence_parallel_enabled=sp)
+    row = RowParallelLinear(4 * H, H, input_is_parallel=True, sequence_parallel_enabled=sp)
+    x, grad = torch.randn(2, 4, H), torch.randn(2, 4, H)
+    ref_x = x.clone().requires_grad_()
+    dense(ref_x).backward(grad)
+
+    calls: list[str] = []
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable:
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    split_x = (shard_of(x, dims.tp_mesh, 1) if sp else x).clone().requires_grad_()
+    out = row(torch.tanh(column(split_x)))
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        seed = shard_of(grad, dims.tp_mesh, 1) if sp else grad
+        deferred = backward_input(out, seed, split_x, [*column.parameters(), *row.parameters()])
+        input_calls, calls[:] = list(calls), []
+        assert all(p.grad is None for p in [*column.parameters(), *row.parameters()])
+        deferred.run()
+        weight_calls = list(calls)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    expected_x = shard_of(ref_x.grad, dims.tp_mesh, 1) if sp else ref_x.grad
+    torch.testing.assert_close(split_x.grad, expected_x, atol=1e-5, rtol=1e-5)
+    for layer, reference in ((column, dense[0]), (row, dense[2])):
+        for name, param in layer.named_parameters():
+            assert_matches_dense(param.grad, getattr(reference, name).grad, msg=name)
+    return input_calls, weight_calls
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_tensor_parallel_layers_split_without_repeating_collectives(sp: bool) -> None:
+    input_calls, weight_calls = run_distributed(_tensor_parallel_split, 2, sp)[0]
+    # sp: the column's input grad is reduce-scattered in the input pass, the row's bias grad summed in the weight pass
+    if sp:
+        assert (input_calls, weight_calls) == (["reduce_scatter_tensor"], ["all_reduce"])
+    else:  # the column's input grad is all-reduced once, in the input pass
+        assert (input_calls, weight_calls) == (["all_reduce"], [])
