@@ -116,3 +116,18 @@ def test_bench_pipeline_runtime_receives_as_many_messages_as_torchs_runtime() ->
         "8 zero_bubble 1f1b": "8:8/9:9",
         "8 zero_bubble torch_interleaved_zero_bubble": "8:8/9:8",
     }, out
+
+
+def test_bench_peers_runs_every_row_and_counts_megatron_collectives() -> None:
+    """A tiny 2-layer Llama: meshpar's tp=2 step issues Megatron's count (2 all-reduces forward + 2 backward per layer,
+    plus the vocab-parallel embedding's and the loss's, and the loss's one small all-gather), fewer than torch-native
+    TP; GPT-2 has no torch-native or HF row, and the report says why."""
+    args = ("--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "128")
+    out = _run("bench_peers.py", *args, "--rounds", "1")
+    llama_tp2 = out.split("llama, tp=2")[1].split("gpt2, tp=1")[0]
+    meshpar_line = next(line for line in llama_tp2.splitlines() if line.strip().startswith("meshpar "))
+    native_line = next(line for line in llama_tp2.splitlines() if line.strip().startswith("torch-native "))
+    assert "10 all_reduce" in meshpar_line and "1 all_gather_into_tensor" in meshpar_line, out
+    assert int(re.search(r"(\d+) all_reduce", native_line).group(1)) > 8, out
+    assert "meshpar tp=1 / plain HF" in out and "meshpar / torch-native" in out, out
+    assert "no tp_plan for this family" in out.split("gpt2, tp=2")[1], out

@@ -32,6 +32,8 @@ class ParallelConfig:
     seed: int = 1234
     # prove the plan on one sharded block against the dense block (None: for plans not from a meshpar table)
     verify: bool | None = None
+    # the model's norms replaced by meshpar's fused ops where proven the same math (meshpar.hf.fused). None: on CUDA
+    fused_kernels: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -60,8 +62,9 @@ class ParallelConfig:
         for name in ("auto_partition", "sequence_parallel", "compile", "activation_checkpointing", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
-        if self.verify is not None and not isinstance(self.verify, bool):
-            raise ValueError(f"config key 'verify' must be true, false or null, got {self.verify!r}")
+        for name in ("verify", "fused_kernels"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config key {name!r} must be true, false or null, got {getattr(self, name)!r}")
         check_pipeline_schedule(self.pipeline_schedule, self.virtual_pipeline_size)
         if self.pipeline_schedule == "zero_bubble" and self.fsdp:
             raise ValueError(

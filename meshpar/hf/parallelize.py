@@ -37,6 +37,7 @@ from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.fused import use_fused_norms
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import text_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
@@ -194,6 +195,11 @@ class ParallelizedModel(nn.Module):
     def _shard(self, module: nn.Module) -> nn.Module:
         # The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is [in, 3, hidden])
         # in every layout and checkpoints load across any change of tp.
+        fused = self.parallel_config.fused_kernels
+        if fused or (fused is None and self.dims.device.type == "cuda"):
+            # before the plan: the fused norms hold the same parameters under the same names, so styles apply alike
+            for name, why in use_fused_norms(module).items():
+                _log.info("%s stays stock: %s", name, why)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             parallelize_module(module, self.dims.tp_mesh, self.plan.styles)

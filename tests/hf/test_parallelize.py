@@ -31,12 +31,13 @@ def equivalence_case(
     checkpointing: bool = False,
     schedule: str = "1f1b",
     microbatches: int = 2,
+    fused_kernels: bool = False,
 ) -> None:
     setup_parallel(tp=tp, pp=pp)
     dense = build(family)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": microbatches}
     config |= {"sequence_parallel": sp, "compile": compile, "activation_checkpointing": checkpointing}
-    config |= {"pipeline_schedule": schedule}
+    config |= {"pipeline_schedule": schedule, "fused_kernels": fused_kernels}
     torch._dynamo.utils.counters.clear()
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family)
@@ -62,6 +63,8 @@ def equivalence_case(
         torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     optimizer.step()
     assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == compile  # the blocks really ran compiled
+    fused = [m for module in model.local_modules() for m in module.modules() if "Fused" in type(m).__name__]
+    assert bool(fused) == fused_kernels
     for module in model.local_modules():
         for name, param in module.named_parameters():
             got = param.to_local() if isinstance(param, DTensor) else param

@@ -1,0 +1,128 @@
+"""meshpar's fused norms inside HF models (``fused_kernels`` in :func:`meshpar.parallelize`'s config).
+
+Each family ships its own norm classes (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``nn.LayerNorm`` in GPT-2 and BERT, ...),
+and some that share a name do other math (Gemma's RMSNorm scales by ``1 + weight``). So nothing is replaced by name
+alone: every candidate (a module whose class name ends in ``RMSNorm`` or an ``nn.LayerNorm`` with weight and bias) is
+first run against its fused twin on a random input, with random weights of its own shapes, and replaced only where
+outputs and input and weight grads agree to the dtype's tolerance. The twin holds the very same ``Parameter`` objects,
+so names (FQNs), tensor-parallel styles, sequence parallelism, optimizers and checkpoints see no difference. What is
+left stock, and why, is returned.
+
+The fused ops are Triton kernels on CUDA and their torch references on CPU (:mod:`meshpar.ops`), custom ops with
+fakes and autograd, so ``torch.compile`` traces them. Rotary embeddings and gated activations are computed inside the
+families' attention and MLP forwards (functions, not modules) and stay stock.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from meshpar.ops import layer_norm, rms_norm
+
+
+class FusedRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` with meshpar's fused op; ``weight`` is the replaced module's."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class FusedLayerNorm(nn.Module):
+    """LayerNorm over the last dim with meshpar's fused op; ``weight`` and ``bias`` are the replaced module's."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = weight, bias, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _fused_twin(module: nn.Module) -> nn.Module | str:
+    """The fused module for ``module`` (sharing its parameters), or why there is none."""
+    if not (isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")):
+        return "not a norm"
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return "no 1-D weight"
+    if isinstance(module, nn.LayerNorm):
+        if not isinstance(module.bias, nn.Parameter) or len(module.normalized_shape) != 1:
+            return "LayerNorm without bias or over several dims"
+        return FusedLayerNorm(weight, module.bias, module.eps)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(eps, float):
+        return "no float eps (variance_epsilon / eps)"
+    extra = [name for name, _ in module.named_parameters(recurse=False) if name != "weight"]
+    if extra or any(True for _ in module.children()):
+        return f"holds more than a weight ({extra or 'submodules'})"
+    return FusedRMSNorm(weight, eps)
+
+
+def _same_math(module: nn.Module, twin_factory: type, seed: int = 0) -> str | None:
+    """Run a copy of ``module`` (random weights of its shapes and dtype, on CPU) and its fused twin on one random
+    input; ``None`` where outputs and grads agree, else what differs."""
+    probe = copy.deepcopy(module)
+    if any(p.is_meta for p in probe.parameters()):
+        probe = probe.to_empty(device="cpu")
+    probe = probe.to("cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in probe.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype))
+    twin = _fused_twin(probe)
+    assert isinstance(twin, twin_factory)
+    weight = probe.weight
+    x = torch.randn(2, 5, weight.shape[0], generator=generator, dtype=torch.float32).to(weight.dtype)
+    dy = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(weight.dtype)
+    results = []
+    for candidate in (probe, twin):
+        inp = x.clone().requires_grad_()
+        out = candidate(inp)
+        if not torch.is_tensor(out) or out.shape != x.shape:
+            return f"returns {type(out).__name__} {getattr(out, 'shape', '')}, not a tensor of the input's shape"
+        grads = torch.autograd.grad(out, [inp, *probe.parameters()], dy, allow_unused=True)
+        results.append((out.detach(), *grads))
+    names = ["output", "input grad", *(f"grad of {n}" for n, _ in probe.named_parameters())]
+    for what, stock, fused in zip(names, *results, strict=True):
+        try:
+            torch.testing.assert_close(fused, stock)
+        except AssertionError:
+            return f"{what} differs from the stock module's"
+    return None
+
+
+def use_fused_norms(model: nn.Module) -> dict[str, str]:
+    """Replace every norm of ``model`` that has a proven fused twin (see the module docstring); returns the norms left
+    stock, by FQN, with the reason (modules that are not norms are not listed)."""
+    kept: dict[str, str] = {}
+    proven: dict[tuple[type, torch.dtype], str | None] = {}
+    for name, module in list(model.named_modules()):
+        if not name:
+            continue
+        twin = _fused_twin(module)
+        if isinstance(twin, str):
+            if twin != "not a norm":
+                kept[name] = twin
+            continue
+        key = (type(module), module.weight.dtype)
+        if key not in proven:  # one probe per class and dtype: the math is the class's
+            proven[key] = _same_math(module, type(twin))
+        if proven[key] is not None:
+            kept[name] = f"{type(module).__name__}: {proven[key]}"
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, twin)
+    return kept
