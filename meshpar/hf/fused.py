@@ -1,16 +1,17 @@
-"""meshpar's fused norms inside HF models (``fused_kernels`` in :func:`meshpar.parallelize`'s config).
+"""meshpar's fused norms and gated MLPs inside HF models (``fused_kernels`` in :func:`meshpar.parallelize`'s config).
 
 Each family ships its own norm classes (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``nn.LayerNorm`` in GPT-2 and BERT, ...),
 and some that share a name do other math (Gemma's RMSNorm scales by ``1 + weight``). So nothing is replaced by name
-alone: every candidate (a module whose class name ends in ``RMSNorm`` or an ``nn.LayerNorm`` with weight and bias) is
+alone: every candidate (a module whose class name ends in ``RMSNorm``, an ``nn.LayerNorm`` with weight and bias, or a
+``*MLP`` made of ``gate_proj`` / ``up_proj`` / ``down_proj`` linears and an ``act_fn``: SwiGLU where the act is SiLU) is
 first run against its fused twin on a random input, with random weights of its own shapes, and replaced only where
 outputs and input and weight grads agree to the dtype's tolerance. The twin holds the very same ``Parameter`` objects,
 so names (FQNs), tensor-parallel styles, sequence parallelism, optimizers and checkpoints see no difference. What is
 left stock, and why, is returned.
 
 The fused ops are Triton kernels on CUDA and their torch references on CPU (:mod:`meshpar.ops`), custom ops with
-fakes and autograd, so ``torch.compile`` traces them. Rotary embeddings and gated activations are computed inside the
-families' attention and MLP forwards (functions, not modules) and stay stock.
+fakes and autograd, so ``torch.compile`` traces them. Rotary embeddings are applied inside the families' attention
+forwards (a function, not a module) and stay stock.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import copy
 import torch
 from torch import nn
 
-from meshpar.ops import layer_norm, rms_norm
+from meshpar.ops import layer_norm, rms_norm, swiglu
 
 
 class FusedRMSNorm(nn.Module):
@@ -51,8 +52,38 @@ class FusedLayerNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class FusedGatedMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with meshpar's fused SwiGLU; the projections are the replaced
+    MLP's own modules (same names, so tensor-parallel styles and shared-input grouping apply alike)."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+_GATED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _gated_mlp_twin(module: nn.Module) -> nn.Module | str:
+    children = dict(module.named_children())
+    if set(children) - {*_GATED, "act_fn"} or next(module.parameters(recurse=False), None) is not None:
+        return f"holds more than {', '.join(_GATED)} and act_fn"
+    if not all(isinstance(children.get(name), nn.Linear) for name in _GATED):
+        return "projections are not nn.Linear"
+    return FusedGatedMLP(*(children[name] for name in _GATED))
+
+
+def _input_width(module: nn.Module) -> int:
+    return module.gate_proj.in_features if isinstance(module, FusedGatedMLP) else module.weight.shape[0]
+
+
 def _fused_twin(module: nn.Module) -> nn.Module | str:
     """The fused module for ``module`` (sharing its parameters), or why there is none."""
+    if type(module).__name__.endswith("MLP") and all(hasattr(module, name) for name in (*_GATED, "act_fn")):
+        return _gated_mlp_twin(module)
     if not (isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")):
         return "not a norm"
     weight = getattr(module, "weight", None)
@@ -80,13 +111,14 @@ def _same_math(module: nn.Module, twin_factory: type, seed: int = 0) -> str | No
     probe = probe.to("cpu")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in probe.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).to(param.dtype))
+        for param in probe.parameters():  # matrices at 1/sqrt(fan_in), as trained weights are: O(1) activations
+            value = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_((value / param.shape[-1] ** 0.5 if param.dim() > 1 else value).to(param.dtype))
     twin = _fused_twin(probe)
     assert isinstance(twin, twin_factory)
-    weight = probe.weight
-    x = torch.randn(2, 5, weight.shape[0], generator=generator, dtype=torch.float32).to(weight.dtype)
-    dy = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(weight.dtype)
+    dtype = next(probe.parameters()).dtype
+    x = torch.randn(2, 5, _input_width(twin), generator=generator, dtype=torch.float32).to(dtype)
+    dy = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(dtype)
     results = []
     for candidate in (probe, twin):
         inp = x.clone().requires_grad_()
@@ -104,9 +136,9 @@ def _same_math(module: nn.Module, twin_factory: type, seed: int = 0) -> str | No
     return None
 
 
-def use_fused_norms(model: nn.Module) -> dict[str, str]:
-    """Replace every norm of ``model`` that has a proven fused twin (see the module docstring); returns the norms left
-    stock, by FQN, with the reason (modules that are not norms are not listed)."""
+def use_fused_modules(model: nn.Module) -> dict[str, str]:
+    """Replace every norm and gated MLP of ``model`` that has a proven fused twin (see the module docstring); returns
+    the candidates left stock, by FQN, with the reason (other modules are not listed)."""
     kept: dict[str, str] = {}
     proven: dict[tuple[type, torch.dtype], str | None] = {}
     for name, module in list(model.named_modules()):
@@ -117,7 +149,7 @@ def use_fused_norms(model: nn.Module) -> dict[str, str]:
             if twin != "not a norm":
                 kept[name] = twin
             continue
-        key = (type(module), module.weight.dtype)
+        key = (type(module), next(module.parameters()).dtype)
         if key not in proven:  # one probe per class and dtype: the math is the class's
             proven[key] = _same_math(module, type(twin))
         if proven[key] is not None:

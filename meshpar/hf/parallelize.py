@@ -37,7 +37,7 @@ from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
-from meshpar.hf.fused import use_fused_norms
+from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import text_config
 from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
@@ -198,7 +198,7 @@ class ParallelizedModel(nn.Module):
         fused = self.parallel_config.fused_kernels
         if fused or (fused is None and self.dims.device.type == "cuda"):
             # before the plan: the fused norms hold the same parameters under the same names, so styles apply alike
-            for name, why in use_fused_norms(module).items():
+            for name, why in use_fused_modules(module).items():
                 _log.info("%s stays stock: %s", name, why)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")

@@ -106,9 +106,9 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_bwd_reference(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g, u, dyf = gate.float(), up.float(), dy.float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    return (dyf * u * (sig + silu * (1 - sig))).to(gate.dtype), (dyf * silu).to(up.dtype)
+    # aten's fused silu backward: fewer passes and temporaries than spelling out sigmoid's derivative
+    dgate = torch.ops.aten.silu_backward(dyf * u, g)
+    return dgate.to(gate.dtype), (dyf * torch.nn.functional.silu(g)).to(up.dtype)
 
 
 @triton_op("meshpar::bias_gelu_fwd", mutates_args=())

@@ -8,29 +8,28 @@ import copy
 import pytest
 import torch
 
-from meshpar.hf.fused import FusedLayerNorm, FusedRMSNorm, use_fused_norms
+from meshpar.hf.fused import FusedGatedMLP, FusedLayerNorm, FusedRMSNorm, use_fused_modules
 from meshpar.testing import run_distributed
 from tests.hf._configs import batch, build
 from tests.hf.test_parallelize import equivalence_case
 
 
 @pytest.mark.parametrize(
-    ("family", "fused_type", "stock_left"),
-    [("llama", FusedRMSNorm, 0), ("qwen3", FusedRMSNorm, 0), ("gpt2", FusedLayerNorm, 0), ("bert", FusedLayerNorm, 0),
-     ("gemma2", None, 9)],
+    ("family", "fused_types", "stock_left"),
+    [("llama", {FusedRMSNorm, FusedGatedMLP}, 0), ("qwen3", {FusedRMSNorm, FusedGatedMLP}, 0),
+     ("gpt2", {FusedLayerNorm}, 0), ("bert", {FusedLayerNorm}, 0), ("gemma2", set(), 11)],
 )  # fmt: skip
-def test_fused_norms_equal_the_stock_model(family: str, fused_type: type | None, stock_left: int) -> None:
+def test_fused_modules_equal_the_stock_model(family: str, fused_types: set[type], stock_left: int) -> None:
     stock = build(family)
     fused = copy.deepcopy(stock)
     names = [n for n, _ in stock.named_parameters()]
-    kept = use_fused_norms(fused)
+    kept = use_fused_modules(fused)
     assert [n for n, _ in fused.named_parameters()] == names  # the same FQNs, the same order
-    replaced = [m for m in fused.modules() if isinstance(m, (FusedRMSNorm, FusedLayerNorm))]
+    replaced = {type(m) for m in fused.modules() if isinstance(m, (FusedRMSNorm, FusedLayerNorm, FusedGatedMLP))}
     assert len(kept) == stock_left, kept
-    if fused_type is None:  # Gemma scales by (1 + weight): the probe tells, nothing is replaced
-        assert not replaced and all("differs" in why for why in kept.values()), kept
-    else:
-        assert replaced and all(isinstance(m, fused_type) for m in replaced)
+    assert replaced == fused_types
+    # Gemma: norms scale by (1 + weight), the MLP's act is tanh-GeLU: the probes tell, nothing is replaced
+    assert all("differs" in why for why in kept.values()), kept
     data = batch(family)
     expected, got = stock(**data), fused(**data)
     torch.testing.assert_close(got.loss, expected.loss)
@@ -50,13 +49,13 @@ def test_a_norm_with_other_math_under_a_norm_name_stays_stock() -> None:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight + 1
 
     model = torch.nn.Sequential(OffsetRMSNorm())
-    assert use_fused_norms(model) == {"0": "OffsetRMSNorm: output differs from the stock module's"}
+    assert use_fused_modules(model) == {"0": "OffsetRMSNorm: output differs from the stock module's"}
     assert isinstance(model[0], OffsetRMSNorm)
 
 
 def test_fused_norm_compiles_into_one_graph() -> None:
     model = build("llama")
-    use_fused_norms(model)
+    use_fused_modules(model)
     norm = model.model.norm
     assert isinstance(norm, FusedRMSNorm)
     compiled = torch.compile(norm, fullgraph=True)
