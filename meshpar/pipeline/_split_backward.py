@@ -58,14 +58,14 @@ def _consumers(root: Node) -> dict[Node, list[Node]]:
     return consumers
 
 
-def _upstream(start: Node, consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+def _upstream(start: Node, consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], dict[Node, None]]:
     """Nodes from which ``start`` is reachable (``start`` included), not walking through ``stop``; and the nodes of
-    ``stop`` met on the way."""
-    reached, met, queue = {start}, set(), deque([start])
+    ``stop`` met on the way, in the order met (the same on every rank, unlike a set's)."""
+    reached, met, queue = {start}, {}, deque([start])
     while queue:
         for parent in consumers.get(queue.popleft(), ()):
             if parent in stop:
-                met.add(parent)
+                met[parent] = None
             elif parent not in reached:
                 reached.add(parent)
                 queue.append(parent)
@@ -75,7 +75,7 @@ def _upstream(start: Node, consumers: dict[Node, list[Node]], stop: set[Node]) -
 @dataclass
 class _Group:
     params: list[torch.Tensor]
-    frontier: list[Node]
+    frontier: dict[Node, None]  # an ordered set
     grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
@@ -84,12 +84,11 @@ class DeferredWeightGrads:
     """What an input-grad pass leaves for the weight pass (see the module docstring)."""
 
     groups: list[_Group]
-    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (output, grad): the first stage's full backward
+    whole: tuple[torch.Tensor, torch.Tensor] | None = None  # (output, its grad): the first stage's full backward
 
     def run(self) -> None:
         if self.whole is not None:
-            output, grad = self.whole
-            run_backward_unchecked(output, grad if grad is not None else torch.ones_like(output))
+            run_backward_unchecked(*self.whole)
         for group in self.groups:
             _weight_pass(group)
         self.groups, self.whole = [], None
@@ -123,11 +122,12 @@ def backward_input(
 ) -> DeferredWeightGrads:
     """Accumulate ``stage_input.grad`` from ``output`` (seeded with ``grad``; ``None`` for a scalar loss) and return
     what computes the parameters' grads later."""
+    seed = grad if grad is not None else torch.ones_like(output)
     root = output.grad_fn
     input_node = _grad_node(stage_input) if stage_input is not None else None
     consumers = _consumers(root) if root is not None else {}
     if root is None or input_node is None or (input_node not in consumers and input_node is not root):
-        return DeferredWeightGrads([], whole=(output, grad))
+        return DeferredWeightGrads([], whole=(output, seed))
     input_path, _ = _upstream(input_node, consumers, set())
     by_frontier: dict[Node, _Group] = {}
     for param in params:
@@ -135,13 +135,11 @@ def backward_input(
         if node is None or node not in consumers:
             continue  # unused by this stage's forward
         _, frontier = _upstream(node, consumers, input_path)
-        merged = {id(g): g for g in (by_frontier.get(f) for f in frontier) if g is not None}
-        group = _Group([param], sorted(frontier, key=id))
-        for other in merged.values():
-            group.params += other.params
-            group.frontier = sorted(set(group.frontier) | set(other.frontier), key=id)
-        for node_ in group.frontier:
-            by_frontier[node_] = group
+        group = _Group([param], frontier)
+        for other in {id(g): g for g in map(by_frontier.get, frontier) if g is not None}.values():
+            group.params += other.params  # parameters hanging off a shared frontier node go in one call
+            group.frontier |= other.frontier
+        by_frontier.update(dict.fromkeys(group.frontier, group))
     groups = list({id(g): g for g in by_frontier.values()}.values())
     hooks = [
         node.register_prehook(lambda grads, node=node, group=group: group.grads.__setitem__(node, tuple(grads)))
@@ -149,7 +147,6 @@ def backward_input(
         for node in group.frontier
     ]
     try:
-        seed = grad if grad is not None else torch.ones_like(output)
         run_backward_unchecked(output, seed, inputs=(stage_input,), keep_graph=True)
     finally:
         for hook in hooks:
