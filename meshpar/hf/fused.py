@@ -80,12 +80,13 @@ def _input_width(module: nn.Module) -> int:
     return module.gate_proj.in_features if isinstance(module, FusedGatedMLP) else module.weight.shape[0]
 
 
-def _fused_twin(module: nn.Module) -> nn.Module | str:
-    """The fused module for ``module`` (sharing its parameters), or why there is none."""
+def _fused_twin(module: nn.Module) -> nn.Module | str | None:
+    """The fused module for ``module`` (sharing its parameters), why a candidate has none, or ``None`` for a module
+    that is no candidate."""
     if type(module).__name__.endswith("MLP") and all(hasattr(module, name) for name in (*_GATED, "act_fn")):
         return _gated_mlp_twin(module)
     if not (isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")):
-        return "not a norm"
+        return None
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return "no 1-D weight"
@@ -102,7 +103,7 @@ def _fused_twin(module: nn.Module) -> nn.Module | str:
     return FusedRMSNorm(weight, eps)
 
 
-def _same_math(module: nn.Module, twin_factory: type, seed: int = 0) -> str | None:
+def _same_math(module: nn.Module, seed: int = 0) -> str | None:
     """Run a copy of ``module`` (random weights of its shapes and dtype, on CPU) and its fused twin on one random
     input; ``None`` where outputs and grads agree, else what differs."""
     probe = copy.deepcopy(module)
@@ -115,7 +116,6 @@ def _same_math(module: nn.Module, twin_factory: type, seed: int = 0) -> str | No
             value = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.copy_((value / param.shape[-1] ** 0.5 if param.dim() > 1 else value).to(param.dtype))
     twin = _fused_twin(probe)
-    assert isinstance(twin, twin_factory)
     dtype = next(probe.parameters()).dtype
     x = torch.randn(2, 5, _input_width(twin), generator=generator, dtype=torch.float32).to(dtype)
     dy = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(dtype)
@@ -146,12 +146,12 @@ def use_fused_modules(model: nn.Module) -> dict[str, str]:
             continue
         twin = _fused_twin(module)
         if isinstance(twin, str):
-            if twin != "not a norm":
-                kept[name] = twin
+            kept[name] = twin
+        if not isinstance(twin, nn.Module):
             continue
         key = (type(module), next(module.parameters()).dtype)
         if key not in proven:  # one probe per class and dtype: the math is the class's
-            proven[key] = _same_math(module, type(twin))
+            proven[key] = _same_math(module)
         if proven[key] is not None:
             kept[name] = f"{type(module).__name__}: {proven[key]}"
             continue
