@@ -20,17 +20,18 @@ from torch import nn
 from meshpar._compat import ParallelStyle
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
-from meshpar.tensor_parallel.style import AllReduceOutput, ReplicatedGradSum, RopeGradSum
+from meshpar.tensor_parallel.style import AllReduceOutput, LocalParameters, ReplicatedGradSum, RopeGradSum
 
 # transformers style strings meshpar does not apply yet, with the reason a user reads in the refusal
 UNSUPPORTED_STYLES = {
     "packed_colwise": "fused (packed) gate/up or expert weights split per part",
     "packed_rowwise": "fused (packed) weights split per part along the input",
     "moe_identity_expert": "identity experts of a mixture-of-experts layer",
-    "local_params": "bare parameters sharded by their own plan entry",
     "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
 }
 
+# style strings on a bare parameter of a 'local_params' module: the dim they split it along
+_PARAMETER_DIMS = {"colwise": 0, "rowwise": -1}
 # the projections whose outputs hold whole attention heads (separate q/k/v or fused), by transformers' names
 _QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
 _KEY_VALUE = ("k_proj", "v_proj", "key", "value")
@@ -228,12 +229,18 @@ def resolve_entries(
     fixups: list[Callable[[nn.Module, int], None]] = []
     refused = []
     experts = {pattern for pattern, style in plan.items() if style == "moe_tp_experts"}
+    local = {pattern: {} for pattern, style in plan.items() if style == "local_params"}
     for pattern, style in plan.items():
         on_modules = any(fqn_matches(pattern, name) for name in modules)
         on_params = not on_modules and any(fqn_matches(pattern, name) for name in params)
         if (not on_modules and not on_params) or (on_params and pattern.rpartition(".")[0] in experts):
             continue  # no such module here; or an expert weight, which its experts module's style shards
-        if isinstance(style, ParallelStyle):
+        owner, _, leaf = pattern.rpartition(".")
+        if on_params and owner in local and style in _PARAMETER_DIMS:
+            local[owner][leaf] = _PARAMETER_DIMS[style]  # sharded by its module's LocalParameters
+        elif style == "local_params":
+            continue  # made below, once its parameters' entries are known
+        elif isinstance(style, ParallelStyle):
             styles[pattern] = style
         elif callable(style):
             fixups.append(fixup_on(pattern, style))
@@ -254,6 +261,9 @@ def resolve_entries(
                 continue
             if mapped is not None:
                 styles[pattern] = mapped
+    for pattern, shards in local.items():
+        if shards:
+            styles[pattern] = LocalParameters(shards)
     if refused:
         raise ValueError(
             f"{type(model).__name__} at tp={tp}: meshpar cannot yet apply these entries of the model's "

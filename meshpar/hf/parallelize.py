@@ -241,6 +241,8 @@ class ParallelizedModel(nn.Module):
                 stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
                 return install_stage_forward(stage, family)
 
+            sides = ([], [])
+
         else:
             layout = pipeline_layout(model)
             inferred = layout is None
@@ -255,6 +257,7 @@ class ParallelizedModel(nn.Module):
             if config.sequence_parallel:
                 raise ValueError(f"sequence_parallel with pipeline stages is supported for {sorted(STAGE_FORWARDS)}")
             keep = layout.keep
+            sides = layout.stage_sides(model)
             if self._from_meta and inferred:
                 raise ValueError(
                     f"{type(model).__name__} has no transformers pipeline plan: meshpar reads one from the model's "
@@ -269,6 +272,8 @@ class ParallelizedModel(nn.Module):
                     self.dims.pp * config.virtual_pipeline_size,
                     transformer_layer_cls=self._layer_cls,
                     auto_partition=config.auto_partition,
+                    first_stage_modules=sides[0],
+                    last_stage_modules=sides[1],
                 )
                 check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
 
@@ -291,6 +296,8 @@ class ParallelizedModel(nn.Module):
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step averages them (allreduce_gradients / overlapped / FSDP)
             schedule=config.pipeline_schedule,
+            first_stage_modules=sides[0],
+            last_stage_modules=sides[1],
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:

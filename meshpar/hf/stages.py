@@ -1,12 +1,14 @@
 """Pipeline stage forwards for HuggingFace models.
 
-Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one, whose base model holds
-one layer list: the plan is then read from its children and must pass the composition check) runs the model's
+Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one, whose base model, or the
+one module it wraps, holds one layer list: the plan is then read from its children in the order the dense forward
+calls them, and must pass the composition check) runs the model's
 *own* forward on each stage (:func:`decoder_stage_forward`): the layer list is swapped for a view of the full depth
 in which the stage's layers sit at their global indices and every other index passes its input through, so
 per-layer data the forward reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables)
-stays right; the pieces before the layers (embedding, dropout) act only on the first stage and those after them
-(final norm) only on the last, which returns the head's logits. Masks, positions and rotary tables are built by the
+stays right; the pieces before the layers (embedding, dropout) act only on the first stage (a learned position
+embedding the forward adds adds nothing later) and those after them (final norm) only on the last, which returns the
+head's logits. Masks, positions and rotary tables are built by the
 model's forward itself, with the user's attention implementation. :func:`check_stage_composition` proves, on the
 dense model before it is split, that the stages composed reproduce its forward.
 
@@ -136,6 +138,14 @@ class PipelineLayout:
     num_layers: int
     # each layer's plain attributes (attention_type, block_type, ...): a forward may read them from every layer
     layer_attributes: tuple[tuple[tuple[str, object], ...], ...]
+    # the embeddings among ``before``: on later stages they add nothing (a learned position embedding the forward
+    # adds to the hidden states it is handed)
+    embeddings: tuple[str, ...] = ()
+
+    def stage_sides(self, model: nn.Module) -> tuple[list[str], list[str]]:
+        """(first stage's, last stage's) modules of this layout that hold parameters, for the splitter."""
+        holding = [n for n in (*self.before, *self.after) if _holds_parameters(model, n)]
+        return [n for n in holding if n in self.before], [n for n in holding if n in self.after]
 
 
 def _holds_parameters(module: nn.Module, name: str) -> bool:
@@ -147,30 +157,85 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     the plan does not describe the model (a base-model module outside the plan holds parameters)."""
     config = getattr(model, "config", None)
     plan = list(dict(getattr(config, "base_model_pp_plan", None) or {}))
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if plan and isinstance(base, nn.Module):
+        missing = [n for n in plan if getattr(base, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"{type(model).__name__}: transformers' pipeline plan {plan} names {missing}, which "
+                f"{type(base).__name__} does not have (its children: {[n for n, _ in base.named_children()]}): the "
+                "plan does not describe this model, so pipeline parallelism cannot place its layers (use "
+                "pipeline_parallel_size 1)"
+            )
     return _layout(model, plan) if plan else None
 
 
+def _layer_holder(base: nn.Module, prefix: str) -> str:
+    """FQN of the module whose children are the layer list and its neighbours: the base model, or the one module
+    it wraps (OPT's ``model.decoder``)."""
+    holder, path = base, prefix
+    while not any(isinstance(m, nn.ModuleList) and any(True for _ in m.parameters()) for m in holder.children()):
+        holding = [(n, m) for n, m in holder.named_children() if any(True for _ in m.parameters())]
+        if len(holding) != 1:
+            break
+        name, holder = holding[0]
+        path = f"{path}.{name}"
+    return path
+
+
+def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
+    """The children of ``holder`` in the order the dense model's forward first calls them (a layer list at its first
+    layer's call), on a tiny batch: registration order need not be run order. A model on meta cannot run: its
+    registration order (nothing proves that guess, so :mod:`meshpar.hf.parallelize` refuses it)."""
+    if any(p.is_meta for p in model.parameters()):
+        return [name for name, _ in holder.named_children()]
+    order: list[str] = []
+    handles = []
+    for name, child in holder.named_children():
+        calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
+        handles.append(calls.register_forward_pre_hook(lambda *_, n=name: None if n in order else order.append(n)))
+    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(input_ids=ids.to(next(iter(model.parameters())).device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
+    return order
+
+
 def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
-    """For a causal LM without transformers' pipeline plan: the plan read from its base model's children, in
-    registration order (the one layer list, and every child holding parameters); ``None`` when the base model has
-    no single layer list among its children. Only a guess until :func:`check_stage_composition` proves it on the
-    dense model (a module registered in another order than it runs fails that check)."""
+    """For a causal LM without transformers' pipeline plan: the plan read from the module holding its one layer list
+    (the base model, or the single module it wraps): the list and the children holding parameters, in the order a
+    forward of the dense model calls them; ``None`` when there is no single layer list. Only a guess until
+    :func:`check_stage_composition` proves it on the dense model."""
     prefix = getattr(model, "base_model_prefix", "")
     if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
         return None
-    base = model.get_submodule(prefix)
-    lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    holder_path = _layer_holder(model.get_submodule(prefix), prefix)
+    holder = model.get_submodule(holder_path)
+    lists = [n for n, m in holder.named_children() if isinstance(m, nn.ModuleList) and _holds_parameters(holder, n)]
     if len(lists) != 1:
         return None
-    plan = [n for n, _ in base.named_children() if n == lists[0] or _holds_parameters(base, n)]
-    return _layout(model, plan)
+    # parameter-free children (rotary tables) run on every stage, as they are
+    order = [n for n in _run_order(model, holder) if n == lists[0] or _holds_parameters(holder, n)]
+    if lists[0] not in order:
+        return None
+    return _layout(model, order, holder_path)
 
 
-def _layout(model: nn.Module, names: list[str]) -> PipelineLayout | None:
+def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) -> PipelineLayout | None:
+    """The layout of ``names`` (children of ``holder_path``, the base model by default, in run order)."""
     prefix = getattr(model, "base_model_prefix", "")
     if not prefix or not hasattr(model, prefix) or not type(model).__name__.endswith("ForCausalLM"):
         return None
-    base = model.get_submodule(prefix)
+    holder_path = holder_path or prefix
+    base = model.get_submodule(holder_path)
     lists = [name for name in names if isinstance(getattr(base, name, None), nn.ModuleList)]
     if len(lists) != 1:
         return None
@@ -179,10 +244,10 @@ def _layout(model: nn.Module, names: list[str]) -> PipelineLayout | None:
     holding = [n for n in others if _holds_parameters(base, n)]
     if holding:
         raise ValueError(
-            f"{type(model).__name__}: transformers' pipeline plan {names} leaves out {holding}, which hold "
+            f"{type(model).__name__}: the pipeline plan {names} leaves out {holding}, which hold "
             "parameters; pipeline parallelism cannot place them (use pipeline_parallel_size 1)"
         )
-    full = [f"{prefix}.{n}" for n in names]
+    full = [f"{holder_path}.{n}" for n in names]
     # parameter-free plan pieces (dropouts) go to every stage too: where they must not act they become identities,
     # so it does not matter which side of the layers the model registered them on
     free = [f for f, n in zip(full, names, strict=True) if n != lists[0] and not _holds_parameters(base, n)]
@@ -190,10 +255,15 @@ def _layout(model: nn.Module, names: list[str]) -> PipelineLayout | None:
         container=full[index],
         before=tuple(full[:index]),
         after=tuple(full[index + 1 :]),
-        keep=tuple(f"{prefix}.{n}" for n in others) + tuple(free),
+        keep=tuple(f"{holder_path}.{n}" for n in others) + tuple(free),
         base=prefix,
         num_layers=len(base.get_submodule(lists[0])),
         layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(lists[0])),
+        embeddings=tuple(
+            f
+            for f, n in zip(full[:index], names[:index], strict=True)
+            if isinstance(base.get_submodule(n), nn.Embedding)
+        ),
     )
 
 
@@ -223,6 +293,15 @@ class _PassThrough(nn.Module):
         return hidden_states
 
 
+class _NoEmbedding(nn.Module):
+    """Stands in for an embedding of the first stage on later ones: a 0-dim zero, so ``hidden + embedding(...)``
+    leaves the received hidden states as they are (a 0-dim operand changes neither their shape nor dtype)."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return torch.zeros((), device=tensors[0].device if tensors else None)
+
+
 @contextlib.contextmanager
 def _stage_view(
     model: nn.Module, layout: PipelineLayout, owned: dict[int, nn.Module], first: bool, last: bool
@@ -237,7 +316,7 @@ def _stage_view(
         owner._modules[name] = new
 
     for fqn in () if first else layout.before:
-        swap(fqn, nn.Identity())
+        swap(fqn, _NoEmbedding() if fqn in layout.embeddings else nn.Identity())
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
     stand_ins = [owned.get(i) or _PassThrough(layout.layer_attributes[i]) for i in range(layout.num_layers)]

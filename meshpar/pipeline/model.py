@@ -121,6 +121,8 @@ class PipelineModel(nn.Module):
         stage_init_fn: Callable[[nn.Module], None] | None = None,
         average_grads_over_dp: bool | None = None,
         schedule: str = "1f1b",
+        first_stage_modules: Sequence[str] = (),
+        last_stage_modules: Sequence[str] = (),
     ) -> None:
         super().__init__()
         tracing = {
@@ -167,6 +169,8 @@ class PipelineModel(nn.Module):
                 stage_init_fn=stage_init_fn,
                 device=dims.device,
                 keep_modules=keep_modules,
+                first_stage_modules=first_stage_modules,
+                last_stage_modules=last_stage_modules,
             )
             calls = [(input_names, stage_kwargs)] * len(stages)
         if stage_transform is not None:

@@ -2,7 +2,8 @@
 
 Contract (torchtitan's): the model keeps its transformer layers in one ``nn.ModuleList`` / ``nn.Sequential``; the
 modules registered *before* that container (on the path from the root to it) run on the first stage, those
-registered *after* it on the last stage, and the model's ``forward`` skips a top-level piece that is ``None`` (e.g.
+registered *after* it on the last stage (unless placed explicitly, for models that register a module on the other
+side of the layers than it runs), and the model's ``forward`` skips a top-level piece that is ``None`` (e.g.
 ``x = self.tok_emb(ids) if self.tok_emb is not None else ids``). A stage is a copy of the model in which the pieces it
 does not own are ``None`` and the layer container keeps only its own layers under their original indices, so
 ``layers.7.attn.q.weight`` keeps that name and a stage's state dict is a slice of the full one.
@@ -73,8 +74,12 @@ def _find_container(model: nn.Module, layer_cls: type | tuple[type, ...] | None,
     return max(candidates)[1]
 
 
-def _outside_modules(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """Modules on the path to ``container``: (registered before the path, registered after it)."""
+def _outside_modules(
+    model: nn.Module, container: str, first_stage: Sequence[str] = (), last_stage: Sequence[str] = ()
+) -> tuple[list[str], list[str]]:
+    """Modules on the path to ``container``: (first stage's, last stage's). By registration order (before the path,
+    after it) unless named in ``first_stage`` / ``last_stage``: a model may register a module on one side of its
+    layers and run it on the other (OPT registers its final norm before its layers)."""
     before, after = [], []
     module, prefix = model, ""
     for part in container.split(".") if container else []:
@@ -88,7 +93,17 @@ def _outside_modules(model: nn.Module, container: str) -> tuple[list[str], list[
                 after.append(prefix + name)
         module = getattr(module, part)
         prefix += part + "."
-    return before, after
+    outside = before + after
+    unknown = [n for n in (*first_stage, *last_stage) if n not in outside]
+    both = set(first_stage) & set(last_stage)
+    if unknown or both:
+        raise ValueError(
+            f"first_stage_modules / last_stage_modules must name modules outside the layers on the path to "
+            f"{container!r}, each once; unknown: {unknown}, on both stages: {sorted(both)}; outside modules: {outside}"
+        )
+    first = [n for n in outside if n in first_stage or (n in before and n not in last_stage)]
+    last = [n for n in outside if n in last_stage or (n in after and n not in first_stage)]
+    return first, last
 
 
 def _balanced_split(costs: Sequence[float], num_stages: int, head: float, tail: float) -> list[int]:
@@ -130,14 +145,17 @@ def plan_stages(
     transformer_layer_cls: type | tuple[type, ...] | None = None,
     pipeline_cuts: Sequence[str] | None = None,
     auto_partition: bool = False,
+    first_stage_modules: Sequence[str] = (),
+    last_stage_modules: Sequence[str] = (),
 ) -> StagePlan:
     """Decide the layers of each stage: explicit cuts (a new stage starts *after* each named layer), parameter-count
-    balancing (``auto_partition``), or equal layer counts (the first stages take the remainder)."""
+    balancing (``auto_partition``), or equal layer counts (the first stages take the remainder). Modules outside the
+    layers go by registration order unless ``first_stage_modules`` / ``last_stage_modules`` place them."""
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     container = _find_container(model, transformer_layer_cls, pipeline_cuts)
     keys = list(model.get_submodule(container)._modules.keys()) if container else list(model._modules.keys())
-    first, last = _outside_modules(model, container)
+    first, last = _outside_modules(model, container, first_stage_modules, last_stage_modules)
     if len(keys) < num_stages:
         raise ValueError(f"{len(keys)} layers cannot fill {num_stages} pipeline stages; use at most {len(keys)} stages")
     if pipeline_cuts:
@@ -231,6 +249,8 @@ def split_model(
     device: torch.device | str | None = None,
     keep_modules: Sequence[str] = (),
     stage_init_fn: Callable[[nn.Module], None] | None = None,
+    first_stage_modules: Sequence[str] = (),
+    last_stage_modules: Sequence[str] = (),
 ) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
     """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
 
@@ -247,6 +267,8 @@ def split_model(
         transformer_layer_cls=transformer_layer_cls,
         pipeline_cuts=pipeline_cuts,
         auto_partition=auto_partition,
+        first_stage_modules=first_stage_modules,
+        last_stage_modules=last_stage_modules,
     )
     is_meta = any(p.is_meta for p in model.parameters())
     stages = []

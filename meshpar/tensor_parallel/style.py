@@ -23,13 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshpar._compat import DeviceMesh, ParallelStyle
+from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_sp, reduce_from_tp
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
     ReplicatedKVLinear,
     RowParallelLinear,
+    _distribute_param,
     make_sequence_parallel_norm,
     make_vocab_parallel_subclass,
 )
@@ -184,6 +185,47 @@ class ReplicatedGradSum(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return make_sequence_parallel_norm(module, device_mesh, src_data_rank=self.src_data_rank)
+
+
+class LocalParameters(ParallelStyle):
+    """A module whose own bare parameters are sharded (transformers' ``local_params`` with ``colwise`` entries on
+    the parameters: an attention's per-head ``sinks``): ``shards`` maps each parameter name to the dim it is split
+    along (a ``Shard(dim)`` DTensor, like the column layer that makes the rank's heads); its forward runs on the local
+    shards, handed in by a pre-hook and put back by an always-called hook (no subclass, no replaced forward). Exact
+    when each shard's slice only meets this rank's heads, which is what such parameters do; the one-block
+    verification proves it per model. Parameters not named stay as they are."""
+
+    def __init__(self, shards: dict[str, int]) -> None:
+        super().__init__()
+        self.shards = dict(shards)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name, dim in self.shards.items():
+            param = module._parameters.get(name)
+            if param is None:
+                raise ValueError(f"LocalParameters: {type(module).__name__} has no parameter {name!r}")
+            if param.shape[dim] % tp:
+                raise ValueError(
+                    f"LocalParameters: {type(module).__name__}.{name} of shape {tuple(param.shape)} cannot be split "
+                    f"along dim {dim} over tp={tp}"
+                )
+            module._parameters[name] = _distribute_param(param, device_mesh, [Shard(dim)], self.src_data_rank)
+        names = tuple(self.shards)
+        saved: list[dict[str, nn.Parameter]] = []
+
+        def to_local(_module: nn.Module, _args: tuple) -> None:
+            params = _module._parameters
+            saved.append({n: params[n] for n in names})
+            params.update({n: params[n].to_local() for n in names})
+
+        def restore(_module: nn.Module, _args: tuple, _out: object) -> None:
+            if saved:
+                _module._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)
+        return module
 
 
 class AllReduceOutput(ParallelStyle):

@@ -34,6 +34,10 @@ GENERIC = {
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
     "opt": ("OPTConfig", "OPTForCausalLM", {}),  # no transformers plan: meshpar's table
+    # OPT-350m's layout: embeddings narrower than the layers, projected in before them and out after them
+    "opt_projected": ("OPTConfig", "OPTForCausalLM", {"word_embed_proj_dim": 16, "do_layer_norm_before": False}),
+    # attention sinks: one bare parameter per head (transformers' 'local_params')
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {"attn_implementation": "eager"}),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
@@ -85,7 +89,7 @@ def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, l
         num_attention_heads=heads, num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=64,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa", tie_word_embeddings=False,
     )  # fmt: skip
-    if family == "opt":
+    if family.startswith("opt"):
         keys = dict(
             vocab_size=VOCAB, hidden_size=8 * heads, ffn_dim=48, num_hidden_layers=layers, num_attention_heads=heads,
             max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, dropout=0.0,
@@ -97,7 +101,12 @@ def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, l
     if "head_dim" in inspect.signature(config_type.__init__).parameters:
         keys["head_dim"] = 8  # some families default to 128 whatever the hidden size
     config = config_type(**keys)
-    return getattr(transformers, model_cls)(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # attention sinks start at zero: make each head's differ, so their sharding shows
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.copy_(torch.linspace(-1.0, 1.0, param.numel()))
+    return model
 
 
 def build(

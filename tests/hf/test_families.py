@@ -88,6 +88,13 @@ def test_key_value_heads_below_tp_are_replicated() -> None:
     run_distributed(family_case, 4, "mixtral", 4, 2)  # and one of four experts per rank
 
 
+def test_attention_sinks_are_sharded_with_their_heads() -> None:
+    """transformers' ``local_params``: each rank keeps the sinks of its own heads (``Shard(0)``) and the attention's
+    forward reads them as local tensors; loss, every grad and the step equal dense, at tp=2 and tp=2 x pp=2."""
+    run_distributed(family_case, 2, "granite_swa", 2)
+    run_distributed(pipeline_case, 4, "granite_swa", 2, 2)
+
+
 def test_user_plan_with_fixup_shards_a_model_no_table_covers() -> None:
     """OPT's attention reshapes with its own head count: a user plan divides it with a fix-up."""
     plan = {**_OPT_ATTENTION, "model.decoder.layers.*.self_attn": divide_attribute("num_heads")}
@@ -224,10 +231,16 @@ def test_tp_x_pp_from_transformers_plans_matches_dense(family: str, vpp: int) ->
     run_distributed(pipeline_case, 4, family, 2, 2, vpp)
 
 
-@pytest.mark.parametrize(("family", "world", "tp"), [("nemotron", 2, 1), ("olmoe", 4, 2)])
+@pytest.mark.parametrize(
+    ("family", "world", "tp"),
+    [("nemotron", 2, 1), ("olmoe", 4, 2), ("opt", 2, 1), ("opt", 4, 2), ("opt_projected", 2, 1)],
+)
 def test_pipeline_from_a_plan_read_off_the_model_matches_dense(family: str, world: int, tp: int) -> None:
-    """Families without transformers' pipeline plan: the plan is read from the base model's children, proven on the
-    dense model, and the pipelined step equals the dense one (OLMoE: experts under tp too)."""
+    """Families without transformers' pipeline plan: the plan is read from the module holding the layer list (the
+    base model, or OPT's decoder inside it) in the order the dense forward calls its children, proven on the dense
+    model, and the pipelined step equals the dense one (OLMoE: experts under tp too; OPT: its final norm is
+    registered before the layers but runs on the last stage, its learned positions add nothing after the first
+    stage, OPT-350m's projections in and out of narrower embeddings)."""
     assert not getattr(build(family).config, "base_model_pp_plan", None)
     run_distributed(pipeline_case, world, family, tp, 2)
 

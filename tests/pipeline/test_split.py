@@ -56,6 +56,23 @@ def test_explicit_cuts() -> None:
     assert plan.stage_layers == [["0"], ["1", "2", "3"], ["4", "5"]]
 
 
+def test_modules_placed_against_their_registration_order() -> None:
+    """A model may register a module on one side of its layers and run it on the other (OPT's final norm)."""
+    plan = plan_stages(PipeGPT(layers=4), 2, transformer_layer_cls=Block)
+    assert (plan.first_stage_modules, plan.last_stage_modules) == (["tok", "pos"], ["ln_f", "head"])
+    plan = plan_stages(PipeGPT(layers=4), 2, transformer_layer_cls=Block, first_stage_modules=["ln_f"])
+    assert (plan.first_stage_modules, plan.last_stage_modules) == (["tok", "pos", "ln_f"], ["head"])
+    plan = plan_stages(PipeGPT(layers=4), 2, transformer_layer_cls=Block, last_stage_modules=["pos"])
+    assert (plan.first_stage_modules, plan.last_stage_modules) == (["tok"], ["pos", "ln_f", "head"])
+    stages, _ = split_model(PipeGPT(layers=4), 1, 2, transformer_layer_cls=Block, last_stage_modules=["pos"])
+    assert stages[0][1].pos is not None and stages[0][1].tok is None
+    with pytest.raises(ValueError, match=r"unknown: \['layers.0'\], on both stages: \['pos'\]"):
+        plan_stages(
+            PipeGPT(layers=4), 2, transformer_layer_cls=Block, first_stage_modules=["pos", "layers.0"],
+            last_stage_modules=["pos"],
+        )  # fmt: skip
+
+
 def test_meta_model_materialises_only_the_local_stage() -> None:
     with torch.device("meta"):
         model = PipeGPT(vocab=64, hidden=16, layers=8)
