@@ -59,13 +59,33 @@ def tiny(model_type: str) -> torch.nn.Module:
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False, ffn_dim=48, moe_intermediate_size=16, num_local_experts=4,
         num_experts=4, num_experts_per_tok=2, use_cache=False, rotary_dim=4,
+        # multi-head latent attention (DeepSeek-V2/V3 and kin) at the same tiny size
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+        first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+        mamba_n_heads=4, mamba_d_head=16,
     )  # fmt: skip
     text = config.get_text_config()
-    for key, value in sizes.items():
+    depth = getattr(text, "num_hidden_layers", None)
+    # per-layer lists (layer types, mlp types, head counts) for the full depth: keep the first and the last layer's
+    # entries, so both kinds (dense and MoE, sliding and full) stay in the 2-layer model
+    per_layer = {
+        key: [value[0], value[-1]]
+        for key, value in vars(text).items()
+        if isinstance(value, list | tuple) and depth and depth > 2 and len(value) == depth
+    }
+    if hasattr(text, "kv_lora_rank"):  # latent attention: as many key/value heads as heads
+        sizes.update(num_key_value_heads=4, qk_head_dim=16)
+    for key, value in {**sizes, **per_layer}.items():
         if hasattr(text, key) or key in inspect.signature(type(text).__init__).parameters:
-            setattr(text, key, value)
-    if hasattr(text, "layer_types"):
-        text.layer_types = None  # re-derived for 2 layers below
+            try:
+                setattr(text, key, value)
+            except AttributeError:  # a derived property
+                continue
+    if hasattr(text, "layer_types") and "layer_types" not in per_layer:
+        try:
+            text.layer_types = None  # re-derived for 2 layers below
+        except AttributeError:
+            pass
     text = type(text)(**text.to_dict())  # re-run the config's own derivations (layer types, head dims)
     text._attn_implementation = "eager"
     model_cls = getattr(transformers, _families()[model_type])

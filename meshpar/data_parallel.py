@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor
+from meshpar._compat import DeviceMesh, local_tensor
 from meshpar.parallel_dims import get_parallel
 
 
@@ -22,24 +22,38 @@ def allreduce_gradients(
     reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """Average the grads of ``parameters`` over the dp group, flattened into one bucket per dtype
-    (``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32)."""
+    (``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32).
+
+    A parameter may have a grad on some dp ranks and none on others (an expert no token of this rank's batch was
+    routed to): it counts as zeros where missing, and every rank ends with the same averaged grad, or with ``None``
+    where no rank had one (as the dense step on the whole batch). Each bucket carries one "has a grad" flag per
+    parameter for that, in the same all-reduce."""
     mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
     if mesh.size() == 1:
         return
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in dict.fromkeys(p for p in parameters if p.requires_grad):
+        by_dtype.setdefault(local_tensor(param).dtype, []).append(param)
     for bucket in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        if reduce_dtype is not None:
-            flat = flat.to(reduce_dtype)
+        locals_ = [local_tensor(p) for p in bucket]
+        grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket]
+        dtype = reduce_dtype or locals_[0].dtype
+        flat = torch.zeros(sum(t.numel() for t in locals_) + len(bucket), dtype=dtype, device=locals_[0].device)
+        pieces = flat.split([*(t.numel() for t in locals_), len(bucket)])
+        for piece, grad in zip(pieces, grads, strict=False):
+            if grad is not None:
+                piece.copy_(grad.reshape(-1))
+        pieces[-1].copy_(torch.tensor([g is not None for g in grads], dtype=dtype))
         dist.all_reduce(flat, group=mesh.get_group())
         flat /= mesh.size()
-        offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        # read back (a device sync) only where this rank lacks a grad that another rank may have had
+        present = pieces[-1].tolist() if any(g is None for g in grads) else [1.0] * len(bucket)
+        for param, piece, grad, flag in zip(bucket, pieces, grads, present, strict=False):
+            if grad is None and flag > 0:
+                param.grad = torch.zeros_like(param)
+                grad = local_tensor(param.grad)
+            if grad is not None:
+                grad.copy_(piece.view_as(grad))
 
 
 def apply_fsdp(

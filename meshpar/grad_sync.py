@@ -40,6 +40,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     buffer: torch.Tensor | None = None
     work: dist.Work | None = None
+    missing: bool = False  # a parameter of this bucket had no grad on this rank at launch
 
     @property
     def full(self) -> bool:
@@ -153,20 +154,27 @@ class OverlappedGradSync:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
+        # the buffer ends with one "has a grad" flag per parameter: a parameter unused on some ranks (an expert no
+        # token of their batch reached) gets the average everywhere, and stays None only where no rank had a grad
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(sum(bucket.numels), dtype=bucket.dtype, device=bucket.device)
-        for param, view in zip(bucket.params, bucket.buffer.split(bucket.numels), strict=True):
+            size = sum(bucket.numels) + len(bucket.params)
+            bucket.buffer = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
+        views = bucket.buffer.split([*bucket.numels, len(bucket.params)])
+        for param, view in zip(bucket.params, views, strict=False):
             if param.grad is None:
                 view.zero_()  # unused on this rank: contributes nothing, keeps the sizes equal on every rank
             else:
                 view.copy_(_local(param.grad).reshape(-1))
+        flags = [param.grad is not None for param in bucket.params]
+        bucket.missing = not all(flags)
+        views[-1].copy_(torch.tensor(flags, dtype=bucket.dtype))
         bucket.buffer.div_(self._size)  # average before the reduction: nothing left to do after the last wait
         bucket.work = dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
 
     @torch.no_grad()
     def finish(self) -> None:
         """Launch the buckets backward did not fill, wait for all, and write the dp-mean into each ``param.grad``
-        (parameters without a grad keep ``None``)."""
+        (parameters no dp rank had a grad for keep ``None``)."""
         if self._size == 1:
             return
         for bucket in self._buckets[self._next :]:
@@ -174,7 +182,12 @@ class OverlappedGradSync:
         try:
             for bucket in self._buckets:
                 bucket.work.wait()
-                for param, view in zip(bucket.params, bucket.buffer.split(bucket.numels), strict=True):
+                views = bucket.buffer.split([*bucket.numels, len(bucket.params)])
+                # read back (a device sync) only where this rank lacks a grad another rank may have had
+                present = views[-1].tolist() if bucket.missing else [1.0] * len(bucket.params)
+                for param, view, flag in zip(bucket.params, views, present, strict=False):
+                    if param.grad is None and flag > 0:
+                        param.grad = torch.zeros_like(param)
                     if param.grad is not None:
                         grad = _local(param.grad)
                         grad.copy_(view.view_as(grad))

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.grad_sync import OverlappedGradSync
@@ -111,6 +111,43 @@ def test_unused_parameters_and_fp32_reduction() -> None:
     results = run_distributed(unused_and_dtype_case, 2)
     # buckets holding the unused layer never fill during backward; finish() launches them with zeros
     assert all(r["unused_grads"] == [True, True] and r["launched"] == 0 for r in results), results
+
+
+def used_on_one_rank_case(overlapped: bool) -> list[str]:
+    """An expert only dp rank 0's batch reaches: every rank must end with the dense step's grad for it (half of rank
+    0's, the dp mean), not rank 1 with ``None`` (its replica would skip the step and drift); a layer no rank used
+    keeps ``None`` everywhere. Checked on a tp DTensor parameter too."""
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.ModuleDict({"shared": nn.Linear(8, 8), "expert": nn.Linear(8, 8), "idle": nn.Linear(8, 8)})
+    model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, {"expert": ColwiseParallel()})
+    x = torch.randn(2 * dims.dp, 8)
+    rows = slice(2 * dims.dp_rank, 2 * dims.dp_rank + 2)
+    (dense["expert"](dense["shared"](x[:2])).sum() + dense["shared"](x).sum()).backward()
+    sync = OverlappedGradSync(model.parameters(), dims.dp_mesh, bucket_mb=1 / 1024) if overlapped else None
+    mine = model["shared"](x[rows])
+    loss = mine.sum() * dims.dp  # each rank's share of the dense sum, scaled back by the dp mean below
+    if dims.dp_rank == 0:
+        # the column shard's sum: its weight grad is the dense one; the input grad is summed over tp by the style
+        loss = loss + model["expert"](mine).sum() * dims.dp
+    loss.backward()
+    if overlapped:
+        sync.finish()
+    else:
+        allreduce_gradients(model.parameters(), dims.dp_mesh)
+    for name, param in model.named_parameters():
+        want = dense.get_parameter(name).grad
+        if want is None:
+            assert param.grad is None, name
+        else:
+            assert_matches_dense(param.grad, want, atol=1e-5, rtol=1e-5, msg=name)
+    return [name for name, param in model.named_parameters() if param.grad is None]
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_parameter_used_on_one_dp_rank_gets_the_mean_on_every_rank(overlapped: bool) -> None:
+    for idle in run_distributed(used_on_one_rank_case, 4, overlapped):
+        assert idle == ["idle.weight", "idle.bias"], idle
 
 
 def misuse_case() -> str:
