@@ -14,6 +14,7 @@ defect); ``-`` (the tiny model could not be built from the config alone, e.g. a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import sys
@@ -82,10 +83,8 @@ def tiny(model_type: str) -> torch.nn.Module:
             except AttributeError:  # a derived property
                 continue
     if hasattr(text, "layer_types") and "layer_types" not in per_layer:
-        try:
+        with contextlib.suppress(AttributeError):  # a derived property
             text.layer_types = None  # re-derived for 2 layers below
-        except AttributeError:
-            pass
     text = type(text)(**text.to_dict())  # re-run the config's own derivations (layer types, head dims)
     text._attn_implementation = "eager"
     model_cls = getattr(transformers, _families()[model_type])
