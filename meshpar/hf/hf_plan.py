@@ -30,8 +30,23 @@ UNSUPPORTED_STYLES = {
     "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
 }
 
-# style strings on a bare parameter of a 'local_params' module: the dim they split it along
-_PARAMETER_DIMS = {"colwise": 0, "rowwise": -1}
+# module styles whose bare parameters may carry their own 'colwise' / 'rowwise' entries: 'local_params' (the
+# forward reads this rank's shards: an attention's per-head sinks) and 'all_reduce' (also the output is a partial sum:
+# shared experts stored as 3-D parameters)
+_OWNER_STYLES = ("local_params", "all_reduce")
+
+
+def _parameter_dim(style: str, ndim: int) -> int | None:
+    """The dim a 'colwise' / 'rowwise' entry splits a bare parameter along, with ``nn.Linear``'s ``[..., out, in]``
+    layout for weights: colwise the output features (a 1-D parameter: its only dim), rowwise the input features
+    (``None``: a 1-D rowwise parameter, a bias added after the reduction, which meshpar does not place)."""
+    if style == "colwise":
+        return -2 if ndim >= 2 else -1
+    if style == "rowwise" and ndim >= 2:
+        return -1
+    return None
+
+
 # the projections whose outputs hold whole attention heads (separate q/k/v or fused), by transformers' names
 _QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
 _KEY_VALUE = ("k_proj", "v_proj", "key", "value")
@@ -92,9 +107,22 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
 
 # meshpar's corrections to plans transformers ships (same format): entries the shipped plan lacks, each found by the
 # verification refusing the plan as shipped
+# DeepSeek-V2's multi-head latent attention entries: transformers ships them for V2 but not for V3 and the families
+# built on its attention, which then stay replicated (all attention weights on every rank); the same MLA module, proven
+# by the one-block verification like any plan
+_MLA_ATTENTION = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.q_b_proj": "colwise",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
 AMENDMENTS: dict[str, dict[str, str]] = {
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    "deepseek_v3": _MLA_ATTENTION,
+    "axk1": _MLA_ATTENTION,
+    "youtu": _MLA_ATTENTION,
 }
 
 
@@ -198,8 +226,6 @@ def _style_for(style: str, pattern: str, context: dict) -> ParallelStyle | None:
         return VocabParallel(shard_across_embedding=True)
     if style == "replicated_with_grad_allreduce":
         return ReplicatedGradSum()
-    if style == "all_reduce":
-        return AllReduceOutput()
     if style == "mla_kv_a_proj":
         return RopeGradSum(rope_dim=text_config(context["config"]).qk_rope_head_dim)
     if style == "replicate":
@@ -229,16 +255,22 @@ def resolve_entries(
     fixups: list[Callable[[nn.Module, int], None]] = []
     refused = []
     experts = {pattern for pattern, style in plan.items() if style == "moe_tp_experts"}
-    local = {pattern: {} for pattern, style in plan.items() if style == "local_params"}
+    local = {pattern: {} for pattern, style in plan.items() if style in _OWNER_STYLES}
+    ndims = {name: param.dim() for name, param in model.named_parameters(remove_duplicate=False)}
     for pattern, style in plan.items():
         on_modules = any(fqn_matches(pattern, name) for name in modules)
         on_params = not on_modules and any(fqn_matches(pattern, name) for name in params)
         if (not on_modules and not on_params) or (on_params and pattern.rpartition(".")[0] in experts):
             continue  # no such module here; or an expert weight, which its experts module's style shards
         owner, _, leaf = pattern.rpartition(".")
-        if on_params and owner in local and style in _PARAMETER_DIMS:
-            local[owner][leaf] = _PARAMETER_DIMS[style]  # sharded by its module's LocalParameters
-        elif style == "local_params":
+        if on_params and owner in local and isinstance(style, str):
+            ndim = next(n for name, n in ndims.items() if fqn_matches(pattern, name))
+            dim = _parameter_dim(style, ndim)
+            if dim is None:
+                refused.append(f"{pattern}: '{style}' on a {ndim}-D bare parameter")
+            else:
+                local[owner][leaf] = dim  # sharded by its module's LocalParameters
+        elif style in _OWNER_STYLES:
             continue  # made below, once its parameters' entries are known
         elif isinstance(style, ParallelStyle):
             styles[pattern] = style
@@ -262,8 +294,11 @@ def resolve_entries(
             if mapped is not None:
                 styles[pattern] = mapped
     for pattern, shards in local.items():
+        partial = plan[pattern] == "all_reduce"
         if shards:
-            styles[pattern] = LocalParameters(shards)
+            styles[pattern] = LocalParameters(shards, partial_output=partial)
+        elif partial:
+            styles[pattern] = AllReduceOutput()
     if refused:
         raise ValueError(
             f"{type(model).__name__} at tp={tp}: meshpar cannot yet apply these entries of the model's "

@@ -188,16 +188,21 @@ class ReplicatedGradSum(ParallelStyle):
 
 
 class LocalParameters(ParallelStyle):
-    """A module whose own bare parameters are sharded (transformers' ``local_params`` with ``colwise`` entries on
-    the parameters: an attention's per-head ``sinks``): ``shards`` maps each parameter name to the dim it is split
-    along (a ``Shard(dim)`` DTensor, like the column layer that makes the rank's heads); its forward runs on the local
-    shards, handed in by a pre-hook and put back by an always-called hook (no subclass, no replaced forward). Exact
-    when each shard's slice only meets this rank's heads, which is what such parameters do; the one-block
-    verification proves it per model. Parameters not named stay as they are."""
+    """A module whose own bare parameters are sharded: ``shards`` maps each parameter name to the dim it is split
+    along (a ``Shard(dim)`` DTensor); its forward runs on the local shards, handed in by a pre-hook and put back by
+    an always-called hook (no subclass, no replaced forward). Parameters not named stay as they are.
 
-    def __init__(self, shards: dict[str, int]) -> None:
+    Two uses in transformers' plans. ``local_params`` with ``colwise`` parameters (an attention's per-head
+    ``sinks``): each shard only meets this rank's heads, inputs and output are already per rank.
+    ``partial_output=True`` (``all_reduce`` over ``colwise`` / ``rowwise`` parameters: shared experts stored as 3-D
+    weights) is Megatron's MLP around one module: every floating-point input enters through ``copy_to_tp`` (its grad
+    summed over tp in backward) and the output, a partial sum over the rank's intermediate features, is all-reduced.
+    The one-block verification proves either per model."""
+
+    def __init__(self, shards: dict[str, int], *, partial_output: bool = False) -> None:
         super().__init__()
         self.shards = dict(shards)
+        self.partial_output = partial_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -225,6 +230,16 @@ class LocalParameters(ParallelStyle):
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(restore, always_call=True)
+        if self.partial_output:
+
+            def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+                def f(x: object) -> object:
+                    return copy_to_tp(x, device_mesh) if torch.is_tensor(x) and x.is_floating_point() else x
+
+                return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, device_mesh))
         return module
 
 

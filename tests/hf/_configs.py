@@ -17,6 +17,23 @@ from transformers import (
 
 VOCAB = 64
 
+# multi-head latent attention and routed + shared experts at the tiny size
+_MLA = dict(
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=16,
+    num_key_value_heads=4,
+)
+
 # Families sharded from transformers' own tp plans (config class, model class, extra config keys). Gemma ties its
 # scaled embedding to the head; its vocab (67) is one tp does not divide.
 GENERIC = {
@@ -38,6 +55,9 @@ GENERIC = {
     "opt_projected": ("OPTConfig", "OPTForCausalLM", {"word_embed_proj_dim": 16, "do_layer_norm_before": False}),
     # attention sinks: one bare parameter per head (transformers' 'local_params')
     "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", {"attn_implementation": "eager"}),
+    # multi-head latent attention (transformers' 'mla_kv_a_proj': the rope features' grad summed over tp) and
+    # routed + shared experts
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _MLA),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),

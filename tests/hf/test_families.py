@@ -95,6 +95,14 @@ def test_attention_sinks_are_sharded_with_their_heads() -> None:
     run_distributed(pipeline_case, 4, "granite_swa", 2, 2)
 
 
+def test_latent_attention_and_shared_experts_match_dense() -> None:
+    """DeepSeek-V3: transformers ships no attention entries for it; meshpar's amendment shards its latent attention
+    as V2's plan does (the rope features of ``kv_a_proj_with_mqa`` feed every rank's heads: their grad is summed over
+    tp), with routed and shared experts; tp=2 and tp=2 x pp=2."""
+    run_distributed(family_case, 2, "deepseek_v3", 2)
+    run_distributed(pipeline_case, 4, "deepseek_v3", 2, 2)
+
+
 def test_user_plan_with_fixup_shards_a_model_no_table_covers() -> None:
     """OPT's attention reshapes with its own head count: a user plan divides it with a fix-up."""
     plan = {**_OPT_ATTENTION, "model.decoder.layers.*.self_attn": divide_attribute("num_heads")}
