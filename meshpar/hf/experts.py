@@ -7,7 +7,8 @@ shapes and FQNs, so checkpoints reshard like any other parameter): each rank kee
 and runs the tokens routed to them; every token is on every tp rank, so the partial outputs summed over tp are the
 dense output. Forward: one all-reduce of the output; backward: one of the input grad and one of the routing weights'
 grad (the router stays replicated). Routes to other ranks' experts get the local index ``num_local_experts``, which
-transformers' experts forwards skip (expert parallelism uses the same sentinel).
+transformers' experts forwards skip (expert parallelism uses the same sentinel). Experts handed one block of tokens
+per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
-from meshpar.tensor_parallel._collectives import copy_to_tp, reduce_from_tp
+from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 from meshpar.tensor_parallel.layers import _distribute_param, parameters_replaced
 
 
@@ -26,7 +27,14 @@ class _LocalExperts:
     tp_mesh: DeviceMesh
     num_experts: int
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> object:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> object:
+        if top_k_index is None:
+            return self._forward_blocks(hidden_states)
         mesh = self.tp_mesh
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
@@ -46,6 +54,20 @@ class _LocalExperts:
             if previous[1] is not None:
                 self._is_expert_parallel = previous[1]
         return reduce_from_tp(out, mesh)
+
+    def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Experts handed one block of (already weighted) tokens per expert, ``[experts * tokens, hidden]`` in expert
+        order (Llama-4): this rank runs its experts' blocks and the blocks are all-gathered back in order (backward:
+        each rank keeps its blocks' grad; the input grad, non-zero only in this rank's blocks, is summed over tp)."""
+        mesh = self.tp_mesh
+        local = self.num_experts // mesh.size()
+        start = mesh.get_local_rank() * local
+        width = hidden_states.shape[-1]
+        blocks = copy_to_tp(hidden_states, mesh).view(self.num_experts, -1, width)
+        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
+        with parameters_replaced(self, shards):
+            out = super().forward(blocks[start : start + local].reshape(-1, width))  # type: ignore[misc]
+        return gather_from_tp(out.view(local, -1, out.shape[-1]), mesh, 0).reshape(-1, out.shape[-1])
 
 
 _CLASSES: dict[type, type] = {}

@@ -126,9 +126,24 @@ AMENDMENTS: dict[str, dict[str, str]] = {
 }
 
 
-def _under_base_model(model: nn.Module, plan: dict) -> dict:
+def base_model_name(model: nn.Module) -> str:
+    """FQN of the base model inside a model with a head: transformers' ``base_model_prefix`` when the model has
+    that attribute, else the top-level child holding the input embedding (Llama-4's text-only causal LM declares
+    ``language_model`` but keeps its base model under ``model``); "" when there is none."""
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    get_in = getattr(model, "get_input_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    for name, child in model.named_children():
+        if embedding is not None and any(m is embedding for m in child.modules()):
+            return name
+    return ""
+
+
+def _under_base_model(model: nn.Module, plan: dict) -> dict:
+    prefix = base_model_name(model)
+    if prefix:
         return {f"{prefix}.{key}": style for key, style in plan.items()}
     return dict(plan)
 

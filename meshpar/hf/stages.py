@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshpar.hf.hf_plan import base_model_name
+
 _log = logging.getLogger(__name__)
 
 
@@ -157,8 +159,8 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     the plan does not describe the model (a base-model module outside the plan holds parameters)."""
     config = getattr(model, "config", None)
     plan = list(dict(getattr(config, "base_model_pp_plan", None) or {}))
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
+    prefix = base_model_name(model)
+    base = model.get_submodule(prefix) if prefix else None
     if plan and isinstance(base, nn.Module):
         missing = [n for n in plan if getattr(base, n, None) is None]
         if missing:
@@ -214,8 +216,8 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     (the base model, or the single module it wraps): the list and the children holding parameters, in the order a
     forward of the dense model calls them; ``None`` when there is no single layer list. Only a guess until
     :func:`check_stage_composition` proves it on the dense model."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+    prefix = base_model_name(model)
+    if not prefix:
         return None
     holder_path = _layer_holder(model.get_submodule(prefix), prefix)
     holder = model.get_submodule(holder_path)
@@ -231,8 +233,8 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
 
 def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) -> PipelineLayout | None:
     """The layout of ``names`` (children of ``holder_path``, the base model by default, in run order)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not hasattr(model, prefix) or not type(model).__name__.endswith("ForCausalLM"):
+    prefix = base_model_name(model)
+    if not prefix or not type(model).__name__.endswith("ForCausalLM"):
         return None
     holder_path = holder_path or prefix
     base = model.get_submodule(holder_path)

@@ -58,6 +58,13 @@ GENERIC = {
     # multi-head latent attention (transformers' 'mla_kv_a_proj': the rope features' grad summed over tp) and
     # routed + shared experts
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _MLA),
+    # experts handed one block of tokens per expert; the causal LM keeps its base model under another name than its
+    # base_model_prefix
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {"num_local_experts": 4, "intermediate_size_mlp": 48, "attention_chunk_size": 8, "attn_implementation": "sdpa"},
+    ),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),

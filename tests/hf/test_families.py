@@ -103,6 +103,13 @@ def test_latent_attention_and_shared_experts_match_dense() -> None:
     run_distributed(pipeline_case, 4, "deepseek_v3", 2, 2)
 
 
+def test_experts_fed_blocks_of_tokens_match_dense() -> None:
+    """Llama-4: the experts get ``[experts * tokens, hidden]`` blocks (each rank runs its own experts' blocks and
+    all-gathers them back); its causal LM names a base model it does not hold (stages find it by its embedding)."""
+    run_distributed(family_case, 2, "llama4_text", 2)
+    run_distributed(pipeline_case, 4, "llama4_text", 2, 2)
+
+
 def test_user_plan_with_fixup_shards_a_model_no_table_covers() -> None:
     """OPT's attention reshapes with its own head count: a user plan divides it with a fix-up."""
     plan = {**_OPT_ATTENTION, "model.decoder.layers.*.self_attn": divide_attribute("num_heads")}
