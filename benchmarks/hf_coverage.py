@@ -49,11 +49,21 @@ def _families() -> dict[str, str]:
 
 
 def tiny(model_type: str) -> torch.nn.Module:
-    """The family's causal LM at tiny size: 2 layers, hidden 32, 4 heads (2 KV heads) of 8, vocab 64."""
-    import transformers
+    """The family's causal LM at tiny size: 2 layers, hidden 32, 4 heads (2 KV heads) of 8, vocab 64. Layer types
+    are re-derived by the config for 2 layers where it can, else cut from the full depth (see :func:`_tiny_config`)."""
+    try:
+        return _tiny_model(model_type, cut_layer_types=False)
+    except ValueError as error:
+        if "at the tiny size" in str(error):
+            raise
+        return _tiny_model(model_type, cut_layer_types=True)
+    except (TypeError, KeyError, AttributeError, RuntimeError):
+        return _tiny_model(model_type, cut_layer_types=True)
+
+
+def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     from transformers import AutoConfig
 
-    torch.manual_seed(0)
     config = AutoConfig.for_model(model_type)
     sizes = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -67,13 +77,14 @@ def tiny(model_type: str) -> torch.nn.Module:
     )  # fmt: skip
     text = config.get_text_config()
     depth = getattr(text, "num_hidden_layers", None)
-    # per-layer lists (layer types, mlp types, head counts) for the full depth: keep the first and the last layer's
-    # entries, so both kinds (dense and MoE, sliding and full) stay in the 2-layer model
+    # per-layer lists (mlp types, head counts; layer types where the config cannot re-derive them) for the full
+    # depth: keep the first and the last layer's entries, so both kinds (dense and MoE, sliding and full) stay
     per_layer = {
         key: [value[0], value[-1]]
         for key, value in vars(text).items()
         if isinstance(value, list | tuple) and depth and depth > 2 and len(value) == depth
-    }
+        and (cut_layer_types or key != "layer_types")
+    }  # fmt: skip
     if hasattr(text, "kv_lora_rank"):  # latent attention: as many key/value heads as heads
         sizes.update(num_key_value_heads=4, qk_head_dim=16)
     for key, value in {**sizes, **per_layer}.items():
@@ -87,6 +98,14 @@ def tiny(model_type: str) -> torch.nn.Module:
             text.layer_types = None  # re-derived for 2 layers below
     text = type(text)(**text.to_dict())  # re-run the config's own derivations (layer types, head dims)
     text._attn_implementation = "eager"
+    return text
+
+
+def _tiny_model(model_type: str, *, cut_layer_types: bool) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    text = _tiny_config(model_type, cut_layer_types=cut_layer_types)
     model_cls = getattr(transformers, _families()[model_type])
     with torch.device("meta"):  # count first: some families keep full-size towers (vision, audio) in any config
         size = sum(p.numel() for p in model_cls(text).parameters())

@@ -68,7 +68,10 @@ class ColumnParallelConv1D(Conv1D):
             self.bias.to_local().reshape(-1), x.reshape(-1, x.shape[-1]), weight.reshape(weight.shape[0], -1)
         )
         y = y.view(*x.shape[:-1], -1)
-        return gather_from_tp(y, self.tp_mesh, -1) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        # gathered per part, so that the output is the model's [q | k | v], not [q_0 k_0 v_0 | q_1 k_1 v_1]
+        return gather_from_tp(y.unflatten(-1, (self.fused, -1)), self.tp_mesh, -1).flatten(-2)
 
 
 class RowParallelConv1D(Conv1D):
