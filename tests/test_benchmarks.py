@@ -94,11 +94,11 @@ def test_bench_checkpoint_compiles_checkpointed_blocks_and_drops_activations() -
 
 
 def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
-    out = _run("hf_coverage.py", "--types", "qwen3,gptj", "--layouts", "tp2,pp2", "--markdown")
+    out = _run("hf_coverage.py", "--types", "qwen3,hrm_text", "--layouts", "tp2,pp2", "--markdown")
     assert re.search(r"^qwen3\s+OK\s+OK\s*$", out, re.MULTILINE), out
-    # GPT-J's forward reads what only other stages hold: refused, with the reason listed
-    assert re.search(r"^gptj\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out
-    assert "[1] refused: GPTJForCausalLM: its forward cannot run stage by stage" in out, out
+    # HRM's recurrent modules are not the layer list its transformers pipeline plan names: refused, reason listed
+    assert re.search(r"^hrm_text\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out
+    assert "[1] refused: HrmTextForCausalLM: transformers' pipeline plan" in out, out
     assert "tp2: OK 2" in out and "pp2: OK 1, refused 1" in out and "| qwen3 | OK | OK |" in out
 
 
