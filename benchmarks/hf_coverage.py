@@ -53,12 +53,10 @@ def tiny(model_type: str) -> torch.nn.Module:
     are re-derived by the config for 2 layers where it can, else cut from the full depth (see :func:`_tiny_config`)."""
     try:
         return _tiny_model(model_type, cut_layer_types=False)
-    except ValueError as error:
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:
         if "at the tiny size" in str(error):
             raise
-        return _tiny_model(model_type, cut_layer_types=True)
-    except (TypeError, KeyError, AttributeError, RuntimeError):
-        return _tiny_model(model_type, cut_layer_types=True)
+    return _tiny_model(model_type, cut_layer_types=True)
 
 
 def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:

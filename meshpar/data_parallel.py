@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, local_tensor
+from meshpar.grad_sync import grad_buffer, pack_grads, unpack_grads
 from meshpar.parallel_dims import get_parallel
 
 
@@ -26,8 +27,8 @@ def allreduce_gradients(
 
     A parameter may have a grad on some dp ranks and none on others (an expert no token of this rank's batch was
     routed to): it counts as zeros where missing, and every rank ends with the same averaged grad, or with ``None``
-    where no rank had one (as the dense step on the whole batch). Each bucket carries one "has a grad" flag per
-    parameter for that, in the same all-reduce."""
+    where no rank had one (as the dense step on the whole batch): one "has a grad" flag per parameter rides in the
+    same all-reduce (:func:`meshpar.grad_sync.pack_grads`)."""
     mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
     if mesh.size() == 1:
         return
@@ -35,25 +36,12 @@ def allreduce_gradients(
     for param in dict.fromkeys(p for p in parameters if p.requires_grad):
         by_dtype.setdefault(local_tensor(param).dtype, []).append(param)
     for bucket in by_dtype.values():
-        locals_ = [local_tensor(p) for p in bucket]
-        grads = [None if p.grad is None else local_tensor(p.grad) for p in bucket]
-        dtype = reduce_dtype or locals_[0].dtype
-        flat = torch.zeros(sum(t.numel() for t in locals_) + len(bucket), dtype=dtype, device=locals_[0].device)
-        pieces = flat.split([*(t.numel() for t in locals_), len(bucket)])
-        for piece, grad in zip(pieces, grads, strict=False):
-            if grad is not None:
-                piece.copy_(grad.reshape(-1))
-        pieces[-1].copy_(torch.tensor([g is not None for g in grads], dtype=dtype))
+        local = local_tensor(bucket[0])
+        flat = grad_buffer([local_tensor(p).numel() for p in bucket], reduce_dtype or local.dtype, local.device)
+        missing = pack_grads(bucket, flat)
         dist.all_reduce(flat, group=mesh.get_group())
         flat /= mesh.size()
-        # read back (a device sync) only where this rank lacks a grad that another rank may have had
-        present = pieces[-1].tolist() if any(g is None for g in grads) else [1.0] * len(bucket)
-        for param, piece, grad, flag in zip(bucket, pieces, grads, present, strict=False):
-            if grad is None and flag > 0:
-                param.grad = torch.zeros_like(param)
-                grad = local_tensor(param.grad)
-            if grad is not None:
-                grad.copy_(piece.view_as(grad))
+        unpack_grads(bucket, flat, missing)
 
 
 def apply_fsdp(

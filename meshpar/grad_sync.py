@@ -29,6 +29,46 @@ from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar.parallel_dims import get_parallel
 
 
+def grad_buffer(numels: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat dp-reduction buffer for grads of ``numels`` elements, followed by one "has a grad" flag per
+    parameter (see :func:`pack_grads`)."""
+    return torch.empty(sum(numels) + len(numels), dtype=dtype, device=device)
+
+
+def pack_grads(params: list[torch.nn.Parameter], buffer: torch.Tensor) -> bool:
+    """Copy each parameter's local grad into its piece of ``buffer`` (zeros where it has none, so the sizes match on
+    every rank) and set its flag; returns whether this rank lacked some grad. A parameter unused on some dp ranks (an
+    expert no token of their batch reached) then gets the dp mean everywhere (:func:`unpack_grads`)."""
+    views = buffer.split([*(_local(p).numel() for p in params), len(params)])
+    missing = False
+    for param, view in zip(params, views, strict=False):
+        if param.grad is None:
+            view.zero_()
+            missing = True
+        else:
+            view.copy_(_local(param.grad).reshape(-1))
+    if missing:
+        views[-1].copy_(torch.tensor([p.grad is not None for p in params], dtype=buffer.dtype))
+    else:
+        views[-1].fill_(1.0)  # no host-to-device copy in the common case
+    return missing
+
+
+def unpack_grads(params: list[torch.nn.Parameter], buffer: torch.Tensor, missing: bool) -> None:
+    """Write the reduced grads of a :func:`pack_grads` buffer back into each ``param.grad``; a parameter without a
+    grad here gets one where another rank had it, and keeps ``None`` where no rank had one. The flags are read back
+    (a device sync) only where this rank lacked some grad."""
+    views = buffer.split([*(_local(p).numel() for p in params), len(params)])
+    present = views[-1].tolist() if missing else None
+    for i, (param, view) in enumerate(zip(params, views, strict=False)):
+        if param.grad is None:
+            if not present or present[i] == 0:
+                continue
+            param.grad = torch.zeros_like(param)
+        grad = _local(param.grad)
+        grad.copy_(view.view_as(grad))
+
+
 @dataclass
 class _Bucket:
     """Consecutive parameters whose grads travel in one all-reduce of one flat buffer."""
@@ -154,20 +194,9 @@ class OverlappedGradSync:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        # the buffer ends with one "has a grad" flag per parameter: a parameter unused on some ranks (an expert no
-        # token of their batch reached) gets the average everywhere, and stays None only where no rank had a grad
         if bucket.buffer is None:
-            size = sum(bucket.numels) + len(bucket.params)
-            bucket.buffer = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
-        views = bucket.buffer.split([*bucket.numels, len(bucket.params)])
-        for param, view in zip(bucket.params, views, strict=False):
-            if param.grad is None:
-                view.zero_()  # unused on this rank: contributes nothing, keeps the sizes equal on every rank
-            else:
-                view.copy_(_local(param.grad).reshape(-1))
-        flags = [param.grad is not None for param in bucket.params]
-        bucket.missing = not all(flags)
-        views[-1].copy_(torch.tensor(flags, dtype=bucket.dtype))
+            bucket.buffer = grad_buffer(bucket.numels, bucket.dtype, bucket.device)
+        bucket.missing = pack_grads(bucket.params, bucket.buffer)
         bucket.buffer.div_(self._size)  # average before the reduction: nothing left to do after the last wait
         bucket.work = dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
 
@@ -182,15 +211,7 @@ class OverlappedGradSync:
         try:
             for bucket in self._buckets:
                 bucket.work.wait()
-                views = bucket.buffer.split([*bucket.numels, len(bucket.params)])
-                # read back (a device sync) only where this rank lacks a grad another rank may have had
-                present = views[-1].tolist() if bucket.missing else [1.0] * len(bucket.params)
-                for param, view, flag in zip(bucket.params, views, present, strict=False):
-                    if param.grad is None and flag > 0:
-                        param.grad = torch.zeros_like(param)
-                    if param.grad is not None:
-                        grad = _local(param.grad)
-                        grad.copy_(view.view_as(grad))
+                unpack_grads(bucket.params, bucket.buffer, bucket.missing)
         finally:
             for bucket in self._buckets:
                 bucket.ready.clear()

@@ -160,8 +160,8 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     config = getattr(model, "config", None)
     plan = list(dict(getattr(config, "base_model_pp_plan", None) or {}))
     prefix = base_model_name(model)
-    base = model.get_submodule(prefix) if prefix else None
-    if plan and isinstance(base, nn.Module):
+    if plan and prefix:
+        base = model.get_submodule(prefix)
         missing = [n for n in plan if getattr(base, n, None) is None]
         if missing:
             raise ValueError(
@@ -177,13 +177,12 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
     """FQN of the module whose children are the layer list and its neighbours: the base model, or the one module
     it wraps (OPT's ``model.decoder``)."""
     holder, path = base, prefix
-    while not any(isinstance(m, nn.ModuleList) and any(True for _ in m.parameters()) for m in holder.children()):
-        holding = [(n, m) for n, m in holder.named_children() if any(True for _ in m.parameters())]
-        if len(holding) != 1:
-            break
+    while True:
+        holding = [(n, m) for n, m in holder.named_children() if _holds_parameters(holder, n)]
+        if len(holding) != 1 or any(isinstance(m, nn.ModuleList) for _, m in holding):
+            return path
         name, holder = holding[0]
         path = f"{path}.{name}"
-    return path
 
 
 def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:

@@ -239,7 +239,7 @@ class LocalParameters(ParallelStyle):
                 return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
             module.register_forward_pre_hook(enter, with_kwargs=True)
-            module.register_forward_hook(lambda _m, _args, out: reduce_from_tp(out, device_mesh))
+            AllReduceOutput()._apply(module, device_mesh)
         return module
 
 

@@ -19,20 +19,10 @@ VOCAB = 64
 
 # multi-head latent attention and routed + shared experts at the tiny size
 _MLA = dict(
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    kv_lora_rank=16,
-    q_lora_rank=16,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-    moe_intermediate_size=16,
-    num_key_value_heads=4,
-)
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4,
+    n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+    moe_intermediate_size=16, num_key_value_heads=4,
+)  # fmt: skip
 
 # Families sharded from transformers' own tp plans (config class, model class, extra config keys). Gemma ties its
 # scaled embedding to the head; its vocab (67) is one tp does not divide.
