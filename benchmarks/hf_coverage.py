@@ -121,7 +121,7 @@ def _tiny_model(model_type: str, *, cut_layer_types: bool) -> torch.nn.Module:
 def _case(model_type: str, tp: int, pp: int) -> str:
     import meshpar
     from meshpar._compat import DTensor
-    from meshpar._shards import local_slice
+    from meshpar._shards import in_parameter_layout, local_slice
     from meshpar.optim import DistributedOptimizer
     from meshpar.testing import setup_parallel
 
@@ -152,16 +152,14 @@ def _case(model_type: str, tp: int, pp: int) -> str:
                 if (want is None) != (got is None) and (want if got is None else got).abs().max() > 0:
                     return f"FAIL: grad of {name} missing on one side"
                 continue
-            if isinstance(param, DTensor):
-                want = local_slice(want, param)
+            want = local_slice(in_parameter_layout(want, module, name), param)
             got = got.to_local() if isinstance(got, DTensor) else got
             worst = max(worst, ((got - want).norm() / want.norm().clamp_min(floor)).item())
     optimizer.step()
     for module in model.local_modules():
         for name, param in module.named_parameters():
             want = dense.get_parameter(name).detach()
-            if isinstance(param, DTensor):
-                want = local_slice(want, param)
+            want = local_slice(in_parameter_layout(want, module, name), param)
             got = param.to_local() if isinstance(param, DTensor) else param
             worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-6)).item())
     return "OK" if worst < 1e-4 else f"FAIL: max relative error {worst:.1e}"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from meshpar._compat import DTensor, Shard
+from meshpar._stored_layout import GroupedRows
 
 
 def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -17,3 +19,28 @@ def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             mesh = like.device_mesh
             out = out.chunk(mesh.size(mesh_dim), placement.dim)[mesh.get_local_rank(mesh_dim)]
     return out
+
+
+def _layout(model: nn.Module, name: str) -> object:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), "checkpoint_shapes", {}).get(leaf)
+
+
+def in_model_layout(whole: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
+    """The inverse of :func:`in_parameter_layout`: ``whole``, a whole tensor in the layout meshpar keeps parameter
+    ``name`` in (``full_tensor()`` of it, its grad, its optimizer state), in the model's own shape."""
+    layout = _layout(model, name)
+    if layout is None:
+        return whole
+    return layout.unpack(whole) if isinstance(layout, GroupedRows) else whole.reshape(layout)
+
+
+def in_parameter_layout(full: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
+    """``full``, a tensor in the model's own shape for parameter ``name`` of ``model`` (a dense weight or its grad),
+    in the layout meshpar keeps that parameter in: packed parameters (``checkpoint_shapes`` of their module,
+    :mod:`meshpar._stored_layout`) are packed; every other tensor is returned as it is."""
+    layout = _layout(model, name)
+    shape = tuple(model.get_parameter(name).shape)
+    if layout is None or tuple(full.shape) == shape:
+        return full
+    return layout.pack(full) if isinstance(layout, GroupedRows) else full.reshape(shape)

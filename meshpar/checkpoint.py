@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshpar._compat import DTensor, local_tensor
 from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
-from meshpar._stored_layout import stored_as
+from meshpar._stored_layout import Layout, stored_as, stored_shape
 from meshpar.failure import first_failure_on_any_rank, stop_all_ranks_on_error
 from meshpar.optim import DistributedOptimizer
 from meshpar.random import get_rng_tracker
@@ -173,16 +173,17 @@ def _full_state(
 Aliases = dict[str, tuple[str, dict[str, Any]]]
 
 
-def _model_shapes(model: nn.Module | Sequence[nn.Module]) -> dict[str, tuple[int, ...]]:
-    """FQN -> the model's own shape, for every parameter meshpar keeps in another shape: a module that does says so
-    in ``checkpoint_shapes`` (its parameter name -> shape; packed parameters such as GPT-2's fused QKV)."""
+def _model_shapes(model: nn.Module | Sequence[nn.Module]) -> dict[str, Layout]:
+    """FQN -> the model's own shape (or :class:`meshpar._stored_layout.GroupedRows`), for every parameter meshpar
+    keeps in another shape: a module that does says so in ``checkpoint_shapes`` (its parameter name -> shape or
+    layout; packed parameters such as GPT-2's fused QKV or Phi-3's grouped-query ``qkv_proj``)."""
     shapes = {}
     for module in checkpoint_modules(model):
         for prefix, sub in module.named_modules():
-            for name, shape in getattr(sub, "checkpoint_shapes", {}).items():
+            for name, layout in getattr(sub, "checkpoint_shapes", {}).items():
                 param = sub._parameters.get(name)
-                if param is not None and tuple(param.shape) != tuple(shape):
-                    shapes[f"{prefix}.{name}" if prefix else name] = tuple(shape)
+                if param is not None and tuple(param.shape) != stored_shape(layout):
+                    shapes[f"{prefix}.{name}" if prefix else name] = layout
     return shapes
 
 
@@ -194,9 +195,10 @@ def in_model_shapes(state: dict[str, Any], model: nn.Module | Sequence[nn.Module
     if not shapes:
         return state
 
-    def stored(value: Any, shape: tuple[int, ...]) -> Any:
+    def stored(value: Any, layout: Layout) -> Any:
+        shape = stored_shape(layout)
         if torch.is_tensor(value) and value.dim() == len(shape) + 1 and value.numel() == math.prod(shape):
-            return stored_as(value, shape, for_load=for_load)
+            return stored_as(value, layout, for_load=for_load)
         return value
 
     out = dict(state)

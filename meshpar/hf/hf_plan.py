@@ -20,11 +20,17 @@ from torch import nn
 from meshpar._compat import ParallelStyle
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
-from meshpar.tensor_parallel.style import AllReduceOutput, LocalParameters, ReplicatedGradSum, RopeGradSum
+from meshpar.tensor_parallel.style import (
+    AllReduceOutput,
+    LocalParameters,
+    PackedColumnParallel,
+    ReplicatedGradSum,
+    RopeGradSum,
+)
 
 # transformers style strings meshpar does not apply yet, with the reason a user reads in the refusal
 UNSUPPORTED_STYLES = {
-    "packed_colwise": "fused (packed) gate/up or expert weights split per part",
+    "packed_colwise": "packed weights as bare parameters outside an experts module",
     "packed_rowwise": "fused (packed) weights split per part along the input",
     "moe_identity_expert": "identity experts of a mixture-of-experts layer",
     "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
@@ -53,7 +59,7 @@ _KEY_VALUE = ("k_proj", "v_proj", "key", "value")
 _FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 # styles whose output is this rank's feature shard (the ones that split heads)
-_LOCAL_OUTPUT = ("colwise",)
+_LOCAL_OUTPUT = ("colwise", "packed_colwise")
 
 
 def fqn_matches(pattern: str, name: str) -> bool:
@@ -68,16 +74,46 @@ def text_config(config: object) -> object:
     return getter() if callable(getter) else config
 
 
+class ConfigView:
+    """A module's view of a shared config with some counts of its own (``overrides``); everything else, writes
+    included, goes to the shared config, so a later change there (the attention implementation) still reaches it."""
+
+    def __init__(self, config: object, overrides: dict[str, object]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_overrides", dict(overrides))
+
+    def __getattr__(self, name: str) -> object:
+        state = self.__dict__
+        if name.startswith("__") or "_config" not in state:  # copy / pickle probing a half-built view
+            raise AttributeError(name)
+        if name in state["_overrides"]:
+            return state["_overrides"][name]
+        return getattr(state["_config"], name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._config, name, value)
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._overrides}, of {type(self._config).__name__})"
+
+
 @dataclass(frozen=True)
 class divide_attribute:  # noqa: N801 - used like a function in plan dicts
     """A plan fix-up for attentions that reshape with a head count of their own: each rank holds ``1/tp`` of the
     heads, so the count ``name`` is divided by tp (without it the view silently reads features as sequence
-    positions). A class rather than a closure so that plans pickle."""
+    positions). ``config_names``: counts the forward reads from ``module.config`` (Phi-3 slices its packed q/k/v
+    with ``config.num_attention_heads``): the module gets a :class:`ConfigView` with those divided. A class rather
+    than a closure so that plans pickle."""
 
-    name: str
+    name: str | None = None
+    config_names: tuple[str, ...] = ()
 
     def __call__(self, module: nn.Module, tp: int) -> None:
-        setattr(module, self.name, getattr(module, self.name) // tp)
+        if self.name is not None:
+            setattr(module, self.name, getattr(module, self.name) // tp)
+        if self.config_names:
+            config = module.config
+            module.config = ConfigView(config, {n: getattr(config, n) // tp for n in self.config_names})
 
 
 # meshpar's tables for families the installed transformers ships no plan for: data in transformers' format
@@ -106,7 +142,8 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
 
 
 # meshpar's corrections to plans transformers ships (same format): entries the shipped plan lacks, each found by the
-# verification refusing the plan as shipped
+# verification refusing the plan as shipped; and Megatron's layout where transformers gathers packed outputs
+# (proven by the same verification)
 # DeepSeek-V2's multi-head latent attention entries: transformers ships them for V2 but not for V3 and the families
 # built on its attention, which then stay replicated (all attention weights on every rank); the same MLA module, proven
 # by the one-block verification like any plan
@@ -117,12 +154,28 @@ _MLA_ATTENTION = {
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
-AMENDMENTS: dict[str, dict[str, str]] = {
+# packed [gate | up] (GLM, Phi-3): each rank keeps its share of both halves, the down projection takes the local
+# features; transformers gathers the packed output and splits it again ('colwise_gather_output' +
+# 'rowwise_split_input'): an all-gather per layer and full-size activations on every rank
+_PACKED_MLP = {"layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"}
+# packed [q | k | v] (Phi-3): each rank keeps its heads of q, k and v; the attention slices q/k/v with the config's
+# head count and its own key/value count, both divided by tp
+_PACKED_ATTENTION = {
+    "layers.*.self_attn.qkv_proj": "packed_colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn": divide_attribute(
+        "num_key_value_heads", config_names=("num_attention_heads", "num_key_value_heads")
+    ),
+}
+AMENDMENTS: dict[str, dict[str, object]] = {
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "deepseek_v3": _MLA_ATTENTION,
     "axk1": _MLA_ATTENTION,
     "youtu": _MLA_ATTENTION,
+    "phi3": {**_PACKED_ATTENTION, **_PACKED_MLP},
+    "phi4_multimodal": {**_PACKED_ATTENTION, **_PACKED_MLP},
+    **{family: _PACKED_MLP for family in ("glm", "glm4", "glm4v_text", "glm_image_text", "glm_ocr_text")},
 }
 
 
@@ -247,7 +300,20 @@ def _style_for(style: str, pattern: str, context: dict) -> ParallelStyle | None:
         return None
     if style == "moe_tp_experts":
         return ExpertsOverTP()
+    if style == "packed_colwise":
+        return PackedColumnParallel(**_packed_parts(pattern, context["config"]))
     raise KeyError(style)
+
+
+def _packed_parts(pattern: str, config: object) -> dict[str, object]:
+    """The parts of a packed projection: fused q/k/v by the config's head counts (whole heads per rank), else
+    transformers' meaning of 'packed_colwise': two halves (``[gate | up]``)."""
+    if _leaf(pattern) not in _FUSED_QKV:
+        return {"parts": 2}
+    text = text_config(config)
+    heads, kv_heads = attention_heads(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return {"parts": (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), "unit": head_dim}
 
 
 def _names(items: Iterable[tuple[str, object]]) -> list[str]:
@@ -296,7 +362,7 @@ def resolve_entries(
                 f"plan[{pattern!r}] must be a ParallelStyle, a transformers style string or a fix-up fn(module, tp), "
                 f"got {type(style).__name__}"
             )
-        elif style in UNSUPPORTED_STYLES:
+        elif style in UNSUPPORTED_STYLES and not (on_modules and style == "packed_colwise"):
             refused.append(f"{pattern}: '{style}' ({UNSUPPORTED_STYLES[style]})")
         elif on_params:
             refused.append(f"{pattern}: '{style}' on a bare parameter")

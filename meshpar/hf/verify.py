@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import DTensor
-from meshpar._shards import local_slice
+from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.failure import first_failure_on_any_rank
 from meshpar.hf.hf_plan import embedding_and_head, text_config
 from meshpar.hf.plans import HFPlan
@@ -173,7 +173,7 @@ def _compare_block(model: nn.Module, plan: HFPlan, dims: ParallelDims, index: in
                 problems.append(f"grad of {name} (missing on one side)")
             continue
         if isinstance(got, DTensor):
-            got, want = got.to_local(), local_slice(want, param)
+            got, want = got.to_local(), local_slice(in_parameter_layout(want, sharded, name), param)
         if got.shape != want.shape or _relative_error(got, want, max(floor, 1e-30)) > tolerance:
             problems.append(f"grad of {name}")
     return problems, differing

@@ -17,9 +17,11 @@ from meshpar.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from meshpar.tensor_parallel.packed import PackedColumnParallelLinear
 from meshpar.tensor_parallel.style import (
     ColumnParallel,
     GatherSequenceInput,
+    PackedColumnParallel,
     ReplicatedKV,
     RowParallel,
     SequenceParallelNorm,
@@ -30,6 +32,8 @@ __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "GatherSequenceInput",
+    "PackedColumnParallel",
+    "PackedColumnParallelLinear",
     "ParallelEmbedding",
     "ReplicatedKV",
     "RowParallel",

@@ -31,6 +31,17 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def matrix(w: torch.Tensor) -> torch.Tensor:
+    """A local weight as ``F.linear`` takes it: packed layers keep ``[parts, rows, in]`` or ``[groups, rows, in]``
+    (:mod:`meshpar.tensor_parallel.packed`), whose local shard flattens to ``[rows, in]`` as a view."""
+    return w if w.dim() == 2 else w.flatten(0, -2)
+
+
+def vector(b: torch.Tensor | None) -> torch.Tensor | None:
+    """A local bias as ``F.linear`` takes it (packed layers keep it ``[parts, rows]``), as a view."""
+    return b if b is None or b.dim() == 1 else b.reshape(-1)
+
+
 def _autocast_operands(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -49,10 +60,11 @@ def _dtensor_grads(
 ) -> tuple[torch.Tensor | None, DTensor | None, DTensor | None, None]:
     """Backward's return for ``(x, weight, bias, mesh)``: local weight/bias grads wrapped like the parameters (in
     their dtype: under autocast the grads were computed in autocast's)."""
+    weight, bias = ctx.weight, ctx.bias  # grads in the parameters' local shapes (packed layers: N-D)
     return (
         grad_x,
-        dtensor_like(grad_w.to(ctx.weight.dtype), ctx.weight) if grad_w is not None else None,
-        dtensor_like(grad_b.to(ctx.bias.dtype), ctx.bias) if grad_b is not None else None,
+        dtensor_like(grad_w.to(weight.dtype).view(local_tensor(weight).shape), weight) if grad_w is not None else None,
+        dtensor_like(grad_b.to(bias.dtype).view(local_tensor(bias).shape), bias) if grad_b is not None else None,
         None,
     )
 
@@ -69,8 +81,8 @@ class ColumnLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        b = local_tensor(bias) if bias is not None else None
-        x, w, b = _autocast_operands(x, local_tensor(weight), b)
+        b = vector(local_tensor(bias)) if bias is not None else None
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight)), b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
         return torch.nn.functional.linear(x, w, b)
@@ -104,7 +116,8 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, regather: bool = False
     ) -> torch.Tensor:
-        x, w, b = _autocast_operands(x, local_tensor(weight), local_tensor(bias) if bias is not None else None)
+        b = vector(local_tensor(bias)) if bias is not None else None
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight)), b)
         full = _all_gather(x, mesh, 1)  # after the cast: under autocast the gather moves half the bytes
         ctx.save_for_backward(x if regather else full, w)
         ctx.weight, ctx.bias, ctx.mesh, ctx.regather = weight, bias, mesh, regather

@@ -45,6 +45,8 @@ from meshpar.tensor_parallel._linear_functions import (
     RowLinearFunction,
     RowLinearSequenceParallelFunction,
     SequenceShardParamsFunction,
+    matrix,
+    vector,
 )
 
 
@@ -215,16 +217,20 @@ class ColumnParallelLinear(_TensorParallelLinear):
         if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
             y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.regather_input)
         elif self.sequence_parallel_enabled:
-            y = F.linear(gather_from_sp(x, self.tp_mesh, 1), self.weight.to_local(), _local_or_none(self.bias))
+            y = F.linear(gather_from_sp(x, self.tp_mesh, 1), *self._local_params())
         elif self.input_gathered:  # a module-level gather already owns the input-grad reduction
-            y = F.linear(x, self.weight.to_local(), _local_or_none(self.bias))
+            y = F.linear(x, *self._local_params())
         elif torch.compiler.is_compiling():
-            y = ColumnLinearLocalFunction.apply(x, self.weight.to_local(), _local_or_none(self.bias), self.tp_mesh)
+            y = ColumnLinearLocalFunction.apply(x, *self._local_params(), self.tp_mesh)
         elif getattr(self, "shared_input_group", None) is not None:  # q/k/v, gate/up: one input-grad all-reduce
             y = self.shared_input_group.output_for(self, x)
         else:
             y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
         return self._maybe_gather(y)
+
+    def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The local weight and bias as ``F.linear`` takes them (differentiable views of the DTensors)."""
+        return matrix(self.weight.to_local()), vector(_local_or_none(self.bias))
 
     def _maybe_gather(self, y: torch.Tensor) -> torch.Tensor:
         if not self.gather_output:

@@ -8,6 +8,7 @@ DTensors with the placements below and the forward runs on local shards with Meg
 style                         weight placement          activations in -> out
 ============================  ========================  =============================================
 ColumnParallel                Shard(0)                  replicated (or seq shard) -> features shard
+PackedColumnParallel          Shard per packed part     replicated (or seq shard) -> [p0_r | p1_r ...]
 RowParallel                   Shard(1), bias Replicate  features shard -> replicated (or seq shard)
 VocabParallel                 Shard(0) (or Shard(1))    ids -> replicated (or seq shard) embeddings
 SequenceParallelNorm          Replicate                 seq shard -> seq shard
@@ -34,6 +35,7 @@ from meshpar.tensor_parallel.layers import (
     make_sequence_parallel_norm,
     make_vocab_parallel_subclass,
 )
+from meshpar.tensor_parallel.packed import PackedColumnParallelLinear
 
 
 def _require(module: nn.Module, cls: type, style: str) -> None:
@@ -85,6 +87,27 @@ class ColumnParallel(ParallelStyle):
             allow_uneven=self.allow_uneven,
             input_gathered=self.input_gathered,
             regather_input=self.regather_input,
+        )
+
+
+class PackedColumnParallel(ParallelStyle):
+    """Shard an ``nn.Linear`` whose output packs parts (``[q | k | v]``, ``[gate | up]``) per part: the output is
+    ``[p0_r | p1_r | ...]`` (:mod:`meshpar.tensor_parallel.packed`). ``parts``: rows of each part; ``unit``: rows per
+    head; an int: that many equal parts."""
+
+    def __init__(self, *, parts: tuple[int, ...] | int, unit: int = 1, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.parts, self.unit, self.sequence_parallel = parts, unit, sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _require(module, nn.Linear, type(self).__name__)
+        return PackedColumnParallelLinear.from_linear(
+            module,
+            device_mesh,
+            parts=self.parts,
+            unit=self.unit,
+            sequence_parallel_enabled=self.sequence_parallel,
+            src_data_rank=self.src_data_rank,
         )
 
 

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import meshpar
 from meshpar import checkpoint
 from meshpar._compat import DTensor
+from meshpar._shards import in_model_layout
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
@@ -21,10 +22,10 @@ from tests.hf._configs import batch, build
 PACKED = "transformer.h.0.attn.c_attn.weight"  # meshpar keeps it [in, 3, hidden]; HF has [in, 3 * hidden]
 
 
-def _full(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The whole tensor, in the HF model's ``shape``."""
+def _full(tensor: torch.Tensor, model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The whole tensor of parameter ``name`` (or of its state), in the HF model's own shape."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().reshape(shape).clone()
+    return in_model_layout(full.detach(), model, name).clone()
 
 
 def save_case(
@@ -38,11 +39,12 @@ def save_case(
     model.train_step(**batch(family))
     optimizer.step()
     checkpoint.save(directory, model, optimizer, step=1)
-    params = dict(model.local_modules()[0].named_parameters())
+    module = model.local_modules()[0]
+    params = dict(module.named_parameters())
     state = optimizer.state_dict()["state"]
     full = {
-        "model": {name: _full(p, dense.get_parameter(name).shape) for name, p in params.items()},
-        "exp_avg": {name: _full(entry["exp_avg"], dense.get_parameter(name).shape) for name, entry in state.items()},
+        "model": {name: _full(p, module, name) for name, p in params.items()},
+        "exp_avg": {name: _full(entry["exp_avg"], module, name) for name, entry in state.items()},
     }
     return (full, model.tied_parameters) if torch.distributed.get_rank() == 0 else None
 
@@ -53,6 +55,8 @@ CASES = {  # world, family, tp, fsdp, kv heads
     "llama-tp2-kv1": (2, "llama", 2, False, 1),  # KV heads replicated
     "mixtral-tp2": (2, "mixtral", 2, False, None),  # 3-D experts
     "qwen3-tp2": (2, "qwen3", 2, False, None),
+    "phi3-tp2": (2, "phi3", 2, False, None),  # packed grouped-query [q | k | v] and [gate | up]
+    "phi3-tp2-fsdp-dp2": (4, "phi3", 2, True, None),
     "bert-tp2": (2, "bert", 2, False, None),
 }
 
@@ -90,3 +94,25 @@ def test_checkpoint_stores_hf_shapes_that_torch_tools_read(tmp_path: Path, case:
             torch.testing.assert_close(value, expected["model"][name], rtol=0, atol=0, msg=name)
     data = batch(family)
     torch.testing.assert_close(other(**data).loss, plain.eval()(**data).loss, rtol=0, atol=0)
+
+
+def load_case(directory: str, family: str, tp: int, fsdp: bool) -> dict[str, torch.Tensor] | None:
+    """Load the checkpoint into a fresh model in another layout; the whole parameters in HF's shapes (rank 0)."""
+    setup_parallel(tp=tp)
+    model = meshpar.parallelize(build(family), {"tensor_parallel_size": tp, "fsdp": fsdp})
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    checkpoint.load(directory, model, optimizer)
+    module = model.local_modules()[0]
+    full = {name: _full(p, module, name) for name, p in module.named_parameters()}
+    return full if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("world, tp, fsdp", [(4, 2, True), (1, 1, False)])
+def test_packed_grouped_query_weights_reshard_on_load(tmp_path: Path, world: int, tp: int, fsdp: bool) -> None:
+    """Phi-3's grouped-query [q | k | v] saved at tp=2 loads into tp=2 x FSDP dp=2 (boxes of whole groups split
+    again by FSDP) and into one process: every parameter equals the saved one."""
+    expected, _ = run_distributed(save_case, 2, str(tmp_path), "phi3", 2, False, None)[0]
+    loaded = run_distributed(load_case, world, str(tmp_path), "phi3", tp, fsdp)[0]
+    assert loaded.keys() == expected["model"].keys()
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, expected["model"][name], rtol=0, atol=0, msg=name)

@@ -12,7 +12,7 @@ from transformers import BloomConfig, BloomForCausalLM
 
 import meshpar
 from meshpar._compat import DTensor
-from meshpar._shards import local_slice
+from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.hf import PlanVerificationError
 from meshpar.hf.hf_plan import divide_attribute
 from meshpar.optim import DistributedOptimizer
@@ -59,12 +59,12 @@ def family_case(family: str, tp: int, kv_heads: int | None = None, plan: dict | 
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     for name, param in model.module.named_parameters():
         dense_grad = dense.get_parameter(name).grad
-        want = local_slice(dense_grad, param) if isinstance(param, DTensor) else dense_grad
+        want = local_slice(in_parameter_layout(dense_grad, model.module, name), param)
         torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
     optimizer.step()
     for name, param in model.module.named_parameters():
         full = dense.get_parameter(name).detach()
-        want = local_slice(full, param) if isinstance(param, DTensor) else full
+        want = local_slice(in_parameter_layout(full, model.module, name), param)
         torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
     return model.plan_summary().splitlines()[-1]
 
@@ -230,7 +230,7 @@ def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1) -> None:
     for module in model.local_modules():
         for name, param in module.named_parameters():
             full = dense.get_parameter(name).detach()
-            want = local_slice(full, param) if isinstance(param, DTensor) else full
+            want = local_slice(in_parameter_layout(full, module, name), param)
             torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
 
 

@@ -71,8 +71,10 @@ def test_no_plan_is_guessed_from_module_names() -> None:
     }
     with pytest.raises(ValueError, match=r"plan entries \['attn.mystery'\] match no module"):
         plan_for(ToyModel(), 2, plan={"attn.mystery": "colwise"})
-    with pytest.raises(ValueError, match="'packed_colwise'"):
-        plan_for(ToyModel(), 2, plan={"mlp.up_proj": "packed_colwise"})
+    with pytest.raises(ValueError, match="'packed_rowwise'"):
+        plan_for(ToyModel(), 2, plan={"mlp.down_proj": "packed_rowwise"})
+    packed = plan_for(ToyModel(), 2, plan={"mlp.up_proj": "packed_colwise"}).styles["mlp.up_proj"]
+    assert type(packed).__name__ == "PackedColumnParallel" and packed.parts == 2  # transformers' [gate | up]
 
 
 def user_plan_case() -> bool:

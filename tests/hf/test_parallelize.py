@@ -705,11 +705,12 @@ def collective_count_case(family: str, layers: int) -> dict[str, int]:
     return dict(ops.collective_names)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_megatron_collective_count_per_layer(family: str) -> None:
     """Per transformer layer at tp=2 without SP: 2 all-reduces forward (after the attention output and the MLP
     down projection) and 2 backward (one input grad for q/k/v, one for gate/up: the shared-input groups), as
-    Megatron's fused QKV and gate/up layers; nothing else grows with depth."""
+    Megatron's fused QKV and gate/up layers; nothing else grows with depth. Phi-3 packs q/k/v and gate/up in one
+    projection each (transformers' plan gathers their outputs: an all-gather per projection)."""
     two, four = (run_distributed(collective_count_case, 2, family, n)[0] for n in (2, 4))
     per_layer = {name: (four.get(name, 0) - two.get(name, 0)) // 2 for name in set(two) | set(four)}
     assert per_layer.pop("all_reduce") == 4, (two, four)
