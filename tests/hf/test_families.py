@@ -169,7 +169,7 @@ def generation_case(family: str) -> bool:
     return torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
 def test_greedy_generation_matches_dense(family: str) -> None:
     assert run_distributed(generation_case, 2, family) == [True, True]
 
