@@ -22,7 +22,7 @@ import contextlib
 import logging
 import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -143,6 +143,8 @@ class PipelineLayout:
     # the embeddings among ``before``: on later stages they add nothing (a learned position embedding the forward
     # adds to the hidden states it is handed)
     embeddings: tuple[str, ...] = ()
+    # layers return a tuple (hidden states first: GPT-J's blocks in older transformers), so stand-ins do too
+    layer_returns_tuple: bool = False
 
     def stage_sides(self, model: nn.Module) -> tuple[list[str], list[str]]:
         """(first stage's, last stage's) modules of this layout that hold parameters, for the splitter."""
@@ -185,17 +187,23 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
         path = f"{path}.{name}"
 
 
-def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
+def _run_order(model: nn.Module, holder: nn.Module) -> tuple[list[str], bool]:
     """The children of ``holder`` in the order the dense model's forward first calls them (a layer list at its first
-    layer's call), on a tiny batch: registration order need not be run order. A model on meta cannot run: its
-    registration order (nothing proves that guess, so :mod:`meshpar.hf.parallelize` refuses it)."""
+    layer's call), on a tiny batch: registration order need not be run order; and whether the layers return tuples.
+    A model on meta cannot run: its registration order, tensors (nothing proves that guess, so
+    :mod:`meshpar.hf.parallelize` refuses it)."""
     if any(p.is_meta for p in model.parameters()):
-        return [name for name, _ in holder.named_children()]
+        return [name for name, _ in holder.named_children()], False
     order: list[str] = []
+    returns_tuple: list[bool] = []
     handles = []
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
         handles.append(calls.register_forward_pre_hook(lambda *_, n=name: None if n in order else order.append(n)))
+        if calls is not child:
+            handles.append(
+                calls.register_forward_hook(lambda _m, _a, out: returns_tuple.append(isinstance(out, tuple)))
+            )
     ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -207,7 +215,7 @@ def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
             handle.remove()
         for module, training in modes:
             module.training = training
-    return order
+    return order, any(returns_tuple)
 
 
 def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
@@ -224,10 +232,12 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     if len(lists) != 1:
         return None
     # parameter-free children (rotary tables) run on every stage, as they are
-    order = [n for n in _run_order(model, holder) if n == lists[0] or _holds_parameters(holder, n)]
+    called, returns_tuple = _run_order(model, holder)
+    order = [n for n in called if n == lists[0] or _holds_parameters(holder, n)]
     if lists[0] not in order:
         return None
-    return _layout(model, order, holder_path)
+    layout = _layout(model, order, holder_path)
+    return replace(layout, layer_returns_tuple=returns_tuple) if layout is not None else None
 
 
 def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) -> PipelineLayout | None:
@@ -285,13 +295,14 @@ class _PassThrough(nn.Module):
     """Stands in for a layer another stage owns: hands its hidden states on unchanged, and carries that layer's
     plain attributes (a forward may read ``layer.attention_type`` of every layer to pick its mask)."""
 
-    def __init__(self, attributes: tuple[tuple[str, object], ...] = ()) -> None:
+    def __init__(self, attributes: tuple[tuple[str, object], ...] = (), as_tuple: bool = False) -> None:
         super().__init__()
         for name, value in attributes:
             setattr(self, name, value)
+        self.as_tuple = as_tuple
 
-    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return hidden_states
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> object:
+        return (hidden_states,) if self.as_tuple else hidden_states
 
 
 class _NoEmbedding(nn.Module):
@@ -320,7 +331,10 @@ def _stage_view(
         swap(fqn, _NoEmbedding() if fqn in layout.embeddings else nn.Identity())
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
-    stand_ins = [owned.get(i) or _PassThrough(layout.layer_attributes[i]) for i in range(layout.num_layers)]
+    stand_ins = [
+        owned.get(i) or _PassThrough(layout.layer_attributes[i], layout.layer_returns_tuple)
+        for i in range(layout.num_layers)
+    ]
     swap(layout.container, nn.ModuleList(stand_ins))
     try:
         yield
