@@ -104,26 +104,32 @@ class DistributedOptimizer:
 
     def _owner_layouts(self, dp: int) -> dict[torch.dtype, tuple[list[list[int]], int]]:
         """Per dtype: the parameter indices each dp rank owns and the length of one rank's segment (the largest
-        owner's total, so every segment of a flat ``dp * segment`` buffer has the same size). The reduce-scatter of
-        the grads and the all-gather of the updated parameters share this layout."""
+        owner's total plus one has-a-grad flag per tensor, so every segment of a flat ``dp * segment`` buffer has the
+        same size). The reduce-scatter of the grads and the all-gather of the updated parameters share this layout."""
         tensors = [local_tensor(p) for _, p in self.named_params]
         layouts = {}
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             by_owner = [
                 [i for i, t in enumerate(tensors) if t.dtype == dtype and self.owners[i] == r] for r in range(dp)
             ]
-            segment = max(sum(tensors[i].numel() for i in owned) for owned in by_owner)
+            segment = max(sum(tensors[i].numel() for i in owned) + len(owned) for owned in by_owner)
             if segment:
                 layouts[dtype] = (by_owner, segment)
         return layouts
 
     def _spans(self, by_owner: list[list[int]], segment: int) -> Iterator[tuple[int, int, slice]]:
         """``(owner, parameter index, slice of the flat dp * segment buffer)`` for every tensor of one dtype layout."""
+        for owner, i, span, _ in self._spans_and_flags(by_owner, segment):
+            yield owner, i, span
+
+    def _spans_and_flags(self, by_owner: list[list[int]], segment: int) -> Iterator[tuple[int, int, slice, int]]:
+        """:meth:`_spans` with the index of each tensor's has-a-grad flag (after its owner's tensors)."""
         for owner, indices in enumerate(by_owner):
             offset = owner * segment
-            for i in indices:
+            flag = offset + sum(local_tensor(self.named_params[i][1]).numel() for i in indices)
+            for j, i in enumerate(indices):
                 numel = local_tensor(self.named_params[i][1]).numel()
-                yield owner, i, slice(offset, offset + numel)
+                yield owner, i, slice(offset, offset + numel), flag + j
                 offset += numel
 
     # -- torch.optim.Optimizer surface -----------------------------------------------------------------------------
@@ -143,9 +149,12 @@ class DistributedOptimizer:
     def reduce_grads(self) -> None:
         """``reduce_scatter_grads``: average the grads over dp, each rank receiving only the parameters it owns.
 
-        One reduce-scatter per dtype over a flat buffer laid out by owner (missing grads count as zeros). The averaged
-        grads are kept by the optimizer and every ``param.grad`` is freed: the local, un-averaged grads are no longer
-        what the step uses. Called by :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
+        One reduce-scatter per dtype over a flat buffer laid out by owner, with one has-a-grad flag per tensor: a grad
+        missing on some ranks counts as zeros in the mean, and a parameter no rank has a grad for gets none (the step
+        skips it, as the dense step does, instead of decaying it with a zero grad). The flags are read back (a device
+        sync) only on an owner that lacks some of its grads itself. The averaged grads are kept by the optimizer and
+        every ``param.grad`` is freed: the local, un-averaged grads are no longer what the step uses. Called by
+        :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
         if not self.reduce_scatter_grads or self._reduced is not None:
             return
         group, dp = self.dp_mesh.get_group(), self.dp_mesh.size()
@@ -153,17 +162,25 @@ class DistributedOptimizer:
         self._reduced = {}
         for dtype, (by_owner, segment) in self._layouts.items():
             send = torch.zeros(dp * segment, dtype=self.reduce_dtype or dtype, device=local_tensor(params[0]).device)
-            for _, i, span in self._spans(by_owner, segment):
+            for _, i, span, flag in self._spans_and_flags(by_owner, segment):
                 if params[i].grad is not None:
                     send[span].copy_(local_tensor(params[i].grad).reshape(-1))
+                    send[flag] = 1
             send.div_(dp)  # pre-divide: the sum of dp means stays in range in low precision
             received = send.new_empty(segment)
             dist.reduce_scatter_tensor(received, send, group=group)
             mine = self._dp_rank * segment  # where this rank's segment starts in the flat layout
-            for owner, i, span in self._spans(by_owner, segment):
+            lacking: dict[int, int] = {}  # owned parameters without a local grad -> their flag in received
+            for owner, i, span, flag in self._spans_and_flags(by_owner, segment):
                 if owner == self._dp_rank:
                     local = local_tensor(params[i])
                     self._reduced[i] = received[span.start - mine : span.stop - mine].view(local.shape)
+                    if params[i].grad is None:
+                        lacking[i] = flag - mine
+            if lacking:
+                for i, flag in zip(lacking, received[list(lacking.values())].tolist(), strict=True):
+                    if flag == 0:
+                        del self._reduced[i]
         for param in params:
             param.grad = None
 

@@ -205,3 +205,33 @@ def test_bf16_master_weights_are_counted_and_copied_back() -> None:
     assert counter.compute["copy_"] == len(params)  # one fp32 -> bf16 write-back per parameter
     assert opt.state_bytes() == sum(p.numel() * 4 for p in params)  # plain SGD: the fp32 masters are the state
     assert set(opt.state_dict()["state"]["0.weight"]) == {"master_weight"}
+
+
+def unused_parameters_case(reduce_scatter: bool) -> None:
+    """AdamW with weight decay under ZeRO-1: an expert only dp rank 0's batch reaches is stepped with the dp mean of
+    its grad on its owner, and a layer no rank used is skipped as the dense step skips it (not decayed with a zero
+    grad). Six tensors over 4 dp ranks: some owners hold only tensors they have no grad for."""
+    dims = setup_parallel()
+    torch.manual_seed(0)
+    dense = nn.ModuleDict({"shared": nn.Linear(8, 8), "expert": nn.Linear(8, 8), "idle": nn.Linear(8, 8)})
+    model = copy.deepcopy(dense)
+    x = torch.randn(2 * dims.dp, 8)
+    (dense["expert"](dense["shared"](x[:2])).sum() + dense["shared"](x).sum()).backward()
+    torch.optim.AdamW(dense.parameters(), lr=0.1, weight_decay=0.5).step()
+    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=reduce_scatter, lr=0.1,
+                               weight_decay=0.5)  # fmt: skip
+    mine = model["shared"](x[2 * dims.dp_rank : 2 * dims.dp_rank + 2])
+    loss = mine.sum() * dims.dp  # each rank's share of the dense sum, scaled back by the dp mean
+    if dims.dp_rank == 0:
+        loss = loss + model["expert"](mine).sum() * dims.dp
+    loss.backward()
+    if not reduce_scatter:
+        allreduce_gradients(model.parameters(), dims.dp_mesh)
+    opt.step()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), dense.get_parameter(name).detach(), atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("reduce_scatter", [True, False])
+def test_zero1_skips_parameters_no_rank_has_a_grad_for(reduce_scatter: bool) -> None:
+    run_distributed(unused_parameters_case, 4, reduce_scatter)
