@@ -44,6 +44,56 @@ def allreduce_gradients(
         unpack_grads(bucket, flat, missing)
 
 
+class _ZeroGradsForUnused(torch.autograd.Function):
+    """Identity on an FSDP unit's inputs. Its backward runs once the unit's own backward is done and before FSDP's
+    post-backward (whose hook wraps the inputs outside this one): every trainable parameter of the unit still without
+    a grad gets a zero grad. FSDP2 reduce-scatters the grads a rank has, paired by position across ranks; a parameter
+    one dp rank used and another did not (an expert no token of that rank's batch reached) would pair different
+    tensors (gloo aborts, NCCL hangs or mixes grads). Zeros are the unused rank's true contribution to the mean."""
+
+    @staticmethod
+    def forward(ctx: object, unit: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: object, *grads: torch.Tensor) -> tuple[object, ...]:
+        for param in _unit_parameters(ctx.unit):  # FSDP's unsharded parameters while the unit runs backward
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return (None, *grads)
+
+
+def _unit_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters one ``fully_shard`` unit manages: its own, not those of nested units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        params.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+    return params
+
+
+def _give_unused_parameters_zero_grads(unit: torch.nn.Module) -> None:
+    def wrap_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_grad_enabled():
+            return None
+        flat = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keyed = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not flat and not keyed:  # nothing to hang the backward on (token ids in): the root, whose parameters
+            return None  # (embedding, final norm, head) every rank uses
+        outs = _ZeroGradsForUnused.apply(module, *(a for _, a in flat), *(v for _, v in keyed))
+        args = list(args)
+        for (i, _), out in zip(flat, outs, strict=False):
+            args[i] = out
+        kwargs = {**kwargs, **{k: out for (k, _), out in zip(keyed, outs[len(flat) :], strict=True)}}
+        return tuple(args), kwargs
+
+    unit.register_forward_pre_hook(wrap_inputs, with_kwargs=True)
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     dp_mesh: DeviceMesh | None = None,
@@ -56,6 +106,9 @@ def apply_fsdp(
 
     Apply after TP (and activation checkpointing): parameters that are DTensors on the tp mesh become 2-D
     ``(dp, tp)`` DTensors, sharded over dp between steps and gathered for each block's forward and backward.
+    A parameter some dp rank did not use in the step (an expert its batch never reached) gets a zero grad there, so
+    every rank reduce-scatters the same tensors (FSDP2 would otherwise pair different ones); one no rank used gets a
+    zero grad too and is stepped with it (the dense step would skip it: AdamW's moments and decay still move it).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -63,11 +116,10 @@ def apply_fsdp(
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    if block_cls is not None:
-        for module in model.modules():
-            if isinstance(module, block_cls):
-                fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    units = [m for m in model.modules() if isinstance(m, block_cls)] if block_cls is not None else []
+    for unit in [*units, model]:
+        fully_shard(unit, **kwargs)
+        _give_unused_parameters_zero_grads(unit)  # after fully_shard: its post-backward wraps the inputs outside
     return model
 
 

@@ -177,3 +177,46 @@ def test_activation_checkpointing_reproduces_tp_dropout_exactly(compile: bool) -
     for equal, graphs in run_distributed(checkpointing_case, 2, compile, timeout=600):
         assert equal
         assert (graphs > 0) == compile
+
+
+class _RoutedBlock(nn.Module):
+    """A block whose expert runs only when its batch reaches it; ``idle`` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert, self.idle = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, y: torch.Tensor, use: bool) -> torch.Tensor:
+        return y + self.expert(y) if use else y * 1.0
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.block = nn.Linear(8, 8), _RoutedBlock()
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        return self.block(self.shared(x), use).sum()
+
+
+def fsdp_unused_case() -> dict[str, bool]:
+    """FSDP2 over dp=2 with an expert only dp rank 0's batch reaches: every rank gets the dense grad (the dp mean),
+    instead of FSDP pairing different tensors in its reduce-scatter (gloo aborted the process)."""
+    dims = setup_parallel()
+    torch.manual_seed(0)
+    dense = _Routed()
+    model = apply_fsdp(copy.deepcopy(dense), dims.dp_mesh, block_cls=_RoutedBlock)
+    x = torch.randn(2 * dims.dp, 8)
+    (dense(x[:2], True) + dense(x[2:], False)).backward()
+    (model(x[2 * dims.dp_rank : 2 * dims.dp_rank + 2], dims.dp_rank == 0) * dims.dp).backward()
+    for name, param in model.named_parameters():
+        want = dense.get_parameter(name).grad
+        want = torch.zeros_like(param.full_tensor()) if want is None else want  # 'idle': zeros (see apply_fsdp)
+        torch.testing.assert_close(param.grad.full_tensor(), want, atol=1e-5, rtol=1e-5, msg=name)
+    return {name: bool(param.grad.full_tensor().any()) for name, param in model.named_parameters()}
+
+
+def test_fsdp_with_a_parameter_one_dp_rank_did_not_use_matches_dense() -> None:
+    for used in run_distributed(fsdp_unused_case, 2):
+        assert used == {"shared.weight": True, "shared.bias": True, "block.expert.weight": True,
+                        "block.expert.bias": True, "block.idle.weight": False, "block.idle.bias": False}  # fmt: skip
