@@ -2,13 +2,14 @@
 transformers that ships a tensor-parallel plan, plus meshpar's own tables, built tiny from its config (never
 downloaded) and run against the same model on one process.
 
-For each family and layout (tp=2, dp=2 on 2 gloo processes; pp=2 and tp2 x pp2 on 2 and 4) one training step: the
+For each family and layout (tp=2, dp=2, tp=2 with sequence parallelism on 2 gloo processes; pp=2 and tp2 x pp2 on 2
+and 4) one training step: the
 loss, every parameter grad (this rank's shard of the dense grad; a grad near zero is judged against 1% of the largest
 grad norm) and the parameters after an SGD step must equal dense within 1e-4 relative. Verdicts: ``OK``; ``refused``
 (meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or a crash: a
 defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so nothing ran).
 
-    .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2] [--markdown]
+    .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2,tp2sp] [--markdown]
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _MAX_PARAMETERS = 5_000_000  # one process per rank holds a dense copy: 4 ranks x (model + grads + optimizer)
-LAYOUTS = {"tp2": (2, 1, 2), "dp2": (1, 1, 2), "pp2": (1, 2, 2), "tp2pp2": (2, 2, 4)}  # tp, pp, world
+# tp, pp, world, sequence parallelism
+LAYOUTS = {
+    "tp2": (2, 1, 2, False),
+    "dp2": (1, 1, 2, False),
+    "pp2": (1, 2, 2, False),
+    "tp2pp2": (2, 2, 4, False),
+    "tp2sp": (2, 1, 2, True),
+}
 
 
 def _families() -> dict[str, str]:
@@ -118,7 +126,7 @@ def _tiny_model(model_type: str, *, cut_layer_types: bool) -> torch.nn.Module:
     return model
 
 
-def _case(model_type: str, tp: int, pp: int) -> str:
+def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     import meshpar
     from meshpar._compat import DTensor
     from meshpar._shards import in_parameter_layout, local_slice
@@ -128,6 +136,7 @@ def _case(model_type: str, tp: int, pp: int) -> str:
     setup_parallel(tp=tp, pp=pp)
     dense = tiny(model_type)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
+    config["sequence_parallel"] = sp
     try:
         model = meshpar.parallelize(copy.deepcopy(dense), config)
     except (ValueError, NotImplementedError) as error:
@@ -168,14 +177,14 @@ def _case(model_type: str, tp: int, pp: int) -> str:
 def run(model_type: str, layout: str) -> str:
     from meshpar.testing import run_distributed
 
-    tp, pp, world = LAYOUTS[layout]
+    tp, pp, world, sp = LAYOUTS[layout]
     try:
         tiny(model_type)
     except Exception as error:
         reason = str(error) if "at the tiny size" in str(error) else type(error).__name__
         return f"-: not built ({reason})"
     try:
-        results = run_distributed(_case, world, model_type, tp, pp, timeout=300)
+        results = run_distributed(_case, world, model_type, tp, pp, sp, timeout=300)
     except AssertionError as error:
         lines = [line for line in str(error).splitlines() if line.strip() and "Error" in line]
         return "FAIL: " + (lines[-1].strip()[:160] if lines else "crash")

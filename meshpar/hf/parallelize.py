@@ -174,9 +174,10 @@ class ParallelizedModel(nn.Module):
         wanted = self.parallel_config.verify
         if not (self.plan.verify if wanted is None else wanted) or self.dims.tp == 1 or not self.plan.styles:
             return
-        if self._from_meta or self.parallel_config.sequence_parallel:
-            why = "built on the meta device" if self._from_meta else "sequence_parallel"
-            _log.warning("%s: the tensor-parallel plan is not verified (%s)", type(model).__name__, why)
+        if self._from_meta:
+            _log.warning(
+                "%s: the tensor-parallel plan is not verified (built on the meta device)", type(model).__name__
+            )
             return
         verify_plan(model, self.plan, self.dims)
 

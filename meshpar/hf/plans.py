@@ -26,6 +26,8 @@ from meshpar.hf.hf_plan import (
     layer_container,
     resolve_entries,
 )
+from meshpar.hf.sequence_parallel import sequence_parallel_styles
+from meshpar.hf.stages import inferred_pipeline_layout, pipeline_layout
 from meshpar.tensor_parallel import (
     ColumnParallel,
     GatherSequenceInput,
@@ -80,6 +82,8 @@ class ScatterSequenceInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def scatter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+            if not args:  # hidden states passed by keyword
+                return args, {**kwargs, "hidden_states": scatter_to_sp(kwargs["hidden_states"], device_mesh, 1)}
             return (scatter_to_sp(args[0], device_mesh, 1), *args[1:]), kwargs
 
         module.register_forward_pre_hook(scatter, with_kwargs=True)
@@ -108,6 +112,7 @@ class HFPlan:
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
     layers: str = ""  # FQN of the transformer layer container (pipeline splitting)
     verify: bool = False  # prove the plan against the dense model at parallelize time (plans not meshpar's own)
+    sequence_parallel: bool = False  # blocks take and return sequence shards (the verification splits their input)
     head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
 
 
@@ -285,13 +290,13 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     mapped onto meshpar's styles, with a vocab-parallel input embedding and LM head (see
     :mod:`meshpar.hf.hf_plan`)."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    if sp:
-        raise ValueError(
-            f"config key 'sequence_parallel': supported for the families {sorted(_FAMILIES)}, not yet for "
-            f"{model_type}; pass plan={{...}} with sequence-parallel styles or turn it off"
-        )
     entries = hf_tp_plan(model)
     replicate_kv = check_heads(model.config, entries, tp, model_type)
+    if sp and replicate_kv:
+        raise ValueError(
+            f"{model_type}: sequence parallelism with key/value heads replicated over tp is not supported; use a tp "
+            "that divides the key/value heads, or turn 'sequence_parallel' off"
+        )
     embedding, head, tied = embedding_and_head(model)
     task = task_of(model)
     # meshpar's own embedding and head styles replace the plan's (transformers gathers full-vocabulary logits)
@@ -303,7 +308,15 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
         styles[embedding] = VocabParallel()
     if replicate_kv:
         fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
-    return HFPlan(model_type, task, styles, fixups, _head_ties(model), layer_container(model), verify=True)
+    layers = layer_container(model)
+    if sp:
+        layout = pipeline_layout(model) or inferred_pipeline_layout(model)
+        final = list(layout.stage_sides(model)[1]) if layout is not None else []
+        final = [name for name in final if name != head]
+        styles = sequence_parallel_styles(
+            model, styles, layers, final, ScatterSequenceInput(), SequenceParallelFinalNorm()
+        )
+    return HFPlan(model_type, task, styles, fixups, _head_ties(model), layers, verify=True, sequence_parallel=sp)
 
 
 def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:

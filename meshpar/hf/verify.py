@@ -95,8 +95,18 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _run(block: nn.Module, args: tuple, kwargs: dict, cotangent_seed: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Outputs of every submodule (by name), the block output and the input grad, after one backward."""
+def _run(
+    block: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cotangent_seed: int,
+    sequence: tuple[int, int] | None = None,
+    split_input: bool = False,
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Outputs of every submodule (by name), the block output and the input grad, after one backward against a
+    seeded random cotangent of the whole output. ``sequence`` ``(rank, tp)``: return that rank's sequence shard of
+    the output and of the input grad; with ``split_input`` the block itself runs on that shard of its input and
+    returns its output shard (a sequence-parallel block: its backward combines every rank's cotangent shard)."""
     outputs: dict[str, torch.Tensor] = {}
 
     def record(name: str) -> Callable[..., None]:
@@ -105,17 +115,26 @@ def _run(block: nn.Module, args: tuple, kwargs: dict, cotangent_seed: int) -> tu
 
         return hook
 
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(sequence[1], 1)[sequence[0]] if sequence is not None else t
+
     handles = [module.register_forward_hook(record(name)) for name, module in block.named_modules() if name]
     hidden = args[0].clone().requires_grad_(True)
     try:
-        out = _first_tensor(block(hidden, *args[1:], **kwargs))
+        out = _first_tensor(block(mine(hidden) if split_input else hidden, *args[1:], **kwargs))
     finally:
         for handle in handles:
             handle.remove()
+    whole = list(out.shape)
+    if split_input:
+        whole[1] *= sequence[1]
     generator = torch.Generator().manual_seed(cotangent_seed)
-    cotangent = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
+    cotangent = torch.randn(whole, generator=generator, dtype=out.dtype).to(out.device)
+    if split_input:
+        (out * mine(cotangent)).sum().backward()
+        return outputs, out.detach(), mine(hidden.grad)
     (out * cotangent).sum().backward()
-    return outputs, out.detach(), hidden.grad
+    return outputs, mine(out.detach()), mine(hidden.grad)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
@@ -141,14 +160,17 @@ def _compare_block(model: nn.Module, plan: HFPlan, dims: ParallelDims, index: in
         args, kwargs = _to(args, device), _to(kwargs, device)
         dense = copy.deepcopy(block).to(device).eval()
         root = _skeleton(plan.layers, index, copy.deepcopy(block).to(device).eval())
+        # under sequence parallelism the first layer's entry into shards is the comparison's own split of the input
+        styles = {p: s for p, s in plan.styles.items() if not (plan.sequence_parallel and p == f"{plan.layers}.0")}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")
-            parallelize_module(root, dims.tp_mesh, plan.styles)
+            parallelize_module(root, dims.tp_mesh, styles)
         for fixup in plan.fixups:
             fixup(root, dims.tp)
         sharded = root.get_submodule(plan.layers)[index]
-        dense_outputs, dense_out, dense_grad = _run(dense, args, kwargs, cotangent_seed=1)
-        sharded_outputs, sharded_out, sharded_grad = _run(sharded, args, kwargs, cotangent_seed=1)
+        sequence = (dims.tp_rank, dims.tp) if plan.sequence_parallel else None
+        dense_outputs, dense_out, dense_grad = _run(dense, args, kwargs, 1, sequence)
+        sharded_outputs, sharded_out, sharded_grad = _run(sharded, args, kwargs, 1, sequence, sequence is not None)
     tolerance = _TOLERANCE.get(dense_out.dtype, 2e-2)
     problems = []
     differing = [

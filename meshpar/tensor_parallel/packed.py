@@ -61,6 +61,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         parts: tuple[int, ...] | int,
         unit: int = 1,
         sequence_parallel_enabled: bool = False,
+        input_gathered: bool = False,
         src_data_rank: int | None = 0,
     ) -> PackedColumnParallelLinear:
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
@@ -88,7 +89,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
             linear.bias = _packed_param(linear.bias, shapes["bias"], len(parts), tp_mesh, placement, src_data_rank)
         linear.__class__ = cls
         linear._configure(tp_mesh, in_features, out_features, False, sequence_parallel_enabled, None)
-        linear.input_gathered = linear.regather_input = False
+        linear.input_gathered, linear.regather_input = input_gathered, False
         linear.parts, linear.unit, linear.grouped, linear.checkpoint_shapes = tuple(parts), unit, grouped, shapes
         mark_partitioned(linear)
         return linear

@@ -93,11 +93,19 @@ class ColumnParallel(ParallelStyle):
 class PackedColumnParallel(ParallelStyle):
     """Shard an ``nn.Linear`` whose output packs parts (``[q | k | v]``, ``[gate | up]``) per part: the output is
     ``[p0_r | p1_r | ...]`` (:mod:`meshpar.tensor_parallel.packed`). ``parts``: rows of each part; ``unit``: rows per
-    head; an int: that many equal parts."""
+    head; an int: that many equal parts. ``input_gathered`` as for :class:`ColumnParallel`."""
 
-    def __init__(self, *, parts: tuple[int, ...] | int, unit: int = 1, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        parts: tuple[int, ...] | int,
+        unit: int = 1,
+        sequence_parallel: bool = False,
+        input_gathered: bool = False,
+    ) -> None:
         super().__init__()
         self.parts, self.unit, self.sequence_parallel = parts, unit, sequence_parallel
+        self.input_gathered = input_gathered
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
@@ -107,6 +115,7 @@ class PackedColumnParallel(ParallelStyle):
             parts=self.parts,
             unit=self.unit,
             sequence_parallel_enabled=self.sequence_parallel,
+            input_gathered=self.input_gathered,
             src_data_rank=self.src_data_rank,
         )
 

@@ -27,9 +27,10 @@ _COLLECTIVE_NAMES = {
 class AtenOps(TorchDispatchMode):
     """The aten ops a region dispatches: ``compute`` (op name -> count; the ops that launch kernels, metadata-only
     views left out), ``collectives`` (c10d and functional; ``collective_names``: by name, eager c10d names mapped
-    onto the functional ones, waits left out) and ``syncs`` (ops that read a value back to the host). Counted where
-    ops are dispatched, so every collective is seen once, in backward too (``CommDebugMode`` can count an eager
-    c10d collective issued inside an autograd function's forward more than once)."""
+    onto the functional ones, waits and async-result wrapping left out) and ``syncs`` (ops that read a value back
+    to the host). Counted where ops are dispatched, so every collective is seen once, in backward too
+    (``CommDebugMode`` can count an eager c10d collective issued inside an autograd function's forward more than
+    once)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +43,7 @@ class AtenOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.namespace in ("c10d", "_c10d_functional"):
             self.collectives += 1
-            if name != "wait_tensor":
+            if name not in ("wait_tensor", "_wrap_tensor_autograd"):  # completion and async-result wrapping
                 self.collective_names[_COLLECTIVE_NAMES.get(name, name)] += 1
         elif name in _SYNC_OPS:
             self.syncs += 1

@@ -36,11 +36,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def family_case(family: str, tp: int, kv_heads: int | None = None, plan: dict | None = None) -> str:
+def family_case(family: str, tp: int, kv_heads: int | None = None, plan: dict | None = None, sp: bool = False) -> str:
     """One training step at tp (the rest of the world is dp, each dp rank on its rows) against the dense model."""
     dims = setup_parallel(tp=tp)
     dense = build(family, kv_heads=kv_heads)
-    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp}, plan=plan)
+    config = {"tensor_parallel_size": tp, "sequence_parallel": sp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config, plan=plan)
     data = batch(family, rows=4)
     data["labels"][0, :7] = -100  # dp rank 0 scores fewer tokens: the step weighs every token alike
     expected = dense(**data)
@@ -80,6 +81,15 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
 def test_data_parallel_needs_no_plan(family: str) -> None:
     """tp=1: nothing is sharded (families whose plan meshpar cannot apply train at dp too)."""
     run_distributed(family_case, 2, family, 1)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "phi3", "gpt_neox", "phi"])
+def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) -> None:
+    """Sequence parallelism converted from the model's own plan (attention / MLP gather their input once and
+    reduce-scatter their output, norms on shards with their grads summed), proven by the one-block verification on
+    sequence shards: Qwen3's per-head norms, Gemma2's four norms per layer and a tied embedding over an uneven
+    vocab, Phi-3's packed projections, GPT-NeoX's parallel attention and MLP."""
+    run_distributed(family_case, 2, family, 2, None, None, True)
 
 
 def test_key_value_heads_below_tp_are_replicated() -> None:
@@ -156,8 +166,13 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     assert "neither a tensor-parallel plan in the installed transformers nor a meshpar table" in _refusal(
         bloom, {"tensor_parallel_size": 2}
     )
-    message = _refusal(build("qwen3"), {"tensor_parallel_size": 2, "sequence_parallel": True})
-    assert "'sequence_parallel': supported for the families" in message
+    message = _refusal(build("mixtral"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    assert "sequence parallelism from the model's tensor-parallel plan" in message, message
+    assert "model.layers.*.mlp.experts: ExpertsOverTP" in message, message  # its output is all-reduced
+    message = _refusal(build("olmo2"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    assert "model.layers.*.self_attn.q_proj: ColumnParallel(gather_output=True)" in message, message
+    message = _refusal(build("qwen2", kv_heads=1), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    assert "key/value heads replicated over tp is not supported" in message, message
 
 
 def generation_case(family: str) -> bool:

@@ -696,10 +696,10 @@ def test_an_optimizer_built_before_parallelize_trains_the_parallel_model(family:
         assert losses == pytest.approx(dense, abs=2e-5)
 
 
-def collective_count_case(family: str, layers: int) -> dict[str, int]:
+def collective_count_case(family: str, layers: int, sp: bool = False) -> dict[str, int]:
     from meshpar.testing.dispatch import AtenOps
 
-    model = meshpar.parallelize(build(family, layers=layers), {"tensor_parallel_size": 2})
+    model = meshpar.parallelize(build(family, layers=layers), {"tensor_parallel_size": 2, "sequence_parallel": sp})
     with AtenOps() as ops:
         model.train_step(**batch(family))
     return dict(ops.collective_names)
@@ -715,3 +715,14 @@ def test_megatron_collective_count_per_layer(family: str) -> None:
     per_layer = {name: (four.get(name, 0) - two.get(name, 0)) // 2 for name in set(two) | set(four)}
     assert per_layer.pop("all_reduce") == 4, (two, four)
     assert not any(per_layer.values()), (two, four)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3"])
+def test_sequence_parallel_collective_count_per_layer(family: str) -> None:
+    """With SP, per layer at tp=2: attention and MLP each all-gather their input and reduce-scatter their output,
+    forward and backward (4 + 4: Megatron's count), and each of the two norms all-reduces its parameters' grads once;
+    the same for meshpar's Llama plan and for plans converted from transformers' (Mistral; Phi-3's packed q/k/v and
+    gate/up)."""
+    two, four = (run_distributed(collective_count_case, 2, family, n, True)[0] for n in (2, 4))
+    per_layer = {name: (four.get(name, 0) - two.get(name, 0)) // 2 for name in set(two) | set(four)}
+    assert per_layer == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4, "all_reduce": 2}, (two, four)

@@ -1,0 +1,122 @@
+"""Sequence parallelism for families sharded from their own tensor-parallel plans (transformers' ``tp_plan``).
+
+Megatron's layout: between the transformer sublayers every rank holds a sequence shard ``[b, s/tp, h]`` of the
+residual stream; each module the plan shards (attention, MLP: a *region*) all-gathers its ``hidden_states`` input
+once (:class:`GatherSequenceInput`; its column projections take the gathered input as is) and its row projection
+reduce-scatters the output back into shards; the modules between the regions (norms) run on shards, their
+parameters' grads summed over tp. The first layer splits its input into shards, the final norm gathers them back for
+the (vocab-parallel) LM head.
+
+transformers' plans say which projections are column- and row-parallel, not what runs on the residual stream, so the
+plan is converted only where each layer is regions plus per-token modules whose parameters are vectors (norms);
+anything else (experts whose output is all-reduced, gathered outputs, bare parameters of the layer, replicated
+key/value heads) is refused with the modules named. The converted plan is proven by the same one-block verification
+as the plan without sequence parallelism, on sequence shards.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshpar._compat import ParallelStyle
+from meshpar.tensor_parallel import (
+    ColumnParallel,
+    GatherSequenceInput,
+    PackedColumnParallel,
+    RowParallel,
+    SequenceParallelNorm,
+)
+from meshpar.tensor_parallel.style import LocalParameters, ReplicatedGradSum, RopeGradSum
+
+# styles inside a region that sequence parallelism leaves as they are (they act on the region's full-sequence
+# activations: per-head norms, rope-feature grads, per-head parameters)
+_UNCHANGED = (ReplicatedGradSum, RopeGradSum)
+
+
+def _as_sequence_parallel(style: ParallelStyle) -> ParallelStyle | None:
+    """The region style under sequence parallelism; ``None`` if there is none."""
+    if isinstance(style, PackedColumnParallel):
+        return PackedColumnParallel(parts=style.parts, unit=style.unit, input_gathered=True)
+    if type(style) is ColumnParallel and not style.gather_output and not style.sequence_parallel:
+        return ColumnParallel(num_heads=style.num_heads, input_gathered=True)
+    if type(style) is RowParallel and style.input_is_parallel:
+        return RowParallel(sequence_parallel=True)
+    if isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output):
+        return style
+    return None
+
+
+def _describe(style: ParallelStyle) -> str:
+    """``ColumnParallel(gather_output=True)``: the style and the switches that keep it out of sequence parallelism."""
+    switches = {"gather_output": True, "input_is_parallel": False, "partial_output": True}
+    shown = [f"{k}={v}" for k, v in switches.items() if getattr(style, k, None) == v]
+    return f"{type(style).__name__}({', '.join(shown)})" if shown else type(style).__name__
+
+
+def _is_per_token(module: nn.Module) -> bool:
+    """A module whose parameters are all vectors (a norm's weight and bias): it acts on each token alone."""
+    params = list(module.parameters())
+    return bool(params) and all(p.dim() == 1 for p in params)
+
+
+def sequence_parallel_styles(
+    model: nn.Module,
+    styles: dict[str, ParallelStyle],
+    layers: str,
+    final: list[str],
+    scatter: ParallelStyle,
+    final_norm: ParallelStyle,
+) -> dict[str, ParallelStyle]:
+    """``styles`` (a plan without sequence parallelism) converted; see the module docstring. ``final``: the modules
+    after the layer list that hold parameters (the final norm); ``scatter`` / ``final_norm``: the styles that enter
+    and leave the sequence-parallel region."""
+    name = type(model).__name__
+    out: dict[str, ParallelStyle] = {}
+    refused: list[str] = []
+    regions: set[str] = set()
+    with_rows: set[str] = set()  # regions whose output a row projection reduce-scatters back into shards
+    inside = f"{layers}.*."
+    for pattern, style in styles.items():
+        if not pattern.startswith(inside):
+            out[pattern] = style  # embedding, head: full sequence
+            continue
+        converted = _as_sequence_parallel(style)
+        region = pattern[len(inside) :].split(".", 1)[0]
+        if converted is None or region == pattern[len(inside) :]:
+            refused.append(f"{pattern}: {_describe(style)}")
+            continue
+        out[pattern] = converted
+        regions.add(region)
+        if isinstance(converted, RowParallel):
+            with_rows.add(region)
+    for region in sorted(regions):
+        key = f"{inside}{region}"
+        if region not in with_rows:
+            refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
+        if key in out:
+            refused.append(f"{key}: {_describe(out[key])} on a module that also gathers the sequence")
+        out[key] = GatherSequenceInput()
+    norms: set[str] = set()
+    for index, layer in enumerate(model.get_submodule(layers)):
+        if any(True for _ in layer.parameters(recurse=False)):
+            refused.append(f"{layers}.{index}: parameters of the layer itself")
+        for child_name, child in layer.named_children():
+            if child_name in regions or not any(True for _ in child.parameters()):
+                continue
+            if _is_per_token(child):
+                norms.add(child_name)
+            else:
+                refused.append(f"{layers}.{index}.{child_name}: neither sharded by the plan nor a norm")
+    for norm in sorted(norms):
+        out[f"{inside}{norm}"] = SequenceParallelNorm()
+    if len(final) != 1 or not _is_per_token(model.get_submodule(final[0])):
+        refused.append(f"after {layers}: {final or 'nothing'} (one final norm expected)")
+    if refused:
+        raise ValueError(
+            f"{name}: sequence parallelism from the model's tensor-parallel plan needs each layer to be sharded "
+            f"attention / MLP modules and norms; not so for: {'; '.join(dict.fromkeys(refused))}. Turn "
+            "'sequence_parallel' off, or pass plan={...} with sequence-parallel styles"
+        )
+    out[f"{layers}.0"] = scatter
+    out[final[0]] = final_norm
+    return out
