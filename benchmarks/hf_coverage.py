@@ -3,9 +3,9 @@ transformers that ships a tensor-parallel plan, plus meshpar's own tables, built
 downloaded) and run against the same model on one process.
 
 For each family and layout (tp=2, dp=2, tp=2 with sequence parallelism on 2 gloo processes; pp=2 and tp2 x pp2 on 2
-and 4) one training step: the
-loss, every parameter grad (this rank's shard of the dense grad; a grad near zero is judged against 1% of the largest
-grad norm) and the parameters after an SGD step must equal dense within 1e-4 relative. Verdicts: ``OK``; ``refused``
+and 4) one training step: the loss, every parameter grad (this rank's shard of the dense grad; a grad near zero is
+judged against 1% of the largest grad norm) and the parameters after an SGD step must equal dense within 1e-4
+relative. Verdicts: ``OK``; ``refused``
 (meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or a crash: a
 defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so nothing ran).
 
