@@ -93,8 +93,6 @@ def sequence_parallel_styles(
         key = f"{inside}{region}"
         if region not in with_rows:
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
-        if key in out:
-            refused.append(f"{key}: {_describe(out[key])} on a module that also gathers the sequence")
         out[key] = GatherSequenceInput()
     norms: set[str] = set()
     for index, layer in enumerate(model.get_submodule(layers)):
