@@ -187,9 +187,10 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
         path = f"{path}.{name}"
 
 
-def _run_order(model: nn.Module, holder: nn.Module) -> tuple[list[str], bool]:
+def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> tuple[list[str], bool]:
     """The children of ``holder`` in the order the dense model's forward first calls them (a layer list at its first
-    layer's call), on a tiny batch: registration order need not be run order; and whether the layers return tuples.
+    layer's call), on a tiny batch: registration order need not be run order; and whether the layers of
+    ``layer_list`` return tuples (other lists, such as per-layer rotary tables, may).
     A model on meta cannot run: its registration order, tensors (nothing proves that guess, so
     :mod:`meshpar.hf.parallelize` refuses it)."""
     if any(p.is_meta for p in model.parameters()):
@@ -200,7 +201,7 @@ def _run_order(model: nn.Module, holder: nn.Module) -> tuple[list[str], bool]:
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
         handles.append(calls.register_forward_pre_hook(lambda *_, n=name: None if n in order else order.append(n)))
-        if calls is not child:
+        if name == layer_list and calls is not child:
             handles.append(
                 calls.register_forward_hook(lambda _m, _a, out: returns_tuple.append(isinstance(out, tuple)))
             )
@@ -232,7 +233,7 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     if len(lists) != 1:
         return None
     # parameter-free children (rotary tables) run on every stage, as they are
-    called, returns_tuple = _run_order(model, holder)
+    called, returns_tuple = _run_order(model, holder, lists[0])
     order = [n for n in called if n == lists[0] or _holds_parameters(holder, n)]
     if lists[0] not in order:
         return None

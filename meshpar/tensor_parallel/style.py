@@ -238,9 +238,16 @@ class LocalParameters(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
+        # a pattern may name modules of which only some hold the parameters (MiMo-V2's sliding-window attentions have
+        # sinks, its full attentions none): the others run as they are, unless their output is meant to be partial
+        shards = {n: d for n, d in self.shards.items() if module._parameters.get(n) is not None}
+        if not shards and not self.partial_output:
+            return module
         for name, dim in self.shards.items():
             param = module._parameters.get(name)
             if param is None:
+                if not self.partial_output:
+                    continue
                 raise ValueError(f"LocalParameters: {type(module).__name__} has no parameter {name!r}")
             if param.shape[dim] % tp:
                 raise ValueError(
@@ -248,7 +255,7 @@ class LocalParameters(ParallelStyle):
                     f"along dim {dim} over tp={tp}"
                 )
             module._parameters[name] = _distribute_param(param, device_mesh, [Shard(dim)], self.src_data_rank)
-        names = tuple(self.shards)
+        names = tuple(shards)
         saved: list[dict[str, nn.Parameter]] = []
 
         def to_local(_module: nn.Module, _args: tuple) -> None:

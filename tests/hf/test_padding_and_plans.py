@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -91,3 +92,50 @@ def user_plan_case() -> bool:
 
 def test_user_plan_shards_only_what_it_names() -> None:
     assert run_distributed(user_plan_case, 2) == [True, True]
+
+
+class _TupleLayer(torch.nn.Module):
+    def __init__(self, as_tuple: bool) -> None:
+        super().__init__()
+        self.linear, self.as_tuple = torch.nn.Linear(4, 4), as_tuple
+
+    def forward(self, x: torch.Tensor) -> object:
+        return (self.linear(x),) if self.as_tuple else self.linear(x)
+
+
+class _Rotary(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.cos(), x.sin()
+
+
+class _Holder(torch.nn.Module):
+    """A base model whose norm is registered before its layers (run after them) and with a per-layer list of
+    rotary tables (returning tuples) next to its layer list."""
+
+    def __init__(self, as_tuple: bool) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=8)
+        self.embed = torch.nn.Embedding(8, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.rotary = torch.nn.ModuleList([_Rotary(), _Rotary()])
+        self.layers = torch.nn.ModuleList([_TupleLayer(as_tuple), _TupleLayer(as_tuple)])
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for rotary, layer in zip(self.rotary, self.layers, strict=True):
+            cos, _ = rotary(x)
+            out = layer(x + cos)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_run_order_reads_call_order_and_whether_the_layers_return_tuples(as_tuple: bool) -> None:
+    """Stand-ins for other stages' layers return what the layers return (GPT-J's blocks: tuples); per-layer rotary
+    tables returning tuples say nothing about the layers (GraniteMoE-SWA)."""
+    from meshpar.hf.stages import _run_order
+
+    model = _Holder(as_tuple)
+    order, returns_tuple = _run_order(model, model, "layers")
+    assert order == ["embed", "rotary", "layers", "norm"]
+    assert returns_tuple is as_tuple

@@ -39,15 +39,17 @@ class SharedExperts(nn.Module):
 class Sinks(nn.Module):
     """An attention-like module with one bare parameter per head next to column-parallel heads."""
 
-    def __init__(self, heads: int = 4) -> None:
+    def __init__(self, heads: int = 4, sinks: bool = True) -> None:
         super().__init__()
         self.heads = heads
         self.proj = nn.Linear(HIDDEN, heads * 2)
-        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, heads))
+        if sinks:  # MiMo-V2: its full attentions have none
+            self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         per_head = self.proj(x).unflatten(-1, (-1, 2))  # the rank's heads only
-        return (per_head.sum(-1) * self.sinks.sigmoid()).sum(-1)
+        scale = self.sinks.sigmoid() if "sinks" in self._parameters else 1.0
+        return (per_head.sum(-1) * scale).sum(-1)
 
 
 def _grads_match(model: nn.Module, dense: nn.Module) -> None:
@@ -97,14 +99,14 @@ def sinks_case() -> None:
     """'local_params' with a 'colwise' bare parameter: each rank keeps the sinks of its own heads."""
     dims = setup_parallel(tp=2)
     torch.manual_seed(0)
-    dense = nn.ModuleDict({"attn": Sinks()})
-    plan = {"attn.proj": "colwise", "attn.sinks": "colwise", "attn": "local_params"}
+    dense = nn.ModuleDict({"attn": Sinks(), "full": Sinks(sinks=False)})  # the pattern names both, one has sinks
+    plan = {"*.proj": "colwise", "*.sinks": "colwise", "*": "local_params"}
     model = copy.deepcopy(dense)
     styles, _ = resolve_entries(model, plan, 2, replicate_kv=False)
     parallelize_module(model, dims.tp_mesh, styles)
     x = torch.randn(3, HIDDEN)
-    dense["attn"](x).sum().backward()
-    out = model["attn"](x)
+    (dense["attn"](x) + dense["full"](x)).sum().backward()
+    out = model["attn"](x) + model["full"](x)
     out.sum().backward()  # each rank's partial sum over its heads: the grads of its shards are the dense ones
     _grads_match(model, dense)
     with pytest.raises(RuntimeError):
