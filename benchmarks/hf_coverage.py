@@ -140,7 +140,12 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     try:
         model = meshpar.parallelize(copy.deepcopy(dense), config)
     except (ValueError, NotImplementedError) as error:
-        return "refused: " + str(error).split(". ")[0][:160]
+        message = str(error)
+        if "not so for: " in message:  # sequence parallelism: what stands in the way, by kind, not by family
+            blocking = message.split("not so for: ", 1)[1].split(". Turn", 1)[0].split("; ")
+            kinds = sorted({part.split(": ", 1)[-1].split(" (", 1)[0] for part in blocking})
+            return "refused: sequence parallelism blocked by " + "; ".join(kinds)[:160]
+        return "refused: " + message.split(". ")[0][:160]
     ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     expected = dense(input_ids=ids, labels=ids)
     expected.loss.backward()

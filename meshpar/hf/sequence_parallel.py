@@ -3,7 +3,8 @@
 Megatron's layout: between the transformer sublayers every rank holds a sequence shard ``[b, s/tp, h]`` of the
 residual stream; each module the plan shards (attention, MLP: a *region*) all-gathers its ``hidden_states`` input
 once (:class:`GatherSequenceInput`; its column projections take the gathered input as is) and its row projection
-reduce-scatters the output back into shards; the modules between the regions (norms) run on shards, their
+reduce-scatters the output back into shards (projections sitting directly in the layer, OPT's ``fc1`` / ``fc2``,
+gather and reduce-scatter on their own); the modules between the regions (norms) run on shards, their
 parameters' grads summed over tp. The first layer splits its input into shards, the final norm gathers them back for
 the (vocab-parallel) LM head.
 
@@ -33,17 +34,18 @@ from meshpar.tensor_parallel.style import LocalParameters, ReplicatedGradSum, Ro
 _UNCHANGED = (ReplicatedGradSum, RopeGradSum)
 
 
-def _as_sequence_parallel(style: ParallelStyle) -> ParallelStyle | None:
-    """The region style under sequence parallelism; ``None`` if there is none."""
+def _as_sequence_parallel(style: ParallelStyle, in_region: bool) -> ParallelStyle | None:
+    """The style under sequence parallelism; ``None`` if there is none. A column projection inside a region takes
+    the region's gathered input; one sitting directly in the layer (OPT's ``fc1``) gathers its own."""
+    own = {"sequence_parallel": True} if not in_region else {"input_gathered": True}
     if isinstance(style, PackedColumnParallel):
-        return PackedColumnParallel(parts=style.parts, unit=style.unit, input_gathered=True)
+        return PackedColumnParallel(parts=style.parts, unit=style.unit, **own)
     if type(style) is ColumnParallel and not style.gather_output and not style.sequence_parallel:
-        return ColumnParallel(num_heads=style.num_heads, input_gathered=True)
+        return ColumnParallel(num_heads=style.num_heads, **own)
     if type(style) is RowParallel and style.input_is_parallel:
         return RowParallel(sequence_parallel=True)
-    if isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output):
-        return style
-    return None
+    per_head = isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output)
+    return style if in_region and per_head else None
 
 
 def _describe(style: ParallelStyle) -> str:
@@ -75,17 +77,22 @@ def sequence_parallel_styles(
     refused: list[str] = []
     regions: set[str] = set()
     with_rows: set[str] = set()  # regions whose output a row projection reduce-scatters back into shards
+    direct: set[str] = set()  # projections sitting directly in the layer, each gathering / scattering on its own
     inside = f"{layers}.*."
     for pattern, style in styles.items():
         if not pattern.startswith(inside):
             out[pattern] = style  # embedding, head: full sequence
             continue
-        converted = _as_sequence_parallel(style)
         region = pattern[len(inside) :].split(".", 1)[0]
-        if converted is None or region == pattern[len(inside) :]:
+        in_region = region != pattern[len(inside) :]
+        converted = _as_sequence_parallel(style, in_region)
+        if converted is None:
             refused.append(f"{pattern}: {_describe(style)}")
             continue
         out[pattern] = converted
+        if not in_region:
+            direct.add(region)
+            continue
         regions.add(region)
         if isinstance(converted, RowParallel):
             with_rows.add(region)
@@ -99,7 +106,7 @@ def sequence_parallel_styles(
         if any(True for _ in layer.parameters(recurse=False)):
             refused.append(f"{layers}.{index}: parameters of the layer itself")
         for child_name, child in layer.named_children():
-            if child_name in regions or not any(True for _ in child.parameters()):
+            if child_name in regions | direct or not any(True for _ in child.parameters()):
                 continue
             if _is_per_token(child):
                 norms.add(child_name)

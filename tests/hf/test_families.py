@@ -92,6 +92,23 @@ def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) ->
     run_distributed(family_case, 2, family, 2, None, None, True)
 
 
+def sequence_parallel_verification_case() -> str:
+    setup_parallel(tp=2)
+    try:
+        meshpar.parallelize(build("opt"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    except PlanVerificationError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_sequence_parallel_plans_are_verified_on_sequence_shards() -> None:
+    """OPT's MLP projections sit directly in its layer (each would gather and scatter on its own), but the layer
+    flattens batch and sequence before them: the gather would join features, not positions. The verification runs
+    the block on sequence shards and refuses on every rank."""
+    for message in run_distributed(sequence_parallel_verification_case, 2):
+        assert "block model.decoder.layers.0 does not match the dense one at tp=2" in message, message
+
+
 def test_key_value_heads_below_tp_are_replicated() -> None:
     run_distributed(family_case, 2, "qwen2", 2, 1)  # one KV head, tp=2
     run_distributed(family_case, 4, "mistral", 4, 2)  # two KV heads, tp=4
