@@ -143,7 +143,12 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
         message = str(error)
         if "not so for: " in message:  # sequence parallelism: what stands in the way, by kind, not by family
             blocking = message.split("not so for: ", 1)[1].split(". Turn", 1)[0].split("; ")
-            kinds = sorted({part.split(": ", 1)[-1].split(" (", 1)[0] for part in blocking})
+            kinds = sorted(
+                {
+                    "what follows the layers" if part.startswith("after ") else part.split(": ", 1)[-1].split(" (")[0]
+                    for part in blocking
+                }
+            )
             return "refused: sequence parallelism blocked by " + "; ".join(kinds)[:160]
         return "refused: " + message.split(". ")[0][:160]
     ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(1))

@@ -310,7 +310,10 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
         fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
     layers = layer_container(model)
     if sp:
-        layout = pipeline_layout(model) or inferred_pipeline_layout(model)
+        try:  # what runs after the layers (the final norm), from the pipeline layout
+            layout = pipeline_layout(model) or inferred_pipeline_layout(model)
+        except ValueError:  # a pipeline plan that does not describe the model: no final norm is known
+            layout = None
         final = list(layout.stage_sides(model)[1]) if layout is not None else []
         final = [name for name in final if name != head]
         styles = sequence_parallel_styles(
