@@ -11,10 +11,9 @@ checkpoints store them (:mod:`meshpar._stored_layout`); on the module, it surviv
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from meshpar._compat import DeviceMesh, Replicate, Shard, distribute_tensor
+from meshpar._compat import DeviceMesh, Replicate, Shard
 from meshpar.tensor_parallel._collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -23,10 +22,7 @@ from meshpar.tensor_parallel._collectives import (
     reduce_scatter_to_sp,
 )
 from meshpar.tensor_parallel._init import check_divisible
-
-
-def _param(tensor: torch.Tensor, mesh: DeviceMesh, placement: object) -> nn.Parameter:
-    return nn.Parameter(distribute_tensor(tensor.detach(), mesh, [placement], src_data_rank=0))
+from meshpar.tensor_parallel.layers import distribute_parameter
 
 
 class ColumnParallelConv1D(Conv1D):
@@ -49,12 +45,14 @@ class ColumnParallelConv1D(Conv1D):
     ) -> ColumnParallelConv1D:
         n_in, n_out = conv.weight.shape
         check_divisible(n_out // fused, mesh.size(), "output features per fused block", cls.__name__)
+        weight, bias = conv.weight, conv.bias
         if fused == 1:
-            conv.weight = _param(conv.weight, mesh, Shard(1))
-            conv.bias = _param(conv.bias, mesh, Shard(0))
+            conv.weight = distribute_parameter(weight, mesh, [Shard(1)])
+            conv.bias = distribute_parameter(bias, mesh, [Shard(0)])
         else:
-            conv.weight = _param(conv.weight.view(n_in, fused, n_out // fused), mesh, Shard(2))
-            conv.bias = _param(conv.bias.view(fused, n_out // fused), mesh, Shard(1))
+            packed_weight, packed_bias = weight.view(n_in, fused, n_out // fused), bias.view(fused, n_out // fused)
+            conv.weight = distribute_parameter(packed_weight, mesh, [Shard(2)])  # views: trainable as the originals
+            conv.bias = distribute_parameter(packed_bias, mesh, [Shard(1)])
             conv.checkpoint_shapes = {"weight": (n_in, n_out), "bias": (n_out,)}
         conv.__class__ = cls
         conv.tp_mesh, conv.fused = mesh, fused
@@ -84,8 +82,8 @@ class RowParallelConv1D(Conv1D):
     def from_conv1d(cls, conv: Conv1D, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> RowParallelConv1D:
         n_in = conv.weight.shape[0]
         check_divisible(n_in, mesh.size(), "input features", cls.__name__)
-        conv.weight = _param(conv.weight, mesh, Shard(0))
-        conv.bias = _param(conv.bias, mesh, Replicate())
+        conv.weight = distribute_parameter(conv.weight, mesh, [Shard(0)])
+        conv.bias = distribute_parameter(conv.bias, mesh, [Replicate()])
         conv.__class__ = cls
         conv.tp_mesh, conv.sequence_parallel = mesh, sequence_parallel
         return conv

@@ -18,7 +18,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_tp, reduce_from_tp
-from meshpar.tensor_parallel.layers import _distribute_param, parameters_replaced
+from meshpar.tensor_parallel.layers import distribute_parameter, parameters_replaced
 
 
 class _LocalExperts:
@@ -93,7 +93,7 @@ class ExpertsOverTP(ParallelStyle):
                 f"into whole experts ({others} are not)"
             )
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, _distribute_param(param, device_mesh, [Shard(0)], self.src_data_rank))
+            setattr(module, name, distribute_parameter(param, device_mesh, [Shard(0)], self.src_data_rank))
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (_LocalExperts, cls), {})
         module.__class__ = _CLASSES[cls]

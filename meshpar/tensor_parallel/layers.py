@@ -81,11 +81,19 @@ def _is_meta(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
-def _distribute_param(
-    param: nn.Parameter, mesh: DeviceMesh, placements: list, src_data_rank: int | None
+def distribute_parameter(
+    param: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: list,
+    src_data_rank: int | None = 0,
+    *,
+    requires_grad: bool | None = None,
 ) -> nn.Parameter:
+    """``param``'s value as an ``nn.Parameter`` holding a DTensor with ``placements`` on ``mesh`` (rank
+    ``src_data_rank``'s values; ``None``: each rank's own), trainable as ``param`` is unless ``requires_grad`` says
+    otherwise: the one way every tp style and layer turns a dense parameter into a sharded one."""
     tensor = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
-    return nn.Parameter(tensor, requires_grad=param.requires_grad)
+    return nn.Parameter(tensor, requires_grad=param.requires_grad if requires_grad is None else requires_grad)
 
 
 def mark_partitioned(module: nn.Module) -> None:
@@ -102,9 +110,9 @@ def mark_partitioned(module: nn.Module) -> None:
 def _shard_linear_params_(
     linear: nn.Linear, mesh: DeviceMesh, weight_placement: Shard, bias_placement: Shard | Replicate, src: int | None
 ) -> None:
-    linear.weight = _distribute_param(linear.weight, mesh, [weight_placement], src)
+    linear.weight = distribute_parameter(linear.weight, mesh, [weight_placement], src)
     if linear.bias is not None:
-        linear.bias = _distribute_param(linear.bias, mesh, [bias_placement], src)
+        linear.bias = distribute_parameter(linear.bias, mesh, [bias_placement], src)
 
 
 class _TensorParallelLinear(nn.Linear):
@@ -424,7 +432,7 @@ class ParallelEmbedding(nn.Embedding):
         if shard_across_embedding:
             check_divisible(embedding.embedding_dim, tp_mesh.size(), "embedding_dim", cls.__name__)
         placement = Shard(1) if shard_across_embedding else Shard(0)
-        embedding.weight = _distribute_param(embedding.weight, tp_mesh, [placement], src_data_rank)
+        embedding.weight = distribute_parameter(embedding.weight, tp_mesh, [placement], src_data_rank)
         embedding.__class__ = cls
         embedding._configure(
             tp_mesh,
@@ -520,7 +528,7 @@ def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_d
     if issubclass(cls, _SequenceParallelParams):
         raise ValueError(f"{cls.__name__} is already sequence parallel")
     for name, param in list(module.named_parameters(recurse=False)):
-        setattr(module, name, _distribute_param(param, tp_mesh, [Replicate()], src_data_rank))
+        setattr(module, name, distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank))
     if cls not in _SP_CLASSES:
         _SP_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelParams, cls), {})
     module.__class__ = _SP_CLASSES[cls]
@@ -570,7 +578,7 @@ def make_vocab_parallel_subclass(
     for child in embedding.children():
         if any(True for _ in child.parameters()):
             make_sequence_parallel_norm(child, tp_mesh, src_data_rank=src_data_rank)
-    embedding.weight = _distribute_param(embedding.weight, tp_mesh, [Shard(0)], src_data_rank)
+    embedding.weight = distribute_parameter(embedding.weight, tp_mesh, [Shard(0)], src_data_rank)
     if cls not in _VOCAB_CLASSES:
         _VOCAB_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (_VocabParallelLookup, cls), {})
     embedding.__class__ = _VOCAB_CLASSES[cls]

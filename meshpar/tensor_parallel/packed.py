@@ -27,10 +27,10 @@ import math
 import torch
 from torch import nn
 
-from meshpar._compat import DeviceMesh, Shard, distribute_tensor, local_tensor
+from meshpar._compat import DeviceMesh, Shard, local_tensor
 from meshpar._stored_layout import GroupedRows
 from meshpar.tensor_parallel._init import check_divisible, fill_from_full_, linear_bias_init, linear_weight_init
-from meshpar.tensor_parallel.layers import ColumnParallelLinear, mark_partitioned
+from meshpar.tensor_parallel.layers import ColumnParallelLinear, distribute_parameter, mark_partitioned
 
 
 def _grouped(parts: tuple[int, ...], unit: int) -> tuple[int, tuple[int, ...]]:
@@ -129,8 +129,7 @@ def _packed_param(
     src_data_rank: int | None,
 ) -> nn.Parameter:
     packed = _pack(param.detach(), layout, parts)
-    tensor = distribute_tensor(packed, mesh, [placement], src_data_rank=src_data_rank)
-    return nn.Parameter(tensor, requires_grad=param.requires_grad)
+    return distribute_parameter(packed, mesh, [placement], src_data_rank, requires_grad=param.requires_grad)
 
 
 def _init_packed(init: object, layout: tuple[int, ...] | GroupedRows, parts: int) -> object:

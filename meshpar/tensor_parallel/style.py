@@ -31,7 +31,7 @@ from meshpar.tensor_parallel.layers import (
     ParallelEmbedding,
     ReplicatedKVLinear,
     RowParallelLinear,
-    _distribute_param,
+    distribute_parameter,
     make_sequence_parallel_norm,
     make_vocab_parallel_subclass,
 )
@@ -254,7 +254,7 @@ class LocalParameters(ParallelStyle):
                     f"LocalParameters: {type(module).__name__}.{name} of shape {tuple(param.shape)} cannot be split "
                     f"along dim {dim} over tp={tp}"
                 )
-            module._parameters[name] = _distribute_param(param, device_mesh, [Shard(dim)], self.src_data_rank)
+            module._parameters[name] = distribute_parameter(param, device_mesh, [Shard(dim)], self.src_data_rank)
         names = tuple(shards)
         saved: list[dict[str, nn.Parameter]] = []
 
