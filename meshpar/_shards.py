@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DTensor, Shard
-from meshpar._stored_layout import GroupedRows
+from meshpar._stored_layout import from_layout, to_layout
 
 
 def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -30,9 +30,7 @@ def in_model_layout(whole: torch.Tensor, model: nn.Module, name: str) -> torch.T
     """The inverse of :func:`in_parameter_layout`: ``whole``, a whole tensor in the layout meshpar keeps parameter
     ``name`` in (``full_tensor()`` of it, its grad, its optimizer state), in the model's own shape."""
     layout = _layout(model, name)
-    if layout is None:
-        return whole
-    return layout.unpack(whole) if isinstance(layout, GroupedRows) else whole.reshape(layout)
+    return whole if layout is None else from_layout(whole, layout)
 
 
 def in_parameter_layout(full: torch.Tensor, model: nn.Module, name: str) -> torch.Tensor:
@@ -41,6 +39,4 @@ def in_parameter_layout(full: torch.Tensor, model: nn.Module, name: str) -> torc
     :mod:`meshpar._stored_layout`) are packed; every other tensor is returned as it is."""
     layout = _layout(model, name)
     shape = tuple(model.get_parameter(name).shape)
-    if layout is None or tuple(full.shape) == shape:
-        return full
-    return layout.pack(full) if isinstance(layout, GroupedRows) else full.reshape(shape)
+    return full if layout is None or tuple(full.shape) == shape else to_layout(full, layout, shape)

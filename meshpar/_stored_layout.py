@@ -92,6 +92,17 @@ def stored_shape(layout: Layout) -> tuple[int, ...]:
     return layout.stored if isinstance(layout, GroupedRows) else tuple(layout)
 
 
+def to_layout(dense: torch.Tensor, layout: Layout, logical: tuple[int, ...]) -> torch.Tensor:
+    """``dense`` (in the model's shape) as meshpar keeps it: packed for :class:`GroupedRows`, else reshaped to the
+    ``logical`` shape (a view where ``dense`` allows one)."""
+    return layout.pack(dense) if isinstance(layout, GroupedRows) else dense.reshape(logical)
+
+
+def from_layout(whole: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The inverse of :func:`to_layout`: ``whole`` (the whole tensor as meshpar keeps it) in the model's shape."""
+    return layout.unpack(whole) if isinstance(layout, GroupedRows) else whole.reshape(layout)
+
+
 def _merged_pieces(local: torch.Tensor, offsets: tuple[int, ...], logical: tuple[int, ...], stored: tuple) -> Pieces:
     """(offsets in the merged shape, local piece) for every part the box ``local`` at ``offsets`` covers."""
     d = merged_dim(logical, stored)

@@ -314,8 +314,7 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
             layout = pipeline_layout(model) or inferred_pipeline_layout(model)
         except ValueError:  # a pipeline plan that does not describe the model: no final norm is known
             layout = None
-        final = list(layout.stage_sides(model)[1]) if layout is not None else []
-        final = [name for name in final if name != head]
+        final = list(layout.stage_sides(model)[1]) if layout is not None else []  # base-model modules: no head
         styles = sequence_parallel_styles(
             model, styles, layers, final, ScatterSequenceInput(), SequenceParallelFinalNorm()
         )

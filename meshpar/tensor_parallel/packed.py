@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, Shard, local_tensor
-from meshpar._stored_layout import GroupedRows
+from meshpar._stored_layout import GroupedRows, Layout, stored_shape, to_layout
 from meshpar.tensor_parallel._init import check_divisible, fill_from_full_, linear_bias_init, linear_weight_init
 from meshpar.tensor_parallel.layers import ColumnParallelLinear, distribute_parameter, mark_partitioned
 
@@ -50,7 +50,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
     parts: tuple[int, ...]
     unit: int
     grouped: GroupedRows | None
-    checkpoint_shapes: dict[str, tuple[int, ...] | GroupedRows]
+    checkpoint_shapes: dict[str, Layout]
 
     @classmethod
     def from_linear(  # type: ignore[override]
@@ -75,7 +75,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
             )
         for size in parts:
             check_divisible(size // unit, tp_mesh.size(), "heads per packed part", cls.__name__)
-        shapes: dict[str, tuple[int, ...] | GroupedRows] = {"weight": (out_features, in_features)}
+        shapes: dict[str, Layout] = {"weight": (out_features, in_features)}
         grouped = None
         if len(set(parts)) > 1:
             groups, slots = _grouped(parts, unit)
@@ -114,15 +114,14 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         return f"{super().extra_repr()}, parts={self.parts}, unit={self.unit}"
 
 
-def _pack(dense: torch.Tensor, layout: tuple[int, ...] | GroupedRows, parts: int) -> torch.Tensor:
-    if isinstance(layout, GroupedRows):
-        return layout.pack(dense)
-    return dense.view(parts, -1, *dense.shape[1:])
+def _pack(dense: torch.Tensor, layout: Layout, parts: int) -> torch.Tensor:
+    """``dense`` as this layer keeps it: ``[parts, rows, ...]`` for equal parts, else grouped."""
+    return to_layout(dense, layout, (parts, -1, *dense.shape[1:]))
 
 
 def _packed_param(
     param: nn.Parameter,
-    layout: tuple[int, ...] | GroupedRows,
+    layout: Layout,
     parts: int,
     mesh: DeviceMesh,
     placement: Shard,
@@ -132,10 +131,9 @@ def _packed_param(
     return distribute_parameter(packed, mesh, [placement], src_data_rank, requires_grad=param.requires_grad)
 
 
-def _init_packed(init: object, layout: tuple[int, ...] | GroupedRows, parts: int) -> object:
+def _init_packed(init: object, layout: Layout, parts: int) -> object:
     def fill(full: torch.Tensor) -> None:
-        shape = layout.stored if isinstance(layout, GroupedRows) else layout
-        dense = torch.empty(shape, dtype=full.dtype)
+        dense = torch.empty(stored_shape(layout), dtype=full.dtype)
         init(dense)
         full.copy_(_pack(dense, layout, parts))
 
