@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2     # tp=2 x dp=2
 
-The model is built densely from one seed on every rank and sharded with a plan dict; the LM head emits vocab-sharded
-logits that go straight into ``meshpar.parallel_cross_entropy``; the dp all-reduce of the grads runs during backward
+The model is built densely from one seed on every rank and sharded with a plan dict by meshpar's recipe
+(``meshpar.apply_recipe``); the LM head emits vocab-sharded logits that go straight into
+``meshpar.parallel_cross_entropy``; the dp all-reduce of the grads runs during backward
 (``OverlappedGradSync``). The corpus is the source text of Python's own ``textwrap`` module, tokenised by bytes.
 """
 
@@ -18,7 +19,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 
 import meshpar
 import meshpar.testing
@@ -97,7 +97,7 @@ def main() -> None:
     device = dims.device
     data = torch.tensor(list(inspect.getsource(textwrap).encode()), dtype=torch.long)
     model = TinyGPT(256, args.hidden, args.heads, args.layers, args.seq)
-    model = parallelize_module(model, dims.tp_mesh, TP_PLAN).to(device)
+    model = meshpar.apply_recipe(model, dims, meshpar.Recipe(tp_plan=TP_PLAN))  # TP, then (none asked) AC/FSDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     grad_sync = OverlappedGradSync(model.parameters(), dims.dp_mesh)  # dp all-reduce in buckets during backward
     if is_logger:

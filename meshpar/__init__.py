@@ -6,6 +6,7 @@ from meshpar.grad_sync import OverlappedGradSync
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import ParallelDims, destroy_parallel, get_parallel, init_parallel, is_initialized
 from meshpar.random import activation_checkpoint, get_rng_tracker, model_parallel_manual_seed
+from meshpar.recipe import Recipe, apply_recipe
 from meshpar.tensor_parallel import (
     ColumnParallel,
     ColumnParallelLinear,
@@ -49,7 +50,9 @@ __all__ = [
     "SequenceParallelNorm",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "Recipe",
     "activation_checkpoint",
+    "apply_recipe",
     "checkpoint",
     "destroy_parallel",
     "fused_linear_cross_entropy",

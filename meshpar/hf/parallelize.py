@@ -18,7 +18,6 @@ import contextlib
 import inspect
 import logging
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
 from meshpar._compat import local_tensor
-from meshpar.data import move_model_to_device
-from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
+from meshpar.data_parallel import allreduce_gradients
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
@@ -40,8 +37,8 @@ from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import text_config
-from meshpar.hf.materialize import init_hf_weights, is_meta, make_replicas_agree, materialize_sharded
-from meshpar.hf.plans import HFPlan, apply_ties, plan_for, plan_summary
+from meshpar.hf.init import init_hf_weights
+from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
     STAGE_FORWARDS,
     check_stage_composition,
@@ -51,13 +48,14 @@ from meshpar.hf.stages import (
     pipeline_layout,
 )
 from meshpar.hf.verify import verify_plan
+from meshpar.materialize import is_meta
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
 from meshpar.rebind import record_replacements
+from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
-from meshpar.tensor_parallel.shared_input import group_shared_inputs
 
 _log = logging.getLogger(__name__)
 
@@ -135,9 +133,9 @@ class ParallelizedModel(nn.Module):
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
-        container = model.get_submodule(self.plan.layers) if self.plan.layers else None
-        # the layer classes (hybrid models mix several: linear and full attention) for splitting, checkpointing, FSDP
-        classes = tuple(dict.fromkeys(type(layer) for layer in container)) if container is not None else ()
+        self.recipe = self._recipe()
+        # the layer classes (hybrid models mix several: linear and full attention) for splitting the pipeline
+        classes = block_classes(model, self.plan.layers)
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         if self.dims.pp == 1:
@@ -193,40 +191,30 @@ class ParallelizedModel(nn.Module):
         return self.parallel_config.fsdp and self.dims.dp > 1
 
     # -- building ------------------------------------------------------------------------------------------------
+    def _recipe(self) -> Recipe:
+        config = self.parallel_config
+        return Recipe(
+            tp_plan=self.plan.styles,
+            blocks=self.plan.layers,
+            fixups=self.plan.fixups,
+            ties=self.plan.ties,
+            activation_checkpointing=config.activation_checkpointing,
+            compile=config.compile,
+            fsdp=self._fsdp,
+            init_weights=init_hf_weights,
+        )
+
     def _shard(self, module: nn.Module) -> nn.Module:
-        # The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is [in, 3, hidden])
-        # in every layout and checkpoints load across any change of tp.
+        """The HF model (pp = 1) or one of its stages through the model-agnostic recipe (:mod:`meshpar.recipe`).
+        The plan runs at tp=1 too, so parameters have the same logical shapes (GPT-2's fused QKV is
+        [in, 3, hidden]) in every layout and checkpoints load across any change of tp."""
         fused = self.parallel_config.fused_kernels
         if fused or (fused is None and self.dims.device.type == "cuda"):
             # before the plan: the fused norms hold the same parameters under the same names, so styles apply alike
             for name, why in use_fused_modules(module).items():
                 _log.info("%s stays stock: %s", name, why)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Parallelize plan key")
-            parallelize_module(module, self.dims.tp_mesh, self.plan.styles)
-        if not self._from_meta:
-            move_model_to_device(module, self.dims.device)  # what tp left where the model was built
-        for fixup in self.plan.fixups:
-            fixup(module, self.dims.tp)
-        group_shared_inputs(module)  # q/k/v and gate/up: one input-grad all-reduce each (Megatron's count)
-        present = [(t, s) for t, s in self.plan.ties if _has_param(module, t) and _has_param(module, s)]
-        apply_ties(module, present)
-        if self._from_meta and self.dims.pp == 1:
-            materialize_sharded(module, self.dims)
-        elif self._from_meta:  # the splitter allocated and initialised this stage; replicas must agree
-            make_replicas_agree(module, self.dims)
-        layers = list(module.get_submodule(self.plan.layers)) if self.plan.layers else []
-        if self.parallel_config.activation_checkpointing and layers:
-            # with compile, each block's forward is compiled inside the checkpoint (see apply_activation_checkpointing)
-            apply_activation_checkpointing(module, self._layer_cls, compile_blocks=self.parallel_config.compile)
-        elif self.parallel_config.compile:
-            for layer in layers:
-                layer.compile(fullgraph=False)
-        if self._fsdp:  # last, as in torchtitan: TP -> compile inside activation checkpointing -> FSDP
-            # under pp a stage runs each microbatch forward then backward: keep its gathered parameters between
-            # the two instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled)
-            apply_fsdp(module, self.dims.dp_mesh, block_cls=self._layer_cls, reshard_after_forward=self.dims.pp == 1)
-        return module
+        # a meta-built model's stages were allocated and initialised by the splitter, rank by rank
+        return apply_recipe(module, self.dims, self.recipe, initialised_per_rank=self._from_meta and self.dims.pp > 1)
 
     def _split(self, model: nn.Module) -> PipelineModel:
         """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
@@ -456,7 +444,7 @@ class ParallelizedModel(nn.Module):
         if self._tied_group is None:
             return []
         names = sorted({n for pair in self.tied_parameters.items() for n in pair})
-        return [m.get_parameter(n) for m in self.local_modules() for n in names if _has_param(m, n)]
+        return [m.get_parameter(n) for m in self.local_modules() for n in names if has_parameter(m, n)]
 
     @torch.no_grad()
     def _broadcast_tied_weights(self) -> None:
@@ -535,13 +523,6 @@ class ParallelizedModel(nn.Module):
     def tied_parameters(self) -> dict[str, str]:
         """Tied LM head -> input embedding: saved once, restored into both (also across pipeline stages)."""
         return {target: source for target, source in self.plan.ties if target.endswith(".weight")}
-
-
-def _has_param(module: nn.Module, name: str) -> bool:
-    with contextlib.suppress(AttributeError):
-        module.get_parameter(name)
-        return True
-    return False
 
 
 def parallelize(

@@ -366,14 +366,6 @@ def plan_for(
     return built
 
 
-def apply_ties(model: nn.Module, ties: list[tuple[str, str]]) -> None:
-    """Point tied parameters at the one sharded parameter (sharding each copy separately would untie them)."""
-    for target, source in ties:
-        owner_name, _, attr = target.rpartition(".")
-        src_owner, _, src_attr = source.rpartition(".")
-        setattr(model.get_submodule(owner_name), attr, getattr(model.get_submodule(src_owner), src_attr))
-
-
 def plan_summary(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
     """Which module got which style and placements, and parameters held per rank vs the dense model."""
     lines, local_total, global_total = [], 0, 0

@@ -15,7 +15,7 @@ from transformers.pytorch_utils import Conv1D
 from meshpar._compat import DTensor
 from meshpar._shards import local_slice
 from meshpar.hf.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from meshpar.hf.materialize import make_replicas_agree, materialize_sharded
+from meshpar.materialize import make_replicas_agree, materialize_sharded
 from meshpar.testing import run_distributed, setup_parallel, shard_of
 
 HIDDEN, BATCH, SEQ = 8, 2, 4
@@ -91,7 +91,7 @@ class Tied(nn.Module):
         self.head = nn.Linear(HIDDEN, 16, bias=False)
         self.head.weight = self.embed.weight
 
-    def initialize_weights(self) -> None:  # as HF's PreTrainedModel: each rank draws its own values
+    def initialize_weights(self) -> None:  # each rank draws its own values
         for module in self.modules():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -102,7 +102,7 @@ def materialize_case() -> list[float]:
     with torch.device("meta"):
         model = Tied()
     torch.manual_seed(dist.get_rank())  # every rank initialises differently: agreement must come from the broadcast
-    materialize_sharded(model, dims)
+    materialize_sharded(model, dims, init=Tied.initialize_weights)
     assert model.head.weight is model.embed.weight, "a tie made on meta is kept"
     assert not any(p.is_meta for p in model.parameters())
     torch.manual_seed(100 + dist.get_rank())

@@ -1,15 +1,16 @@
-"""Materialise a HuggingFace model built on the ``meta`` device after (pp: while) it is sharded.
+"""Materialise a module built on the ``meta`` device after (pp: while) it is sharded.
 
-``with torch.device("meta"): model = GPT2LMHeadModel(config)`` costs no memory; :func:`meshpar.parallelize` shards
-it on meta and then allocates only each rank's shards (pp: only its stages), so no rank ever holds the dense model.
-Weights are initialised with the model's own ``_init_weights`` (which also recomputes non-persistent buffers such
-as rotary frequencies) on the local shards, then made identical wherever they must be: every parameter across its
-dp replicas, TP-replicated ones across tp too. Load real weights afterwards with ``from_parallelized``.
+``with torch.device("meta"): model = Model(config)`` costs no memory; :func:`meshpar.recipe.apply_recipe` shards it
+on meta and then allocates only each rank's shards (pp: only its stages), so no rank ever holds the dense model.
+Weights are initialised by the caller's ``init`` (HF models: :func:`meshpar.hf.init.init_hf_weights`, the model's own
+``_init_weights``, which also recomputes non-persistent buffers such as rotary frequencies) on the local shards, then
+made identical wherever they must be: every parameter across its dp replicas, TP-replicated ones across tp too.
+Load real weights afterwards (``checkpoint.load`` / ``from_parallelized``).
 """
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,19 +22,6 @@ from meshpar.parallel_dims import ParallelDims
 
 def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def init_hf_weights(model: nn.Module) -> None:
-    """Run the HF model's own initialisation on whatever ``model`` holds now (a whole model or a pipeline stage)."""
-    for module in model.modules():
-        if hasattr(module, "_is_hf_initialized"):
-            del module._is_hf_initialized
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DTensor random operators")  # CPU meshes: replicas are synced
-        if hasattr(model, "initialize_weights"):
-            model.initialize_weights()
-        else:  # older transformers
-            model.apply(model._init_weights)
 
 
 def _tp_sharded(param: torch.Tensor) -> bool:
@@ -52,8 +40,9 @@ def make_replicas_agree(model: nn.Module, dims: ParallelDims) -> None:
             dist.broadcast(local, group=dims.dp_mesh.get_group(), group_src=0)
 
 
-def materialize_sharded(model: nn.Module, dims: ParallelDims) -> None:
-    """``to_empty`` on this rank's device, keeping parameters that were tied on meta tied, then initialise."""
+def materialize_sharded(model: nn.Module, dims: ParallelDims, init: Callable[[nn.Module], None]) -> None:
+    """``to_empty`` on this rank's device, keeping parameters that were tied on meta tied, then ``init`` and make
+    the replicas agree."""
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -63,5 +52,5 @@ def materialize_sharded(model: nn.Module, dims: ParallelDims) -> None:
         first_module, first_name = owners[0]
         for module, name in owners[1:]:
             setattr(module, name, getattr(first_module, first_name))
-    init_hf_weights(model)
+    init(model)
     make_replicas_agree(model, dims)
