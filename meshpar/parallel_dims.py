@@ -51,6 +51,8 @@ class ParallelDims:
     virtual_pipeline_rank: int | None = None
     # apex's microbatch calculator (meshpar.pipeline.apex.setup_microbatch_calculator); None until set up
     microbatch_calculator: object | None = field(default=None, repr=False)
+    # process groups that are not mesh dims, created once per mesh (see pipeline_ends_group)
+    _extra_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_positive("world_size", self.world_size)
@@ -143,6 +145,20 @@ class ParallelDims:
         axis = MESH_DIM_NAMES.index(dim)
         moved = ranks.movedim(axis, -1)
         return moved.reshape(-1, ranks.shape[axis]).tolist()
+
+    def pipeline_ends_group(self) -> dist.ProcessGroup | None:
+        """Megatron's embedding group: the first and last pipeline rank of each (dp, tp) position, which hold the
+        two copies of a tied embedding / LM head. Created on first use (a collective call on every rank) and reused
+        for the life of the mesh; ``None`` on ranks in neither end, and when pp == 1."""
+        if "pipeline_ends" not in self._extra_groups:
+            mine = None
+            if self.pp > 1:
+                for ranks in self.group_ranks("pp"):
+                    group = dist.new_group([ranks[0], ranks[-1]])  # every rank takes part in every new_group
+                    if dist.get_rank() in (ranks[0], ranks[-1]):
+                        mine = group
+            self._extra_groups["pipeline_ends"] = mine
+        return self._extra_groups["pipeline_ends"]
 
 
 _PARALLEL: ParallelDims | None = None

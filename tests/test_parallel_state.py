@@ -145,3 +145,31 @@ def default_device_case() -> str:
 
 def test_existing_gloo_group_means_cpu() -> None:
     assert run_distributed(default_device_case, 2) == ["cpu", "cpu"]
+
+
+def pipeline_ends_group_case() -> list:
+    import torch
+    import torch.distributed as dist
+
+    from meshpar.testing.reference import setup_parallel
+
+    dims = setup_parallel(pp=4, dp=1)
+    made = []
+    original = dist.new_group
+    dist.new_group = lambda ranks, *a, **k: made.append(ranks) or original(ranks, *a, **k)
+    try:
+        first = dims.pipeline_ends_group()
+        again = setup_parallel(pp=4, dp=1).pipeline_ends_group()  # another ParallelDims over the same mesh
+    finally:
+        dist.new_group = original
+    assert again is first and len(made) <= 1, "one group per mesh, not one per model built on it"
+    if first is None:
+        return [dims.pp_rank, None]
+    value = torch.ones(1)
+    dist.all_reduce(value, group=first)
+    return [dims.pp_rank, value.item()]
+
+
+def test_pipeline_ends_group_joins_first_and_last_stage_once_per_mesh() -> None:
+    results = sorted(run_distributed(pipeline_ends_group_case, 4))
+    assert results == [[0, 2.0], [1, None], [2, None], [3, 2.0]]

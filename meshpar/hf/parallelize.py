@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from meshpar import checkpoint
@@ -38,6 +37,8 @@ from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import text_config
 from meshpar.hf.init import init_hf_weights
+from meshpar.hf.loss import TASKS as LOSS_TASKS
+from meshpar.hf.loss import TokenLoss
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
     STAGE_FORWARDS,
@@ -54,45 +55,8 @@ from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
 from meshpar.rebind import record_replacements
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
-from meshpar.tensor_parallel import parallel_cross_entropy
-from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 _log = logging.getLogger(__name__)
-
-
-def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int) -> torch.Tensor:
-    """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded, else 0."""
-    if vocab_sharded:
-        return parallel_cross_entropy(logits, labels, vocab_size=vocab_sharded)
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
-
-
-def _scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The labels a token loss is computed for (causal LMs predict token t+1 from position t)."""
-    return labels[:, 1:] if causal else labels
-
-
-def _summed_over(loss: torch.Tensor, scored: torch.Tensor, normalizer: torch.Tensor | None) -> torch.Tensor:
-    """Summed token losses over ``normalizer`` (default: the scored tokens of this batch, i.e. the mean)."""
-    return loss.sum() / (normalizer if normalizer is not None else (scored != IGNORE_INDEX).sum().clamp(min=1))
-
-
-def _causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Position t predicts token t+1: the labels shift left (the last position scores nothing), as HF does; slicing
-    the logits instead would copy them forward and zero-fill plus copy a full-size grad in backward."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return _summed_over(_token_losses(logits, shifted, vocab_sharded), shifted, normalizer)
-
-
-def _masked_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_sharded: int, normalizer: torch.Tensor | None = None
-) -> torch.Tensor:
-    return _summed_over(_token_losses(logits, labels, vocab_sharded), labels, normalizer)
-
-
-_LOSSES = {"causal_lm": _causal_lm_loss, "masked_lm": _masked_lm_loss}
 
 
 def _init_mesh(config: ParallelConfig) -> ParallelDims:
@@ -124,12 +88,11 @@ class ParallelizedModel(nn.Module):
         self.dims = _init_mesh(config)
         self.hf_config = model.config
         self.model_class = type(model)
-        self.loss_fn = _LOSSES.get(self.plan.task)
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         vocab = getattr(text_config(self.hf_config), "vocab_size", None)
         self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
+        self.loss_fn = TokenLoss(self.plan.task, self.vocab_sharded) if self.plan.task in LOSS_TASKS else None
         self._grad_sync: OverlappedGradSync | None = None
-        self._normalizer: torch.Tensor | None = None  # set by train_step / eval_loss: see _per_token_loss
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
@@ -221,7 +184,7 @@ class ParallelizedModel(nn.Module):
         pipeline plan runs its own forward per stage (:func:`meshpar.hf.stages.decoder_stage_forward`), proven on
         the dense model first."""
         family, config = self.plan.family, self.parallel_config
-        loss_fn, sharded = self.loss_fn, self.vocab_sharded
+        loss_fn = self.loss_fn
         if family in STAGE_FORWARDS and loss_fn is not None:
             keep = STAGE_FORWARDS[family][1]
             shards = self.dims.tp if config.sequence_parallel else 1
@@ -277,7 +240,7 @@ class ParallelizedModel(nn.Module):
             auto_partition=config.auto_partition,
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
-            loss_fn=lambda logits, input_ids, labels, **_: loss_fn(logits, labels, sharded, self._normalizer),
+            loss_fn=loss_fn.pipeline_loss if loss_fn is not None else None,
             keep_modules=keep,
             stage_transform=lambda stage: self._shard(install(stage)),
             overlap_grad_reduce=self._overlap_grad_reduce,
@@ -290,15 +253,9 @@ class ParallelizedModel(nn.Module):
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
-        """Megatron's embedding group: first and last pipeline rank of each (dp, tp) position, for tied weights."""
-        if not self.tied_parameters:
-            return None
-        mine = None
-        for ranks in self.dims.group_ranks("pp"):
-            group = dist.new_group([ranks[0], ranks[-1]])
-            if dist.get_rank() in (ranks[0], ranks[-1]):
-                mine = group
-        return mine
+        """The group summing the two stages' grads of a tied embedding (made once per mesh, see
+        :meth:`ParallelDims.pipeline_ends_group`)."""
+        return self.dims.pipeline_ends_group() if self.tied_parameters else None
 
     # -- running -------------------------------------------------------------------------------------------------
     def local_modules(self) -> list[nn.Module]:
@@ -333,29 +290,16 @@ class ParallelizedModel(nn.Module):
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
-        out["loss"] = self.loss_fn(out.logits, labels, self.vocab_sharded, self._normalizer)
+        out["loss"] = self.loss_fn(out.logits, labels)
         return out
 
-    @contextlib.contextmanager
-    def _per_token_loss(self, labels: torch.Tensor) -> Iterator[None]:
-        """Normalise the summed token losses of every microbatch on every dp rank by the token count of the whole
-        global batch, so the step's loss and grads are exactly the mean over all scored tokens, as on one process:
-        a mean of per-microbatch (or per-replica) means would weigh the tokens of a padded microbatch more (the
-        gradient-accumulation loss bug). Costs one scalar all-reduce over dp."""
+    def _per_token_loss(self, labels: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Every microbatch's token losses on every dp rank normalised by the global batch's scored tokens
+        (:meth:`meshpar.hf.loss.TokenLoss.over_global_batch`)."""
         if self.loss_fn is None:
-            yield
-            return
-        count = (_scored(labels, self.plan.task == "causal_lm") != IGNORE_INDEX).sum()
-        if self.dims.dp > 1:
-            count = count.clone()
-            dist.all_reduce(count, group=self.dims.dp_mesh.get_group())
-        # each replica's grads are averaged over dp and each microbatch's loss is scaled by 1/m: undo both
+            return contextlib.nullcontext()
         microbatches = self.parallel_config.num_microbatches if self.pipeline is not None else 1
-        self._normalizer = count.clamp(min=1) / (self.dims.dp * microbatches)
-        try:
-            yield
-        finally:
-            self._normalizer = None
+        return self.loss_fn.over_global_batch(labels, self.dims, microbatches)
 
     @stop_all_ranks_on_error("train_step")
     def train_step(self, labels: torch.Tensor, *, sync_dp_grads: bool = True, **inputs: Any) -> torch.Tensor:

@@ -23,6 +23,7 @@ def setup_parallel(tp: int = 1, pp: int = 1, dp: int = -1, *, seed: int = 1234) 
         dims.build_mesh("cpu")
         _MESH_CACHE[key] = dims
     dims.mesh = _MESH_CACHE[key].mesh
+    dims._extra_groups = _MESH_CACHE[key]._extra_groups  # the mesh's other groups, made once
     _set_parallel(dims)
     model_parallel_manual_seed(seed, dims)
     return dims

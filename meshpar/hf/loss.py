@@ -1,0 +1,71 @@
+"""The token loss of HF language models under meshpar: vocab-parallel where the LM head is vocab-sharded, and
+normalised by the scored tokens of the whole global batch.
+
+A step's loss is the sum of its token losses over the count of scored tokens in the global batch (every
+microbatch, every dp replica), so loss and grads equal the single-process mean however padding falls: a mean of
+per-microbatch (or per-replica) means would weigh the tokens of a padded microbatch more (the gradient-accumulation
+loss bug). :meth:`TokenLoss.over_global_batch` sets that count for the duration of one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshpar.parallel_dims import ParallelDims
+from meshpar.tensor_parallel import parallel_cross_entropy
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
+
+TASKS = ("causal_lm", "masked_lm")
+
+
+class TokenLoss:
+    """``loss(logits, labels)``: summed token losses over the global batch's scored tokens (inside
+    :meth:`over_global_batch`; their mean over this batch outside it)."""
+
+    def __init__(self, task: str, vocab_sharded: int) -> None:
+        """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded over tp, else 0."""
+        if task not in TASKS:
+            raise ValueError(f"no token loss for task {task!r}; one of {TASKS}")
+        self.causal = task == "causal_lm"
+        self.vocab_sharded = vocab_sharded
+        self._normalizer: torch.Tensor | None = None
+
+    def scored(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels a token loss is computed for, at the logits' positions: causal LMs predict token t+1 at
+        position t, so the labels shift left and the last position scores nothing (as HF does; slicing the logits
+        instead would copy them forward and zero-fill plus copy a full-size grad in backward)."""
+        return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if self.causal else labels
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        scored = self.scored(labels)
+        if self.vocab_sharded:
+            losses = parallel_cross_entropy(logits, scored, vocab_size=self.vocab_sharded)
+        else:
+            flat = F.cross_entropy(logits.float().flatten(0, -2), scored.flatten(), reduction="none")
+            losses = flat.view(scored.shape)
+        normalizer = self._normalizer
+        return losses.sum() / (normalizer if normalizer is not None else (scored != IGNORE_INDEX).sum().clamp(min=1))
+
+    def pipeline_loss(self, logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, **_: object):  # noqa: ANN201
+        """The last pipeline stage's ``loss_fn`` (it also receives the microbatch's other inputs)."""
+        return self(logits, labels)
+
+    @contextlib.contextmanager
+    def over_global_batch(self, labels: torch.Tensor, dims: ParallelDims, microbatches: int) -> Iterator[None]:
+        """Normalise by the scored tokens of every dp replica's ``labels`` (one scalar all-reduce over dp). Each
+        replica's grads are later averaged over dp and each microbatch's loss scaled by 1/``microbatches``: the
+        normaliser undoes both."""
+        count = (self.scored(labels) != IGNORE_INDEX).sum()
+        if dims.dp > 1:
+            count = count.clone()
+            dist.all_reduce(count, group=dims.dp_mesh.get_group())
+        self._normalizer = count.clamp(min=1) / (dims.dp * microbatches)
+        try:
+            yield
+        finally:
+            self._normalizer = None
