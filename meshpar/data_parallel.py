@@ -1,18 +1,25 @@
-"""Plain data parallelism: average gradients over ``mesh["dp"]`` after backward.
+"""Data parallelism: how each dp replica's grads become their mean over ``mesh["dp"]``.
 
-The minimal DDP-style step for models whose parameters are DTensors on the tp mesh (their local shards are what each
-dp replica owns). ZeRO-1 and FSDP2 are separate options.
+:class:`DataParallelGrads` is the one component every entry point holds (``meshpar.parallelize``, NxD's
+``PipelineModel``, apex's ``build_model(wrap_with_ddp=True)`` chunks); its mode says which of the four ways runs: one
+flat all-reduce after backward (:func:`allreduce_gradients`), bucketed all-reduces overlapping backward
+(:class:`meshpar.grad_sync.OverlappedGradSync`), FSDP2's reduce-scatter during backward (:func:`apply_fsdp`, applied
+by the recipe), or none here because the optimizer reduce-scatters them (``DistributedOptimizer(zero1=True,
+reduce_scatter_grads=True)``). Parameters are plain tensors or DTensors on the tp mesh; their local shards are what
+each dp replica owns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, local_tensor
-from meshpar.grad_sync import grad_buffer, pack_grads, unpack_grads
+from meshpar._dp_checks import is_dp_sharded
+from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
 from meshpar.parallel_dims import get_parallel
 
 
@@ -42,6 +49,70 @@ def allreduce_gradients(
         dist.all_reduce(flat, group=mesh.get_group())
         flat /= mesh.size()
         unpack_grads(bucket, flat, missing)
+
+
+DP_MODES = ("allreduce", "overlapped", "fsdp", "optimizer")
+
+
+def choose_dp_mode(dp_mesh: DeviceMesh, *, fsdp: bool = False, overlap: bool | None = None) -> str:
+    """FSDP2 where the parameters are dp-sharded; otherwise overlapped all-reduces where asked (default: on CUDA,
+    where communication runs beside compute), else one all-reduce after backward."""
+    if fsdp:
+        return "fsdp"
+    if overlap is None:
+        overlap = dp_mesh.device_type == "cuda"
+    return "overlapped" if overlap else "allreduce"
+
+
+class DataParallelGrads:
+    """Averages this rank's grads over dp in one of :data:`DP_MODES`:
+
+    - ``"allreduce"``: :meth:`finish` all-reduces them after backward, one flat buffer per dtype;
+    - ``"overlapped"``: bucketed all-reduces start while backward runs, one :class:`OverlappedGradSync` per pipeline
+      chunk (a chunk's buckets start in its last backward); :meth:`finish` waits for them;
+    - ``"fsdp"``: FSDP2 reduce-scattered them during backward; nothing is left to do;
+    - ``"optimizer"``: left to the optimizer (ZeRO-1 reduce-scatters each grad to its owner).
+
+    ``chunks`` are the model chunks (one module for an unpipelined model); a parameter two chunks share belongs to
+    the first. With dp == 1 every mode does nothing.
+    """
+
+    def __init__(self, mode: str, dp_mesh: DeviceMesh, chunks: Sequence[torch.nn.Module]) -> None:
+        if mode not in DP_MODES:
+            raise ValueError(f"unknown data-parallel mode {mode!r}; one of {DP_MODES}")
+        self.mode = mode
+        self.dp_mesh = dp_mesh
+        self.chunks = list(chunks)
+        overlapped = mode == "overlapped" and dp_mesh.size() > 1
+        self.syncs = [OverlappedGradSync(params, dp_mesh) for params in self._chunk_parameters()] if overlapped else []
+
+    def _chunk_parameters(self) -> list[list[torch.nn.Parameter]]:
+        claimed: set[int] = set()
+        per_chunk = []
+        for chunk in self.chunks:
+            own = [p for p in chunk.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            per_chunk.append(own)
+        return per_chunk
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backwards inside accumulate grads locally without starting dp reductions (gradient accumulation: every
+        microbatch but the last)."""
+        stack = contextlib.ExitStack()
+        for sync in self.syncs:
+            stack.enter_context(sync.no_sync())
+        return stack
+
+    def finish(self) -> None:
+        """After the step's last backward: every parameter's grad is the dp mean (``"fsdp"``: already;
+        ``"optimizer"``: still this replica's own)."""
+        if self.mode == "overlapped":
+            for sync in self.syncs:
+                sync.finish()
+        elif self.mode == "allreduce":
+            # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
+            params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
+            allreduce_gradients(params, self.dp_mesh)
 
 
 class _ZeroGradsForUnused(torch.autograd.Function):

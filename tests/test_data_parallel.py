@@ -220,3 +220,48 @@ def test_fsdp_with_a_parameter_one_dp_rank_did_not_use_matches_dense() -> None:
     for used in run_distributed(fsdp_unused_case, 2):
         assert used == {"shared.weight": True, "shared.bias": True, "block.expert.weight": True,
                         "block.expert.bias": True, "block.idle.weight": False, "block.idle.bias": False}  # fmt: skip
+
+
+def dp_modes_case(mode: str) -> list[float]:
+    """Two chunks sharing one parameter (a tied embedding) on dp=2. The model is linear, so rank r's grads are
+    (r + 1) times those of the all-ones input: the dp mean is 1.5 times them."""
+    import torch.distributed as dist
+
+    from meshpar.data_parallel import DataParallelGrads
+
+    dims = setup_parallel(dp=2)
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3, bias=False)
+    chunks = [nn.Sequential(shared, nn.Linear(3, 3, bias=False)), nn.Sequential(nn.Linear(3, 3, bias=False), shared)]
+
+    def backward(scale: float) -> None:
+        x = torch.full((1, 3), scale)
+        chunks[1](chunks[0](x)).sum().backward()
+
+    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+    backward(1.0)
+    unit = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    averaging = DataParallelGrads(mode, dims.dp_mesh, chunks)
+    with averaging.no_sync():  # an accumulation microbatch: its grads wait for the last one's reduction
+        backward(0.5 * (dist.get_rank() + 1))
+    backward(0.5 * (dist.get_rank() + 1))
+    averaging.finish()
+    return [(p.grad / u).mean().item() for p, u in zip(params, unit, strict=True)]
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "overlapped", "fsdp", "optimizer"])
+def test_data_parallel_modes_with_accumulation_and_a_shared_parameter(mode: str) -> None:
+    results = run_distributed(dp_modes_case, 2, mode)
+    reduced_elsewhere = mode in ("fsdp", "optimizer")  # FSDP2 in backward, ZeRO-1 in the optimizer
+    want = [[1.0] * 3, [2.0] * 3] if reduced_elsewhere else [[1.5] * 3, [1.5] * 3]
+    for got, expected in zip(results, want, strict=True):
+        assert got == pytest.approx(expected, rel=1e-6), results
+
+
+def test_unknown_data_parallel_mode_is_refused() -> None:
+    from meshpar.data_parallel import DataParallelGrads
+
+    with pytest.raises(ValueError, match="unknown data-parallel mode"):
+        DataParallelGrads("ddp", None, [])

@@ -18,7 +18,6 @@ import contextlib
 import inspect
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch import nn
 
 from meshpar import checkpoint
 from meshpar._compat import local_tensor
-from meshpar.data_parallel import allreduce_gradients
+from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
@@ -92,11 +91,13 @@ class ParallelizedModel(nn.Module):
         vocab = getattr(text_config(self.hf_config), "vocab_size", None)
         self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
         self.loss_fn = TokenLoss(self.plan.task, self.vocab_sharded) if self.plan.task in LOSS_TASKS else None
-        self._grad_sync: OverlappedGradSync | None = None
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()
+        # how grads are averaged over dp: FSDP2, overlapped all-reduces (default on CUDA) or one after backward
+        overlap = self.parallel_config.overlap_grad_reduce
+        self.dp_mode = choose_dp_mode(self.dims.dp_mesh, fsdp=self._fsdp, overlap=overlap)
         # the layer classes (hybrid models mix several: linear and full attention) for splitting the pipeline
         classes = block_classes(model, self.plan.layers)
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
@@ -104,11 +105,11 @@ class ParallelizedModel(nn.Module):
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
-            if self.dims.dp > 1 and self._overlap_grad_reduce:
-                self._grad_sync = OverlappedGradSync(self.module.parameters(), self.dims.dp_mesh)
+            self.data_parallel = DataParallelGrads(self.dp_mode, self.dims.dp_mesh, [self.module])
         else:
             self.pipeline = self._split(model)
             self.module = None
+            self.data_parallel = self.pipeline.data_parallel
             self._tied_group = self._tied_embedding_group()
             if self._from_meta:
                 self._broadcast_tied_weights()
@@ -141,13 +142,6 @@ class ParallelizedModel(nn.Module):
             )
             return
         verify_plan(model, self.plan, self.dims)
-
-    @property
-    def _overlap_grad_reduce(self) -> bool:
-        overlap = self.parallel_config.overlap_grad_reduce
-        if self._fsdp:
-            return False
-        return overlap if overlap is not None else self.dims.device.type == "cuda"
 
     @property
     def _fsdp(self) -> bool:
@@ -243,10 +237,10 @@ class ParallelizedModel(nn.Module):
             loss_fn=loss_fn.pipeline_loss if loss_fn is not None else None,
             keep_modules=keep,
             stage_transform=lambda stage: self._shard(install(stage)),
-            overlap_grad_reduce=self._overlap_grad_reduce,
+            dp_mode=self.dp_mode,
             stage_kwargs=("attention_mask",),
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
-            average_grads_over_dp=False,  # train_step averages them (allreduce_gradients / overlapped / FSDP)
+            average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             schedule=config.pipeline_schedule,
             first_stage_modules=sides[0],
             last_stage_modules=sides[1],
@@ -358,29 +352,17 @@ class ParallelizedModel(nn.Module):
     @property
     def grad_syncs(self) -> list[OverlappedGradSync]:
         """The dp grad syncs that run during backward (``overlap_grad_reduce``): one, or one per pipeline chunk."""
-        if self.pipeline is not None:
-            return list(self.pipeline.grad_syncs or ())
-        return [self._grad_sync] if self._grad_sync is not None else []
+        return self.data_parallel.syncs
 
     def allreduce_gradients(self) -> None:
-        """Average the grads over dp: wait for the all-reduces backward started (``overlap_grad_reduce``), or run
-        them now."""
-        if self._fsdp:
-            return  # FSDP2 reduce-scattered them during backward
-        if self.grad_syncs:
-            for sync in self.grad_syncs:
-                sync.finish()
-        else:
-            allreduce_gradients(self.parameters())
+        """Average the grads over dp (:class:`meshpar.data_parallel.DataParallelGrads`): wait for the all-reduces
+        backward started (``overlap_grad_reduce``), or run them now; FSDP2 reduced them during backward."""
+        self.data_parallel.finish()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager:
         """Backwards inside accumulate grads locally, without starting dp all-reduces (gradient accumulation: all
         microbatches but the last)."""
-        with contextlib.ExitStack() as stack:
-            for sync in self.grad_syncs:
-                stack.enter_context(sync.no_sync())
-            yield
+        return self.data_parallel.no_sync()
 
     def _local_tied_parameters(self) -> list[nn.Parameter]:
         """This rank's copies of the tied embedding / LM head, in the same (name) order on every rank of the

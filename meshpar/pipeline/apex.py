@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar import parallel_state
+from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import ForwardStep, run_schedule
@@ -157,7 +158,12 @@ class DataParallelChunk(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims) -> None:
         super().__init__()
         self.module = module
-        self.grad_sync = OverlappedGradSync(module.parameters(), dims.dp_mesh)
+        self.data_parallel = DataParallelGrads("overlapped", dims.dp_mesh, [module])
+
+    @property
+    def grad_sync(self) -> OverlappedGradSync | None:
+        """The chunk's bucketed dp all-reduce (``None`` with dp == 1: nothing to average)."""
+        return self.data_parallel.syncs[0] if self.data_parallel.syncs else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -167,7 +173,7 @@ class DataParallelChunk(nn.Module):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backwards inside only accumulate grads (apex's DDP ``no_sync``)."""
-        return self.grad_sync.no_sync()
+        return self.data_parallel.no_sync()
 
 
 def build_model(

@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._dp_checks import is_dp_sharded
-from meshpar.data_parallel import allreduce_gradients
+from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
-from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
+from meshpar.parallel_dims import check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
 from meshpar.pipeline.split import split_model
@@ -90,7 +89,10 @@ def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
 class PipelineModel(nn.Module):
     """NxD's ``NxDPPModel``. Grads after :meth:`run_train` are those of the mean loss over the microbatches, averaged
     over dp (NxD's default; with ``use_zero1_optimizer`` the optimizer averages them: meshpar's
-    ``DistributedOptimizer(zero1=True)``)."""
+    ``DistributedOptimizer(zero1=True)``). How they are averaged is one :class:`meshpar.data_parallel.DataParallelGrads`
+    (``dp_mode``, meshpar's keyword; by default from ``overlap_grad_reduce`` and ``use_zero1_optimizer``);
+    ``average_grads_over_dp=False`` leaves its :meth:`~meshpar.data_parallel.DataParallelGrads.finish` to the
+    caller."""
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class PipelineModel(nn.Module):
         stage_kwargs: Sequence[str] = (),
         stage_init_fn: Callable[[nn.Module], None] | None = None,
         average_grads_over_dp: bool | None = None,
+        dp_mode: str | None = None,
         schedule: str = "1f1b",
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
@@ -187,27 +190,25 @@ class PipelineModel(nn.Module):
         self.return_mb_loss = return_mb_loss
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        # run_train ends with the dp mean of the grads unless the caller (parallelize's train_step) or the ZeRO-1
+        # optimizer reduces them
         self.average_grads_over_dp = (
             (not use_zero1_optimizer) if average_grads_over_dp is None else average_grads_over_dp
         )
         self.loss_fn = loss_fn
-        self.grad_syncs = self._grad_syncs(dims) if overlap_grad_reduce and dims.dp > 1 else None
+        if dp_mode is None:
+            dp_mode = "overlapped" if overlap_grad_reduce else ("optimizer" if use_zero1_optimizer else "allreduce")
+        self.data_parallel = DataParallelGrads(dp_mode, dims.dp_mesh, [chunk.stage for chunk in self.chunks])
 
-    def _grad_syncs(self, dims: ParallelDims) -> list[OverlappedGradSync]:
-        """One dp grad sync per chunk, so a chunk's buckets start in its last backward (a parameter shared by two
-        chunks belongs to the first)."""
-        claimed: set[int] = set()
-        syncs = []
-        for chunk in self.chunks:
-            params = [p for p in chunk.stage.parameters() if id(p) not in claimed]
-            claimed.update(id(p) for p in params)
-            syncs.append(OverlappedGradSync(params, dims.dp_mesh))
-        return syncs
+    @property
+    def grad_syncs(self) -> list[OverlappedGradSync] | None:
+        """With ``overlap_grad_reduce`` (and dp > 1): the dp grad sync of each chunk, else ``None``."""
+        return self.data_parallel.syncs or None
 
     def finish_grad_sync(self) -> None:
         """With ``overlap_grad_reduce``: wait for the dp all-reduces ``run_train`` started; grads are then the
         dp-mean."""
-        for sync in self.grad_syncs or ():
+        for sync in self.data_parallel.syncs:
             sync.finish()
 
     # -- NxD accessors: names are the original model's FQNs ------------------------------------------------
@@ -264,21 +265,14 @@ class PipelineModel(nn.Module):
         )
         losses = executor.losses
         self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]
-        if not forward_only and self.average_grads_over_dp and dims.dp > 1:
-            self._average_grads_over_dp()
+        if not forward_only and self.average_grads_over_dp:
+            self.data_parallel.finish()
         if self.return_mb_loss:
             return losses
         loss = torch.stack(losses).mean() if losses else None
         if self.broadcast_and_average_loss:
             loss = self._broadcast_loss(loss)
         return loss
-
-    def _average_grads_over_dp(self) -> None:
-        if self.grad_syncs:
-            self.finish_grad_sync()
-        else:
-            # FSDP2-sharded stages reduce-scattered their grads in backward already
-            allreduce_gradients(p for p in self.local_parameters() if not is_dp_sharded(p))
 
     def _broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """NxD's ``broadcast_and_average_loss``: the last stage's mean loss on every pipeline rank, averaged over
