@@ -150,7 +150,7 @@ def main() -> None:
         batch = {k: v[dims.dp_rank * local_batch : (dims.dp_rank + 1) * local_batch] for k, v in batch.items()}
         optimizer.zero_grad()
         loss = model.train_step(**batch)
-        meshpar.clip_grad_norm(model.parameters(), 1.0)
+        meshpar.clip_grad_norm(model.parameters(), 1.0, dims=dims)
         optimizer.step()
         losses.append(loss.item())
         if step % args.save_every == 0 or step == args.steps:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DTensor, Partial, Replicate, local_tensor
-from meshpar.parallel_dims import get_parallel, is_initialized
+from meshpar.parallel_dims import ParallelDims, get_parallel, is_initialized
 
 _SHARED_COPY = "_meshpar_shared_copy"
 
@@ -25,6 +25,18 @@ def mark_shared_copy(param: torch.Tensor) -> None:
     equal to the first stage's embedding by summing their grads). Grad norms skip it, as Megatron skips its
     ``shared`` embedding copy: counting both copies would add the tied grad twice."""
     setattr(param, _SHARED_COPY, True)
+
+
+def _resolve(dims: ParallelDims | None) -> ParallelDims | None:
+    """The caller's dims; callers that pass none (the apex / NxD ``clip_grad_norm`` signatures) get the process's
+    context, and a single process without one gets ``None`` (a plain model)."""
+    if dims is not None:
+        return dims
+    return get_parallel() if is_initialized() else None
+
+
+def _device(dims: ParallelDims | None) -> torch.device:
+    return dims.device if dims is not None else torch.device("cpu")
 
 
 def _counted(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -39,8 +51,12 @@ def _local_power(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum()
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all grads as if the model were dense and on one device."""
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, dims: ParallelDims | None = None
+) -> torch.Tensor:
+    """The norm of all grads as if the model were dense and on one device (``dims``: the model's mesh, whose pp
+    stages' totals are summed)."""
+    dims = _resolve(dims)
     norm_type = float(norm_type)
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -60,7 +76,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
             groups.setdefault(key, []).append(grad.to_local())
         else:
             groups.setdefault(("plain",), []).append(grad)
-    device = get_parallel().device if is_initialized() else torch.device("cpu")
+    device = _device(dims)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         value = _local_power(grads, norm_type).to(device)
@@ -69,22 +85,26 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
             for dim in key[1]:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, value) if op == dist.ReduceOp.MAX else total + value
-    if is_initialized() and get_parallel().pp > 1:
-        dist.all_reduce(total, op=op, group=get_parallel().pp_mesh.get_group())
+    if dims is not None and dims.pp > 1:
+        dist.all_reduce(total, op=op, group=dims.pp_mesh.get_group())
     return total if norm_type == float("inf") else total ** (1.0 / norm_type)
 
 
-def _counts_here(param: torch.Tensor) -> bool:
+def _counts_here(param: torch.Tensor, dims: ParallelDims | None) -> bool:
     """Whether this rank's copy of ``param`` is the one counted in a sum over all ranks: a copy replicated over a mesh
     dim counts at coordinate 0 of that dim only; a plain tensor of a tensor-parallel model is replicated over tp."""
     if isinstance(param, DTensor):
         coordinate = param.device_mesh.get_coordinate()
         return all(c == 0 for c, p in zip(coordinate, param.placements, strict=True) if isinstance(p, Replicate))
-    return not is_initialized() or get_parallel().tp_rank == 0
+    return dims is None or dims.tp_rank == 0
 
 
 def partitioned_grad_norm(
-    owned: list[tuple[torch.Tensor, torch.Tensor]], norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+    owned: list[tuple[torch.Tensor, torch.Tensor]],
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    dims: ParallelDims | None = None,
 ) -> torch.Tensor:
     """The global grad norm when the dp ranks hold disjoint parts of the parameters (ZeRO-1 owners).
 
@@ -93,8 +113,9 @@ def partitioned_grad_norm(
     instead each rank adds up what it alone counts (see :func:`_counts_here`) and one scalar all-reduce over every
     rank of ``group`` (default: the world, i.e. the whole dp x pp x tp mesh) sums the shares."""
     norm_type = float(norm_type)
-    device = get_parallel().device if is_initialized() else torch.device("cpu")
-    counted = [grad for param, grad in owned if _counts_here(param) and not getattr(param, _SHARED_COPY, False)]
+    dims = _resolve(dims)
+    device = _device(dims)
+    counted = [grad for param, grad in owned if _counts_here(param, dims) and not getattr(param, _SHARED_COPY, False)]
     value = _local_power(counted, norm_type).to(device)
     is_max = norm_type == float("inf")
     dist.all_reduce(value, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
@@ -102,10 +123,12 @@ def partitioned_grad_norm(
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, dims: ParallelDims | None = None
+) -> torch.Tensor:
     """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
-    norm = total_grad_norm(params, norm_type)
+    norm = total_grad_norm(params, norm_type, dims=dims)
     scale_to_max_norm([local_tensor(p.grad) for p in params], norm, max_norm)
     return norm
 

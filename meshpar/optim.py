@@ -29,7 +29,7 @@ from meshpar._compat import DeviceMesh, DTensor, local_tensor
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
-from meshpar.parallel_dims import get_parallel, is_initialized
+from meshpar.parallel_dims import ParallelDims, get_parallel, is_initialized
 
 
 def _assign_owners(sizes: list[int], ranks: int) -> list[int]:
@@ -54,6 +54,7 @@ class DistributedOptimizer:
         reduce_dtype: torch.dtype | None = None,
         master_weights: bool = False,
         dp_mesh: DeviceMesh | None = None,
+        dims: ParallelDims | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if reduce_scatter_grads and not zero1:
@@ -64,8 +65,13 @@ class DistributedOptimizer:
         # original FQNs (not a wrapper's ``module.`` / ``pipeline.chunks.0.stage.``): the state reshards by them
         named = original_named_parameters(model) if isinstance(model, nn.Module) else list(model)
         self.named_params = [(name, p) for name, p in named if p.requires_grad]
-        if dp_mesh is None and is_initialized():
-            dp_mesh = get_parallel().dp_mesh
+        # the model's mesh (dims: also what clip_grad_norm sums over); apex / NxD-style callers pass neither and get
+        # the process's context
+        if dims is None and is_initialized():
+            dims = get_parallel()
+        self.dims = dims
+        if dp_mesh is None and dims is not None:
+            dp_mesh = dims.dp_mesh
         self.dp_mesh = dp_mesh
         self.zero1 = zero1 and dp_mesh is not None and dp_mesh.size() > 1
         if self.zero1:
@@ -191,10 +197,10 @@ class DistributedOptimizer:
         rank owns (one scalar all-reduce over all ranks); otherwise this is :func:`meshpar.clip_grad_norm` over the
         parameters."""
         if not self.reduce_scatter_grads:
-            return clip_grad_norm([p for _, p in self.named_params], max_norm, norm_type)
+            return clip_grad_norm([p for _, p in self.named_params], max_norm, norm_type, dims=self.dims)
         self.reduce_grads()
         owned = [(self.named_params[i][1], grad) for i, grad in self._reduced.items()]
-        norm = partitioned_grad_norm(owned, norm_type)
+        norm = partitioned_grad_norm(owned, norm_type, dims=self.dims)
         scale_to_max_norm(list(self._reduced.values()), norm, max_norm)
         return norm
 

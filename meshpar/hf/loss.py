@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshpar._compat import DeviceMesh
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
@@ -27,12 +28,15 @@ class TokenLoss:
     """``loss(logits, labels)``: summed token losses over the global batch's scored tokens (inside
     :meth:`over_global_batch`; their mean over this batch outside it)."""
 
-    def __init__(self, task: str, vocab_sharded: int) -> None:
-        """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded over tp, else 0."""
+    def __init__(self, task: str, vocab_sharded: int, tp_mesh: DeviceMesh | None = None) -> None:
+        """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded over ``tp_mesh``, else 0."""
+        if vocab_sharded and tp_mesh is None:
+            raise ValueError("vocab-sharded logits need the tp mesh they are sharded over")
         if task not in TASKS:
             raise ValueError(f"no token loss for task {task!r}; one of {TASKS}")
         self.causal = task == "causal_lm"
         self.vocab_sharded = vocab_sharded
+        self.tp_mesh = tp_mesh
         self._normalizer: torch.Tensor | None = None
 
     def scored(self, labels: torch.Tensor) -> torch.Tensor:
@@ -44,7 +48,7 @@ class TokenLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         scored = self.scored(labels)
         if self.vocab_sharded:
-            losses = parallel_cross_entropy(logits, scored, vocab_size=self.vocab_sharded)
+            losses = parallel_cross_entropy(logits, scored, vocab_size=self.vocab_sharded, tp_mesh=self.tp_mesh)
         else:
             flat = F.cross_entropy(logits.float().flatten(0, -2), scored.flatten(), reduction="none")
             losses = flat.view(scored.shape)

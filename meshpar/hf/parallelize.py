@@ -90,7 +90,9 @@ class ParallelizedModel(nn.Module):
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         vocab = getattr(text_config(self.hf_config), "vocab_size", None)
         self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
-        self.loss_fn = TokenLoss(self.plan.task, self.vocab_sharded) if self.plan.task in LOSS_TASKS else None
+        self.loss_fn = (
+            TokenLoss(self.plan.task, self.vocab_sharded, self.dims.tp_mesh) if self.plan.task in LOSS_TASKS else None
+        )
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
@@ -242,6 +244,7 @@ class ParallelizedModel(nn.Module):
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             schedule=config.pipeline_schedule,
+            dims=self.dims,
             first_stage_modules=sides[0],
             last_stage_modules=sides[1],
         )

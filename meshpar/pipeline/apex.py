@@ -131,9 +131,9 @@ def split_batch(batch: Any, num_microbatches: int | None) -> list[Any]:
     size = sizes.pop() if sizes else 0
     if size % m != 0:
         raise ValueError(f"batch size {size} is not divisible into {m} microbatches")
-    calculator = get_parallel().microbatch_calculator
     mbs = size // m
-    if num_microbatches is None and calculator is not None and calculator.micro_batch_size != mbs:
+    calculator = _calculator() if num_microbatches is None else None  # apex's sizes, only where they chose m
+    if calculator is not None and calculator.micro_batch_size != mbs:
         raise ValueError(
             f"the batch holds {size} rows, but the microbatch calculator expects {m} microbatches of "
             f"micro_batch_size={calculator.micro_batch_size} ({m * calculator.micro_batch_size} rows)"

@@ -26,7 +26,7 @@ from torch import nn
 
 from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
-from meshpar.parallel_dims import check_virtual_pipeline_size, get_parallel
+from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
 from meshpar.pipeline.split import split_model
@@ -124,6 +124,7 @@ class PipelineModel(nn.Module):
         average_grads_over_dp: bool | None = None,
         dp_mode: str | None = None,
         schedule: str = "1f1b",
+        dims: ParallelDims | None = None,
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
     ) -> None:
@@ -145,7 +146,8 @@ class PipelineModel(nn.Module):
             raise ValueError("NxDPPModel: broadcast_and_average_loss=True requires return_mb_loss=False (as in NxD)")
         if pipeline_cuts is not None and auto_partition:
             raise ValueError("NxDPPModel: pass pipeline_cuts or auto_partition=True, not both (as in NxD)")
-        dims = get_parallel()
+        dims = dims if dims is not None else get_parallel()  # meshpar's parallelize passes its mesh
+        self.dims = dims
         if num_microbatches < dims.pp:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
@@ -249,7 +251,7 @@ class PipelineModel(nn.Module):
         return output, loss_func
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
-        dims = get_parallel()
+        dims = self.dims
         executor = run_schedule(
             dims,
             list(self.chunks),
@@ -277,7 +279,7 @@ class PipelineModel(nn.Module):
     def _broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """NxD's ``broadcast_and_average_loss``: the last stage's mean loss on every pipeline rank, averaged over
         the data-parallel replicas."""
-        dims = get_parallel()
+        dims = self.dims
         value = loss.detach().clone() if loss is not None else torch.zeros((), device=dims.device)
         dist.broadcast(value, group=dims.pp_mesh.get_group(), group_src=dims.pp - 1)
         if dims.dp > 1:

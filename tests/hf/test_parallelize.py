@@ -726,3 +726,33 @@ def test_sequence_parallel_collective_count_per_layer(family: str) -> None:
     two, four = (run_distributed(collective_count_case, 2, family, n, True)[0] for n in (2, 4))
     per_layer = {name: (four.get(name, 0) - two.get(name, 0)) // 2 for name in set(two) | set(four)}
     assert per_layer == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4, "all_reduce": 2}, (two, four)
+
+
+def no_process_wide_context_case(pp: int, fsdp: bool) -> list[float]:
+    """Once built, the model, the optimizer and clipping use the mesh they were given: with the process-wide
+    context forgotten (get_parallel() would raise), a step, clipping and an eval still run."""
+    from meshpar.parallel_dims import _set_parallel, get_parallel
+
+    setup_parallel(tp=2, pp=pp)
+    config = {"tensor_parallel_size": 2, "pipeline_parallel_size": pp, "num_microbatches": 2, "fsdp": fsdp}
+    model = meshpar.parallelize(build("llama"), config)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, dims=model.dims)
+    data = batch("llama")
+    context = get_parallel()
+    _set_parallel(None)
+    try:
+        loss = model.train_step(**data)
+        norm = optimizer.clip_grad_norm(1.0)
+        meshpar.clip_grad_norm(model.parameters(), 1e9, dims=model.dims)
+        optimizer.step()
+        after = model.eval_loss(**data)
+    finally:
+        _set_parallel(context)
+    return [loss.item(), norm.item(), after.item()]
+
+
+@pytest.mark.parametrize(("pp", "fsdp"), [(2, False), (1, True)])
+def test_built_model_needs_no_process_wide_context(pp: int, fsdp: bool) -> None:
+    results = run_distributed(no_process_wide_context_case, 4, pp, fsdp)
+    assert all(r == pytest.approx(results[0]) for r in results), results
+    assert results[0][2] < results[0][0], "the step trained"
