@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, local_tensor
 from meshpar._dp_checks import is_dp_sharded
+from meshpar._in_place import mix_into
 from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
 from meshpar.parallel_dims import get_parallel
 
@@ -194,6 +195,17 @@ def apply_fsdp(
     return model
 
 
+class _CheckpointedBlock:
+    """Runs the block's own forward (compiled, with ``compile_blocks``) under activation checkpointing."""
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if self._meshpar_replay_tp_rng:
+            from meshpar.random import activation_checkpoint
+
+            return activation_checkpoint(self._meshpar_block_forward, *args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self._meshpar_block_forward, *args, use_reentrant=False, **kwargs)
+
+
 def apply_activation_checkpointing(
     model: torch.nn.Module,
     block_cls: type | tuple[type, ...],
@@ -212,17 +224,10 @@ def apply_activation_checkpointing(
     seeds from) and the TP tracker are restored before the recompute, so dropout masks replay exactly.
 
     ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint (no tracker replay)."""
-    from meshpar.random import activation_checkpoint
-
-    for module in model.modules():
-        if isinstance(module, block_cls) and not getattr(module, "_meshpar_checkpointed", False):
-            forward = torch.compile(module.forward) if compile_blocks else module.forward
-
-            def checkpointed(*args: object, _forward=forward, **kwargs: object) -> object:  # noqa: ANN001
-                if replay_tp_rng:
-                    return activation_checkpoint(_forward, *args, **kwargs)
-                return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-            module.forward = checkpointed
-            module._meshpar_checkpointed = True
+    for module in list(model.modules()):
+        if isinstance(module, block_cls) and not isinstance(module, _CheckpointedBlock):
+            mix_into(module, _CheckpointedBlock, "Checkpointed")  # in place, FQNs kept (meshpar._in_place)
+            inner = super(_CheckpointedBlock, module).forward
+            module._meshpar_block_forward = torch.compile(inner) if compile_blocks else inner
+            module._meshpar_replay_tp_rng = replay_tp_rng
     return model

@@ -14,6 +14,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import DeviceMesh, Replicate, Shard
+from meshpar._in_place import become
 from meshpar.tensor_parallel._collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -54,7 +55,7 @@ class ColumnParallelConv1D(Conv1D):
             conv.weight = distribute_parameter(packed_weight, mesh, [Shard(2)])  # views: trainable as the originals
             conv.bias = distribute_parameter(packed_bias, mesh, [Shard(1)])
             conv.checkpoint_shapes = {"weight": (n_in, n_out), "bias": (n_out,)}
-        conv.__class__ = cls
+        become(conv, cls)
         conv.tp_mesh, conv.fused = mesh, fused
         conv.gather_output, conv.sequence_parallel = gather_output, sequence_parallel
         return conv
@@ -84,7 +85,7 @@ class RowParallelConv1D(Conv1D):
         check_divisible(n_in, mesh.size(), "input features", cls.__name__)
         conv.weight = distribute_parameter(conv.weight, mesh, [Shard(0)])
         conv.bias = distribute_parameter(conv.bias, mesh, [Replicate()])
-        conv.__class__ = cls
+        become(conv, cls)
         conv.tp_mesh, conv.sequence_parallel = mesh, sequence_parallel
         return conv
 

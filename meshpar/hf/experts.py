@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
+from meshpar._in_place import mix_into
 from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 from meshpar.tensor_parallel.layers import distribute_parameter, parameters_replaced
 
@@ -70,9 +71,6 @@ class _LocalExperts:
         return gather_from_tp(out.view(local, -1, out.shape[-1]), mesh, 0).reshape(-1, out.shape[-1])
 
 
-_CLASSES: dict[type, type] = {}
-
-
 class ExpertsOverTP(ParallelStyle):
     """Shard a transformers experts module (3-D expert weights, ``forward(hidden, top_k_index, top_k_weights)``)
     into whole experts per tp rank; see the module docstring."""
@@ -94,8 +92,6 @@ class ExpertsOverTP(ParallelStyle):
             )
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, distribute_parameter(param, device_mesh, [Shard(0)], self.src_data_rank))
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (_LocalExperts, cls), {})
-        module.__class__ = _CLASSES[cls]
+        mix_into(module, _LocalExperts, "TensorParallel")
         module.tp_mesh = device_mesh
         return module

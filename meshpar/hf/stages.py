@@ -12,21 +12,23 @@ head's logits. Masks, positions and rotary tables are built by the
 model's forward itself, with the user's attention implementation. :func:`check_stage_composition` proves, on the
 dense model before it is split, that the stages composed reproduce its forward.
 
-GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the same
-4-D mask as the HF model from the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend).
+GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the mask
+the HF model would for its configured attention implementation (none for sdpa's ``is_causal``, a 4-D causal mask for
+eager attention) from the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend), so the user's choice of
+attention implementation holds under pipeline parallelism too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
 
 _log = logging.getLogger(__name__)
@@ -44,8 +46,10 @@ def _full_sequence(self: nn.Module, x: torch.Tensor, first_stage: bool) -> int:
 def _attention_mask(
     config: object, hidden: torch.Tensor, seq: int, mask: torch.Tensor | None, causal: bool
 ) -> torch.Tensor | None:
-    """The 4-D mask the HF model itself would build from a ``[batch, seq]`` padding mask (``None`` without one)."""
-    if mask is None:
+    """The mask the HF model itself would build from a ``[batch, seq]`` padding mask for the configured attention
+    implementation: ``None`` where none is needed (sdpa's ``is_causal``, bidirectional without padding), a 4-D
+    causal mask for eager attention, a block mask for flex attention."""
+    if mask is None and not causal:
         return None
     try:
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -104,28 +108,31 @@ def bert_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.T
     return x
 
 
-STAGE_FORWARDS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
-    "gpt2": (gpt2_stage_forward, ()),
-    "llama": (llama_stage_forward, ("model.rotary_emb",)),
-    "bert": (bert_stage_forward, ()),
+class _GPT2Stage:
+    forward = gpt2_stage_forward
+
+
+class _LlamaStage:
+    forward = llama_stage_forward
+
+
+class _BertStage:
+    forward = bert_stage_forward
+
+
+# family -> (the stage's forward as a mixin, parameter-free modules every stage keeps)
+STAGE_FORWARDS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "gpt2": (_GPT2Stage, ()),
+    "llama": (_LlamaStage, ("model.rotary_emb",)),
+    "bert": (_BertStage, ()),
 }
 
 
 def install_stage_forward(stage: nn.Module, family: str) -> nn.Module:
     if family not in STAGE_FORWARDS:
         raise ValueError(f"pipeline parallelism supports the families {sorted(STAGE_FORWARDS)}, not {family!r}")
-    stage.forward = types.MethodType(STAGE_FORWARDS[family][0], stage)
-    # meshpar's stage forwards pass no mask tensor for causal attention: only sdpa's is_causal applies it
-    chosen = getattr(stage.config, "_attn_implementation", None)
-    if chosen not in (None, "sdpa"):
-        _log.warning(
-            "%s pipeline stages run attention with sdpa (is_causal, no mask tensor), not the configured %r; the "
-            "math is the same within float tolerance",
-            family,
-            chosen,
-        )
-    stage.config._attn_implementation = "sdpa"
-    return stage
+    # the stage is the HF model with other stages' pieces removed; it runs meshpar's forward (meshpar._in_place)
+    return mix_into(stage, STAGE_FORWARDS[family][0], "PipelineStage")
 
 
 @dataclass(frozen=True)
@@ -356,7 +363,8 @@ def _run_stage(
     inputs = {"input_ids" if first else "inputs_embeds": x, "attention_mask": attention_mask, "use_cache": False}
     with _stage_view(model, layout, owned, first, last):
         if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
-            return type(model).forward(model, **inputs).logits
+            own = super(_DecoderStage, model).forward if isinstance(model, _DecoderStage) else model.forward
+            return own(**inputs).logits
         return model.get_submodule(layout.base)(**inputs).last_hidden_state
 
 
@@ -422,5 +430,8 @@ def install_decoder_stage(stage: nn.Module, layout: PipelineLayout) -> nn.Module
     implementation is kept)."""
     stage.meshpar_layout = layout
     stage.meshpar_last_stage = stage.get_output_embeddings() is not None
-    stage.forward = types.MethodType(decoder_stage_forward, stage)
-    return stage
+    return mix_into(stage, _DecoderStage, "PipelineStage")
+
+
+class _DecoderStage:
+    forward = decoder_stage_forward

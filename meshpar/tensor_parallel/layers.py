@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from meshpar._in_place import become, mix_into
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import (
     copy_to_tp,
@@ -211,7 +212,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         if not allow_uneven:
             check_divisible(linear.out_features, tp_mesh.size(), "out_features", cls.__name__)
         _shard_linear_params_(linear, tp_mesh, Shard(0), Shard(0), src_data_rank)
-        linear.__class__ = cls
+        become(linear, cls)
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, gather_output, sequence_parallel_enabled, None
         )
@@ -317,7 +318,7 @@ class RowParallelLinear(_TensorParallelLinear):
         """Shard an existing ``nn.Linear`` in place (the module object is kept; its class becomes this one)."""
         check_divisible(linear.in_features, tp_mesh.size(), "in_features", cls.__name__)
         _shard_linear_params_(linear, tp_mesh, Shard(1), Replicate(), src_data_rank)
-        linear.__class__ = cls
+        become(linear, cls)
         linear._configure(
             tp_mesh, linear.in_features, linear.out_features, input_is_parallel, sequence_parallel_enabled, None
         )
@@ -433,7 +434,7 @@ class ParallelEmbedding(nn.Embedding):
             check_divisible(embedding.embedding_dim, tp_mesh.size(), "embedding_dim", cls.__name__)
         placement = Shard(1) if shard_across_embedding else Shard(0)
         embedding.weight = distribute_parameter(embedding.weight, tp_mesh, [placement], src_data_rank)
-        embedding.__class__ = cls
+        become(embedding, cls)
         embedding._configure(
             tp_mesh,
             embedding.num_embeddings,
@@ -519,9 +520,6 @@ class _SequenceParallelParams:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
-_SP_CLASSES: dict[type, type] = {}
-
-
 def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
     """Turn ``module`` in place into its sequence-parallel twin (same class name prefix, same parameter names)."""
     cls = type(module)
@@ -529,9 +527,7 @@ def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_d
         raise ValueError(f"{cls.__name__} is already sequence parallel")
     for name, param in list(module.named_parameters(recurse=False)):
         setattr(module, name, distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank))
-    if cls not in _SP_CLASSES:
-        _SP_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelParams, cls), {})
-    module.__class__ = _SP_CLASSES[cls]
+    mix_into(module, _SequenceParallelParams, "SequenceParallel")
     module._sp_tp_mesh = tp_mesh
     return module
 
@@ -559,9 +555,6 @@ class _VocabParallelLookup:
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_mesh)
 
 
-_VOCAB_CLASSES: dict[type, type] = {}
-
-
 def make_vocab_parallel_subclass(
     embedding: nn.Embedding, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0
 ) -> nn.Module:
@@ -579,9 +572,7 @@ def make_vocab_parallel_subclass(
         if any(True for _ in child.parameters()):
             make_sequence_parallel_norm(child, tp_mesh, src_data_rank=src_data_rank)
     embedding.weight = distribute_parameter(embedding.weight, tp_mesh, [Shard(0)], src_data_rank)
-    if cls not in _VOCAB_CLASSES:
-        _VOCAB_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (_VocabParallelLookup, cls), {})
-    embedding.__class__ = _VOCAB_CLASSES[cls]
+    mix_into(embedding, _VocabParallelLookup, "VocabParallel")
     if embedding.padding_idx is not None and embedding.padding_idx < 0:
         embedding.padding_idx += embedding.num_embeddings
     embedding.tp_mesh = tp_mesh
@@ -605,7 +596,7 @@ class ReplicatedKVLinear(nn.Linear):
         if tp % num_kv_heads != 0:
             raise ValueError(f"{num_kv_heads} key/value heads cannot be replicated evenly over tp={tp}")
         _shard_linear_params_(linear, tp_mesh, Replicate(), Replicate(), 0)
-        linear.__class__ = cls
+        become(linear, cls)
         linear.tp_mesh, linear.num_kv_heads = tp_mesh, num_kv_heads
         linear.head_dim = linear.out_features // num_kv_heads
         linear.kv_head = tp_mesh.get_local_rank() * num_kv_heads // tp

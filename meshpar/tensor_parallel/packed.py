@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, Shard, local_tensor
+from meshpar._in_place import become
 from meshpar._stored_layout import GroupedRows, Layout, stored_shape, to_layout
 from meshpar.tensor_parallel._init import check_divisible, fill_from_full_, linear_bias_init, linear_weight_init
 from meshpar.tensor_parallel.layers import ColumnParallelLinear, distribute_parameter, mark_partitioned
@@ -87,7 +88,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         if linear.bias is not None:
             shapes["bias"] = GroupedRows(grouped.slots, unit, (out_features,)) if grouped else (out_features,)
             linear.bias = _packed_param(linear.bias, shapes["bias"], len(parts), tp_mesh, placement, src_data_rank)
-        linear.__class__ = cls
+        become(linear, cls)
         linear._configure(tp_mesh, in_features, out_features, False, sequence_parallel_enabled, None)
         linear.input_gathered, linear.regather_input = input_gathered, False
         linear.parts, linear.unit, linear.grouped, linear.checkpoint_shapes = tuple(parts), unit, grouped, shapes

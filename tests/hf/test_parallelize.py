@@ -756,3 +756,32 @@ def test_built_model_needs_no_process_wide_context(pp: int, fsdp: bool) -> None:
     results = run_distributed(no_process_wide_context_case, 4, pp, fsdp)
     assert all(r == pytest.approx(results[0]) for r in results), results
     assert results[0][2] < results[0][0], "the step trained"
+
+
+def pipeline_attention_case(family: str, impl: str, padded: bool, sp: bool) -> list[float]:
+    setup_parallel(tp=2, pp=2)
+    dense = build(family)
+    dense.config._attn_implementation = impl
+    data = batch(family)
+    if padded:  # right padding on two rows: the mask must reach every stage's attention
+        mask = torch.ones_like(data["input_ids"])
+        mask[1, 11:] = 0
+        mask[3, 5:] = 0
+        data["attention_mask"] = mask
+        data["labels"] = data["labels"].masked_fill(mask == 0, -100)
+    config = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2, "sequence_parallel": sp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    assert model.hf_config._attn_implementation == impl, "the user's attention implementation is kept"
+    return [model.eval_loss(**data).item(), dense(**data).loss.item()]
+
+
+@pytest.mark.parametrize(
+    ("family", "impl", "padded", "sp"),
+    [("gpt2", "eager", False, False), ("llama", "eager", True, True), ("bert", "eager", True, False),
+     ("llama", "sdpa", True, False)],
+)  # fmt: skip
+def test_pipeline_stages_keep_the_users_attention_implementation(
+    family: str, impl: str, padded: bool, sp: bool
+) -> None:
+    for got, want in run_distributed(pipeline_attention_case, 4, family, impl, padded, sp):
+        assert got == pytest.approx(want, rel=1e-5)
