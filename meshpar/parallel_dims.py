@@ -48,6 +48,8 @@ class ParallelDims:
     virtual_pipeline_size: int | None = None
     seed: int = 1234
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    # apex's parallel_state view only (set_virtual_pipeline_model_parallel_rank, by the user or apex's interleaved
+    # schedule before each chunk's step function); meshpar's runtime keeps each action's chunk itself
     virtual_pipeline_rank: int | None = None
     # apex's microbatch calculator (meshpar.pipeline.apex.setup_microbatch_calculator); None until set up
     microbatch_calculator: object | None = field(default=None, repr=False)

@@ -74,6 +74,8 @@ class RNGStatesTracker:
             self._rng.set_rng_state(saved)
 
 
+# Process-wide on purpose, as torch's default generator is: model code forks it from inside forward
+# (``get_rng_tracker().fork()``, Megatron's ``get_cuda_rng_tracker``) with no handle to pass it through.
 _TRACKER = RNGStatesTracker()
 
 

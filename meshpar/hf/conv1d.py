@@ -11,28 +11,36 @@ checkpoints store them (:mod:`meshpar._stored_layout`); on the module, it surviv
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import DeviceMesh, Replicate, Shard
 from meshpar._in_place import become
-from meshpar.tensor_parallel._collectives import (
-    copy_to_tp,
-    gather_from_sp,
-    gather_from_tp,
-    reduce_from_tp,
-    reduce_scatter_to_sp,
+from meshpar.tensor_parallel._collectives import gather_from_tp
+from meshpar.tensor_parallel._init import check_divisible, fill_from_full_
+from meshpar.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    distribute_parameter,
+    mark_partitioned,
 )
-from meshpar.tensor_parallel._init import check_divisible
-from meshpar.tensor_parallel.layers import distribute_parameter
 
 
-class ColumnParallelConv1D(Conv1D):
-    """``y = x W + b`` with ``W [in, out]`` split by output features (``fused`` blocks split separately)."""
+class _Conv1DInit:
+    """HF's ``Conv1D`` initialisation (weight normal with std 0.02, bias zeros), applied shard by shard."""
 
-    tp_mesh: DeviceMesh
+    def reset_parameters(self) -> None:
+        fill_from_full_(self.weight, lambda full: nn.init.normal_(full, std=0.02))
+        fill_from_full_(self.bias, nn.init.zeros_)
+
+
+class ColumnParallelConv1D(_Conv1DInit, ColumnParallelLinear, Conv1D):
+    """``y = x W + b`` with ``W [in, out]`` split by output features (``fused`` blocks split separately): a
+    :class:`ColumnParallelLinear` whose weight is stored ``[in, out]`` (the same forward, autograd functions and
+    collectives, on a transposed view)."""
+
+    weight_in_out = True
     fused: int
-    gather_output: bool
-    sequence_parallel: bool
 
     @classmethod
     def from_conv1d(
@@ -56,41 +64,31 @@ class ColumnParallelConv1D(Conv1D):
             conv.bias = distribute_parameter(packed_bias, mesh, [Shard(1)])
             conv.checkpoint_shapes = {"weight": (n_in, n_out), "bias": (n_out,)}
         become(conv, cls)
-        conv.tp_mesh, conv.fused = mesh, fused
-        conv.gather_output, conv.sequence_parallel = gather_output, sequence_parallel
+        conv._configure(mesh, n_in, n_out, gather_output, sequence_parallel, None)
+        conv.fused = fused
+        mark_partitioned(conv)
         return conv
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.tp_mesh, 1) if self.sequence_parallel else copy_to_tp(x, self.tp_mesh)
-        weight = self.weight.to_local()
-        y = torch.addmm(
-            self.bias.to_local().reshape(-1), x.reshape(-1, x.shape[-1]), weight.reshape(weight.shape[0], -1)
-        )
-        y = y.view(*x.shape[:-1], -1)
+    def _maybe_gather(self, y: torch.Tensor) -> torch.Tensor:
         if not self.gather_output:
             return y
         # gathered per part, so that the output is the model's [q | k | v], not [q_0 k_0 v_0 | q_1 k_1 v_1]
         return gather_from_tp(y.unflatten(-1, (self.fused, -1)), self.tp_mesh, -1).flatten(-2)
 
 
-class RowParallelConv1D(Conv1D):
-    """``y = x W + b`` with ``W [in, out]`` split by input features; output all-reduced (reduce-scattered under SP)."""
+class RowParallelConv1D(_Conv1DInit, RowParallelLinear, Conv1D):
+    """``y = x W + b`` with ``W [in, out]`` split by input features; output all-reduced (reduce-scattered under SP):
+    a :class:`RowParallelLinear` whose weight is stored ``[in, out]``."""
 
-    tp_mesh: DeviceMesh
-    sequence_parallel: bool
+    weight_in_out = True
 
     @classmethod
     def from_conv1d(cls, conv: Conv1D, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> RowParallelConv1D:
-        n_in = conv.weight.shape[0]
+        n_in, n_out = conv.weight.shape
         check_divisible(n_in, mesh.size(), "input features", cls.__name__)
         conv.weight = distribute_parameter(conv.weight, mesh, [Shard(0)])
         conv.bias = distribute_parameter(conv.bias, mesh, [Replicate()])
         become(conv, cls)
-        conv.tp_mesh, conv.sequence_parallel = mesh, sequence_parallel
+        conv._configure(mesh, n_in, n_out, True, sequence_parallel, None)
+        mark_partitioned(conv)
         return conv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight.to_local())
-        if self.sequence_parallel:
-            return reduce_scatter_to_sp(y, self.tp_mesh, 1) + copy_to_tp(self.bias.to_local(), self.tp_mesh)
-        return reduce_from_tp(y, self.tp_mesh) + self.bias.to_local()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+# a process-wide backend switch, as ``torch.backends.*`` flags are (the ops are called from inside models)
 _FORCED: bool | None = None
 
 

@@ -285,7 +285,12 @@ def forward_backward_no_pipelining(
     forward_only: bool,
     **kwargs: Any,
 ) -> list[Any]:
-    """Gradient accumulation over the microbatches on one stage; grads are those of the mean loss."""
+    """Gradient accumulation over the microbatches on one stage; grads are those of the mean loss.
+
+    This is apex's plain loop, not a pipeline schedule: every microbatch but the last runs its forward *and* backward
+    inside the sync context (``custom_sync_context_handler``, else the model's ``no_sync``), the last one outside it.
+    A DDP-style context acts at forward time (torch DDP's ``no_sync`` decides in forward whether backward reduces),
+    which the pipeline runtime's per-backward contexts cannot express, so pp = 1 keeps its own loop."""
     options = _options(forward_only, kwargs)
     chunks = _chunks(model)
     if len(chunks) != 1:
@@ -322,6 +327,12 @@ def _pipelined(
             f"{len(chunks)} model chunks on this rank, but the parallel state was initialised with "
             f"virtual_pipeline_model_parallel_size={dims.virtual_pipeline_size}: pass one chunk per virtual stage "
             "(the stage getters of parallel_state count chunks by it)"
+        )
+    if options.custom_sync_context_handler is not None:
+        raise NotImplementedError(
+            "custom_sync_context_handler: meshpar's pipelined schedules reduce the dp grads of build_model(wrap_with_ddp"
+            "=True) chunks themselves (all-reduces started in each chunk's last backward) and take no other sync "
+            "context; it is honoured by forward_backward_no_pipelining (pp = 1)"
         )
     microbatches = split_batch(batch, options.num_microbatches)
     syncs = _grad_syncs(chunks)

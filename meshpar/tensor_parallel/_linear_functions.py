@@ -31,10 +31,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def matrix(w: torch.Tensor) -> torch.Tensor:
-    """A local weight as ``F.linear`` takes it: packed layers keep ``[parts, rows, in]`` or ``[groups, rows, in]``
-    (:mod:`meshpar.tensor_parallel.packed`), whose local shard flattens to ``[rows, in]`` as a view."""
+def matrix(w: torch.Tensor, in_out: bool = False) -> torch.Tensor:
+    """A local weight as ``F.linear`` takes it (``[out, in]``), as a view: packed layers keep ``[parts, rows, in]`` or
+    ``[groups, rows, in]`` (:mod:`meshpar.tensor_parallel.packed`), whose local shard flattens to ``[rows, in]``;
+    ``in_out`` weights are stored ``[in, out]`` (HF's ``Conv1D``; GPT-2's fused QKV ``[in, parts, rows]``) and are
+    transposed (``F.linear`` takes a transposed weight without a copy)."""
+    if in_out:
+        return w.flatten(1).t()
     return w if w.dim() == 2 else w.flatten(0, -2)
+
+
+def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor, in_out: bool) -> torch.Tensor:
+    """The local weight's grad in its stored orientation (``[out, in]``, or ``[in, out]`` for ``in_out``)."""
+    return _flat(x).t() @ _flat(grad_out) if in_out else _flat(grad_out).t() @ _flat(x)
 
 
 def vector(b: torch.Tensor | None) -> torch.Tensor | None:
@@ -80,11 +89,13 @@ class ColumnLinearFunction(torch.autograd.Function):
     """``y = x W_r^T + b_r`` for a replicated ``x``; backward all-reduces ``dx`` over tp, overlapped with ``dW``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, in_out: bool = False
+    ) -> torch.Tensor:
         b = vector(local_tensor(bias)) if bias is not None else None
-        x, w, b = _autocast_operands(x, matrix(local_tensor(weight)), b)
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight), in_out), b)
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
+        ctx.weight, ctx.bias, ctx.mesh, ctx.in_out = weight, bias, mesh, in_out
         return torch.nn.functional.linear(x, w, b)
 
     @staticmethod
@@ -95,11 +106,11 @@ class ColumnLinearFunction(torch.autograd.Function):
         work = None
         if need_x and ctx.mesh.size() > 1:
             work = dist.all_reduce(grad_x, group=ctx.mesh.get_group(), async_op=True)
-        grad_w = _flat(grad_out).t() @ _flat(x) if need_w else None
+        grad_w = _weight_grad(grad_out, x, ctx.in_out) if need_w else None
         grad_b = _flat(grad_out).sum(0) if need_b else None
         if work is not None:
             work.wait()
-        return _dtensor_grads(ctx, grad_x, grad_w, grad_b)
+        return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None)
 
 
 class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
@@ -114,13 +125,19 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, regather: bool = False
+        ctx: Any,
+        x: torch.Tensor,
+        weight: DTensor,
+        bias: DTensor | None,
+        mesh: DeviceMesh,
+        regather: bool = False,
+        in_out: bool = False,
     ) -> torch.Tensor:
         b = vector(local_tensor(bias)) if bias is not None else None
-        x, w, b = _autocast_operands(x, matrix(local_tensor(weight)), b)
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight), in_out), b)
         full = _all_gather(x, mesh, 1)  # after the cast: under autocast the gather moves half the bytes
         ctx.save_for_backward(x if regather else full, w)
-        ctx.weight, ctx.bias, ctx.mesh, ctx.regather = weight, bias, mesh, regather
+        ctx.weight, ctx.bias, ctx.mesh, ctx.regather, ctx.in_out = weight, bias, mesh, regather, in_out
         return torch.nn.functional.linear(full, w, b)
 
     @staticmethod
@@ -142,12 +159,12 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
         if need_x:
             scatter = dist.reduce_scatter_tensor(shard, grad_full, group=group, async_op=True)
         if need_w:
-            grad_w = _flat(grad_out).t() @ _flat(saved)
+            grad_w = _weight_grad(grad_out, saved, ctx.in_out)
         grad_b = _flat(grad_out).sum(0) if need_b else None
         if scatter is not None:
             scatter.wait()
         grad_x = shard.transpose(0, 1) if need_x else None
-        return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None)
+        return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None, None)
 
 
 class ColumnLinearLocalFunction(torch.autograd.Function):
@@ -184,11 +201,13 @@ class RowLinearFunction(torch.autograd.Function):
     rebuilds a DTensor through ``DTensor.from_local`` (the costliest host-side step of the layer's backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, in_out: bool = False
+    ) -> torch.Tensor:
         b = local_tensor(bias) if bias is not None else None
-        x, w, b = _autocast_operands(x, local_tensor(weight), b)
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight), in_out), b)
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.bias = weight, bias
+        ctx.weight, ctx.bias, ctx.in_out = weight, bias, in_out
         if mesh.size() == 1:  # nothing to reduce: the bias goes into the matmul's epilogue (one addmm)
             return torch.nn.functional.linear(x, w, b)
         y = torch.nn.functional.linear(x, w)
@@ -201,9 +220,9 @@ class RowLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = _needed(ctx)
-        grad_w = _flat(grad_out).t() @ _flat(x) if need_w else None
+        grad_w = _weight_grad(grad_out, x, ctx.in_out) if need_w else None
         grad_b = _flat(grad_out).sum(0) if need_b else None
-        return _dtensor_grads(ctx, grad_out @ w if need_x else None, grad_w, grad_b)
+        return (*_dtensor_grads(ctx, grad_out @ w if need_x else None, grad_w, grad_b), None)
 
 
 class RowLinearSequenceParallelFunction(torch.autograd.Function):
@@ -212,10 +231,13 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
     shards) is all-reduced asynchronously while the input- and weight-grad matmuls run."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh) -> torch.Tensor:
-        x, w, b = _autocast_operands(x, local_tensor(weight), local_tensor(bias) if bias is not None else None)
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: DTensor, bias: DTensor | None, mesh: DeviceMesh, in_out: bool = False
+    ) -> torch.Tensor:
+        b = local_tensor(bias) if bias is not None else None
+        x, w, b = _autocast_operands(x, matrix(local_tensor(weight), in_out), b)
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.bias, ctx.mesh = weight, bias, mesh
+        ctx.weight, ctx.bias, ctx.mesh, ctx.in_out = weight, bias, mesh, in_out
         y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, 1)
         if b is not None:
             y.add_(b)  # y is the reduce-scatter's fresh output
@@ -231,10 +253,10 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
             work = dist.all_reduce(grad_b, group=ctx.mesh.get_group(), async_op=True)
         grad_full = _all_gather(grad_out, ctx.mesh, 1) if need_x or need_w else None
         grad_x = grad_full @ w if need_x else None
-        grad_w = _flat(grad_full).t() @ _flat(x) if need_w else None
+        grad_w = _weight_grad(grad_full, x, ctx.in_out) if need_w else None
         if work is not None:
             work.wait()
-        return _dtensor_grads(ctx, grad_x, grad_w, grad_b)
+        return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None)
 
 
 class SequenceShardParamsFunction(torch.autograd.Function):

@@ -119,6 +119,10 @@ def _shard_linear_params_(
 class _TensorParallelLinear(nn.Linear):
     """What column and row layers share: global sizes, the tp mesh and shard-exact initialisation."""
 
+    # the weight is stored [in, out] (HF's Conv1D, see meshpar.hf.conv1d): the same forward and autograd functions
+    # run it through a transposed view
+    weight_in_out = False
+
     def _set_sizes(self, mesh: DeviceMesh, input_size: int, output_size: int, init_method: InitMethod | None) -> None:
         self.tp_mesh = mesh
         self.in_features = self.input_size = input_size
@@ -224,7 +228,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _local_input(x, type(self).__name__)
         if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
-            y = ColumnLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.regather_input)
+            y = ColumnLinearSequenceParallelFunction.apply(
+                x, self.weight, self.bias, self.tp_mesh, self.regather_input, self.weight_in_out
+            )
         elif self.sequence_parallel_enabled:
             y = F.linear(gather_from_sp(x, self.tp_mesh, 1), *self._local_params())
         elif self.input_gathered:  # a module-level gather already owns the input-grad reduction
@@ -234,12 +240,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         elif getattr(self, "shared_input_group", None) is not None:  # q/k/v, gate/up: one input-grad all-reduce
             y = self.shared_input_group.output_for(self, x)
         else:
-            y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+            y = ColumnLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.weight_in_out)
         return self._maybe_gather(y)
 
     def _local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The local weight and bias as ``F.linear`` takes them (differentiable views of the DTensors)."""
-        return matrix(self.weight.to_local()), vector(_local_or_none(self.bias))
+        return matrix(self.weight.to_local(), self.weight_in_out), vector(_local_or_none(self.bias))
 
     def _maybe_gather(self, y: torch.Tensor) -> torch.Tensor:
         if not self.gather_output:
@@ -330,13 +336,14 @@ class RowParallelLinear(_TensorParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_mesh, dim=-1)
         if _fused_eager_path(self.sequence_parallel_enabled):
-            return RowLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+            return RowLinearFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.weight_in_out)
         if self.sequence_parallel_enabled and _fused_sequence_parallel_path(self.tp_mesh):
-            return RowLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh)
+            return RowLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.weight_in_out)
+        weight = matrix(self.weight.to_local(), self.weight_in_out)
         if self.sequence_parallel_enabled:
-            y = reduce_scatter_to_sp(F.linear(x, self.weight.to_local()), self.tp_mesh, dim=1)
+            y = reduce_scatter_to_sp(F.linear(x, weight), self.tp_mesh, dim=1)
         else:
-            y = reduce_from_tp(F.linear(x, self.weight.to_local()), self.tp_mesh)
+            y = reduce_from_tp(F.linear(x, weight), self.tp_mesh)
         if self.bias is None:
             return y
         bias = self.bias.to_local()

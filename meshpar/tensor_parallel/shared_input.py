@@ -90,7 +90,8 @@ def group_shared_inputs(model: nn.Module) -> int:
             if not all(isinstance(m, ColumnParallelLinear) for m in members):
                 continue
             plain = all(
-                not m.sequence_parallel_enabled and not m.gather_output and not m.input_gathered for m in members
+                not m.sequence_parallel_enabled and not m.gather_output and not m.input_gathered and not m.weight_in_out
+                for m in members
             )
             alike = len({(m.input_size, m.weight.dtype, m.tp_mesh) for m in members}) == 1
             if plain and alike:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
@@ -198,11 +200,18 @@ def bad_inputs_case(kind: str) -> None:
                                 virtual_pipeline_size=3)  # fmt: skip
         chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
         get_forward_backward_func(2, 2)(forward_step, _batch(4), chunks, forward_only=True, tensor_shape=None)
+    elif kind == "sync_handler_under_pp":
+        stages, _ = split_model(PipeGPT(layers=2), get_parallel().pp_rank, 2, transformer_layer_cls=Block)
+        chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
+        get_forward_backward_func(None, 2)(
+            forward_step, _batch(4), chunks, forward_only=False, custom_sync_context_handler=contextlib.nullcontext
+        )
 
 
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
+        ("sync_handler_under_pp", "custom_sync_context_handler: meshpar's pipelined schedules"),
         ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
         ("indivisible_batch", "batch size 4 is not divisible into 3 microbatches"),
         ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
@@ -250,3 +259,31 @@ def pp_x_dp_case(v: int, sync: str) -> int:
 @pytest.mark.parametrize("sync", ["overlap", "fsdp"])
 def test_pipeline_model_with_data_parallel_matches_dense(v: int, sync: str) -> None:
     assert run_distributed(pp_x_dp_case, 4, v, sync) == [v if sync == "overlap" else 0] * 4
+
+
+def no_pipelining_sync_case() -> list[str]:
+    """apex's pp = 1 loop: every microbatch but the last runs forward and backward inside the sync context."""
+    setup_parallel()
+    model = PipeGPT(layers=2)
+    chunk = StageChunk(model, 0, ["ids"])
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def handler():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    def step(microbatch, chunk):
+        events.append("forward")
+        return forward_step(microbatch, chunk)
+
+    get_forward_backward_func(None, 1)(
+        step, _batch(3), chunk, forward_only=False, custom_sync_context_handler=handler, num_microbatches=3
+    )
+    return events
+
+
+def test_no_pipelining_runs_all_but_the_last_microbatch_inside_the_sync_context() -> None:
+    events = run_distributed(no_pipelining_sync_case, 1)[0]
+    assert events == ["enter", "forward", "exit", "enter", "forward", "exit", "forward"]
