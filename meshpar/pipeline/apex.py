@@ -330,9 +330,9 @@ def _pipelined(
         )
     if options.custom_sync_context_handler is not None:
         raise NotImplementedError(
-            "custom_sync_context_handler: meshpar's pipelined schedules reduce the dp grads of build_model(wrap_with_ddp"
-            "=True) chunks themselves (all-reduces started in each chunk's last backward) and take no other sync "
-            "context; it is honoured by forward_backward_no_pipelining (pp = 1)"
+            "custom_sync_context_handler: meshpar's pipelined schedules reduce the dp grads of "
+            "build_model(wrap_with_ddp=True) chunks themselves (all-reduces started in each chunk's last backward) "
+            "and take no other sync context; it is honoured by forward_backward_no_pipelining (pp = 1)"
         )
     microbatches = split_batch(batch, options.num_microbatches)
     syncs = _grad_syncs(chunks)
