@@ -167,7 +167,18 @@ _PACKED_ATTENTION = {
         "num_key_value_heads", config_names=("num_attention_heads", "num_key_value_heads")
     ),
 }
+# Doge's attention gates each key/value head by dt_proj(all of its value features) * A: the shipped rowwise dt_proj
+# gives every rank the gates of all heads while it holds half of them; each rank keeps its heads' gates and A's. Its
+# per-head q/k norms meet only this rank's heads (their grads are partial over tp), as Qwen3's plan says for its own
+_DOGE_ATTENTION = {
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.dt_proj": RowParallel(local_output=True),
+    "layers.*.self_attn": "local_params",
+    "layers.*.self_attn.A": "colwise",
+}
 AMENDMENTS: dict[str, dict[str, object]] = {
+    "doge": _DOGE_ATTENTION,
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "deepseek_v3": _MLA_ATTENTION,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
-from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_sp, reduce_from_tp
+from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_tp
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -121,22 +121,39 @@ class PackedColumnParallel(ParallelStyle):
 
 
 class RowParallel(ParallelStyle):
-    """Shard an ``nn.Linear`` by input features; output is all-reduced (reduce-scattered under SP)."""
+    """Shard an ``nn.Linear`` by input features; output is all-reduced (reduce-scattered under SP).
 
-    def __init__(self, *, input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+    ``local_output``: the reduced output features are split over tp and each rank keeps its chunk (its grad
+    all-gathered in backward): a per-head quantity computed from every local head's features, such as Doge's
+    ``dt_proj`` (value heads -> one gate per head), whose consumers hold only this rank's heads."""
+
+    def __init__(
+        self, *, input_is_parallel: bool = True, sequence_parallel: bool = False, local_output: bool = False
+    ) -> None:
         super().__init__()
+        if sequence_parallel and local_output:
+            raise ValueError("RowParallel: local_output and sequence_parallel both shard the output; pick one")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.local_output = local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
-        return RowParallelLinear.from_linear(
+        layer = RowParallelLinear.from_linear(
             module,
             device_mesh,
             input_is_parallel=self.input_is_parallel,
             sequence_parallel_enabled=self.sequence_parallel,
             src_data_rank=self.src_data_rank,
         )
+        if self.local_output:
+            if layer.out_features % device_mesh.size():
+                raise ValueError(
+                    f"RowParallel(local_output=True): {layer.out_features} output features of {type(module).__name__} "
+                    f"cannot be split over tp={device_mesh.size()}"
+                )
+            layer.register_forward_hook(lambda _m, _args, out: scatter_to_tp(out, device_mesh, -1))
+        return layer
 
 
 class ReplicatedKV(ParallelStyle):

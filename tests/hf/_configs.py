@@ -55,6 +55,8 @@ GENERIC = {
         "Llama4ForCausalLM",
         {"num_local_experts": 4, "intermediate_size_mlp": 48, "attention_chunk_size": 8, "attn_implementation": "sdpa"},
     ),
+    # per-head gates computed from every local value head (dt_proj) and per-head q/k norms: meshpar's amendment
+    "doge": ("DogeConfig", "DogeForCausalLM", {"keep_window_size": 4}),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),

@@ -122,6 +122,15 @@ def test_attention_sinks_are_sharded_with_their_heads() -> None:
     run_distributed(pipeline_case, 4, "granite_swa", 2, 2)
 
 
+def test_per_head_gates_from_every_local_head_stay_with_their_heads() -> None:
+    """Doge: its attention gates each key/value head by ``dt_proj`` (over all of that rank's value features) times
+    ``A``; transformers' rowwise ``dt_proj`` would hand every rank the gates of all heads. meshpar's amendment keeps
+    this rank's gates (``RowParallel(local_output=True)``) and ``A``'s entries, and sums its per-head q/k norms'
+    grads; tp=2 and tp=2 x pp=2 equal dense."""
+    run_distributed(family_case, 2, "doge", 2)
+    run_distributed(pipeline_case, 4, "doge", 2, 2)
+
+
 def test_latent_attention_and_shared_experts_match_dense() -> None:
     """DeepSeek-V3: transformers ships no attention entries for it; meshpar's amendment shards its latent attention
     as V2's plan does (the rope features of ``kv_a_proj_with_mqa`` feed every rank's heads: their grad is summed over

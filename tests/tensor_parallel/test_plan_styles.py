@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar._compat import DTensor
 from meshpar._shards import local_slice
 from meshpar.hf.hf_plan import resolve_entries
+from meshpar.tensor_parallel import RowParallel
 from meshpar.tensor_parallel.style import LocalParameters
 from meshpar.testing import run_distributed, setup_parallel
 
@@ -126,3 +127,49 @@ def test_bare_parameter_styles_that_cannot_be_placed_are_refused() -> None:
         resolve_entries(model, plan, 2, replicate_kv=False)
     with pytest.raises(ValueError, match=r"shared.gate_proj: 'colwise' on a bare parameter"):
         resolve_entries(model, {"shared.gate_proj": "colwise"}, 2, replicate_kv=False)
+
+
+class Gates(nn.Module):
+    """Doge's per-head gates: column-parallel heads, a projection of all their features to one gate per head, and a
+    per-head scale; the gates then act on each head."""
+
+    def __init__(self, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = nn.Linear(HIDDEN, heads * 2)
+        self.gate = nn.Linear(heads * 2, heads)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        per_head = self.heads(x)
+        gates = torch.sigmoid(self.gate(per_head) * self.scale)
+        return (per_head.unflatten(-1, (-1, 2)).sum(-1) * gates).sum(-1)
+
+
+def local_output_case() -> None:
+    """``RowParallel(local_output=True)``: every rank reduces the gates of all heads and keeps its own heads'."""
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.ModuleDict({"g": Gates()})
+    plan = {"g.heads": "colwise", "g.gate": RowParallel(local_output=True), "g": "local_params", "g.scale": "colwise"}
+    model = copy.deepcopy(dense)
+    styles, _ = resolve_entries(model, plan, 2, replicate_kv=False)
+    parallelize_module(model, dims.tp_mesh, styles)
+    x = torch.randn(3, 5, HIDDEN, requires_grad=True)
+    dense["g"](x).square().sum().backward()
+    mine = x.detach().clone().requires_grad_()
+    out = model["g"](mine)  # a partial sum over this rank's heads
+    total = out.detach().clone()
+    torch.distributed.all_reduce(total, group=dims.tp_mesh.get_group())
+    torch.testing.assert_close(total, dense["g"](x).detach(), atol=1e-5, rtol=1e-5)
+    (out * (2 * total)).sum().backward()  # the grad of square(sum over ranks) through this rank's share
+    _grads_match(model, dense)
+    torch.testing.assert_close(mine.grad, x.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_row_parallel_with_local_output_keeps_each_ranks_heads() -> None:
+    run_distributed(local_output_case, 2)
+
+
+def test_row_parallel_local_output_is_refused_where_it_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="pick one"):
+        RowParallel(local_output=True, sequence_parallel=True)
