@@ -67,6 +67,11 @@ def tiny(model_type: str) -> torch.nn.Module:
     return _tiny_model(model_type, cut_layer_types=True)
 
 
+# families whose sizes the generic keys miss: LongCat-Flash counts layers of two sublayers (``num_layers``; its
+# ``num_hidden_layers`` is twice that) and defaults to 256 identity experts, which would take nearly every route
+_FAMILY_SIZES = {"longcat_flash": {"num_layers": 2, "zero_expert_num": 2}}
+
+
 def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     from transformers import AutoConfig
 
@@ -81,6 +86,7 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
         first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
         mamba_n_heads=4, mamba_d_head=16,
     )  # fmt: skip
+    sizes.update(_FAMILY_SIZES.get(model_type, {}))
     text = config.get_text_config()
     depth = getattr(text, "num_hidden_layers", None)
     # per-layer lists (mlp types, head counts; layer types where the config cannot re-derive them) for the full

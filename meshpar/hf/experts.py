@@ -8,7 +8,9 @@ and runs the tokens routed to them; every token is on every tp rank, so the part
 dense output. Forward: one all-reduce of the output; backward: one of the input grad and one of the routing weights'
 grad (the router stays replicated). Routes to other ranks' experts get the local index ``num_local_experts``, which
 transformers' experts forwards skip (expert parallelism uses the same sentinel). Experts handed one block of tokens
-per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order.
+per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order. Experts that cannot
+be split whole (LongCat-Flash: identity experts with rows in one weight only) are split by features instead, each
+packed weight per part and kept in the model's shapes in checkpoints (see :class:`ExpertsOverTP`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar._in_place import mix_into
 from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_tp, reduce_from_tp
 from meshpar.tensor_parallel.layers import distribute_parameter, parameters_replaced
+from meshpar.tensor_parallel.style import LocalParameters
 
 
 class _LocalExperts:
@@ -73,11 +76,25 @@ class _LocalExperts:
 
 class ExpertsOverTP(ParallelStyle):
     """Shard a transformers experts module (3-D expert weights, ``forward(hidden, top_k_index, top_k_weights)``)
-    into whole experts per tp rank; see the module docstring."""
+    into whole experts per tp rank; see the module docstring.
+
+    ``features`` (the plan's entries for the module's weights: parameter name -> ``(dim, parts)``, ``None`` where the
+    plan's style gives no feature split) is the layout for experts that cannot be split into whole experts:
+    LongCat-Flash's, whose fused gate/up weights also hold rows for
+    its identity ("zero-computation") experts, so its two weights count different experts. Then every rank keeps
+    every expert with ``1 / tp`` of its intermediate features (transformers' ``moe_tp_experts`` meaning): the output
+    is a partial sum, all-reduced (:class:`meshpar.tensor_parallel.style.LocalParameters` with ``partial_output``),
+    and the identity experts' output is divided by tp inside it, so that the sum counts it once."""
+
+    def __init__(self, features: dict[str, tuple[int, int] | None] | None = None) -> None:
+        super().__init__()
+        self.features = features
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
+        if self.features is not None and not _whole_experts_possible(module, experts):
+            return _experts_by_features(module, device_mesh, self.features, self.src_data_rank)
         if not isinstance(experts, int) or experts % tp:
             raise ValueError(
                 f"{cls.__name__}: {experts} experts cannot be split into whole experts over tp={tp}; use a tp that "
@@ -95,3 +112,33 @@ class ExpertsOverTP(ParallelStyle):
         mix_into(module, _LocalExperts, "TensorParallel")
         module.tp_mesh = device_mesh
         return module
+
+
+def _whole_experts_possible(module: nn.Module, experts: object) -> bool:
+    """Whether every weight of ``module`` is stacked over its ``num_experts`` experts and none is an identity."""
+    if not isinstance(experts, int) or getattr(module, "zero_expert_num", 0):
+        return False
+    return all(p.dim() > 0 and p.shape[0] == experts for p in module.parameters(recurse=False))
+
+
+def _experts_by_features(
+    module: nn.Module, mesh: DeviceMesh, features: dict[str, tuple[int, int] | None], src_data_rank: int | None
+) -> nn.Module:
+    """Every expert on every rank, each with this rank's share of its intermediate features (see ExpertsOverTP)."""
+    held = {n for n, p in module.named_parameters(recurse=False) if p is not None}
+    unplaced = sorted(n for n in held if features.get(n) is None) + [
+        n for n, child in module.named_children() if any(True for _ in child.parameters())
+    ]
+    if unplaced:
+        raise ValueError(
+            f"{type(module).__name__}: its experts cannot be split into whole experts over tp={mesh.size()}, and the "
+            f"plan gives no feature split for {unplaced}"
+        )
+    style = LocalParameters({n: spec for n, spec in features.items() if n in held and spec}, partial_output=True)
+    style.src_data_rank = src_data_rank
+    style._apply(module, mesh)
+    tp = mesh.size()
+    for child in module.children():
+        if isinstance(child, nn.Identity):  # an identity expert: counted once in the sum over tp
+            child.register_forward_hook(lambda _m, _args, out: out / tp)
+    return module

@@ -32,7 +32,6 @@ from meshpar.tensor_parallel.style import (
 UNSUPPORTED_STYLES = {
     "packed_colwise": "packed weights as bare parameters outside an experts module",
     "packed_rowwise": "fused (packed) weights split per part along the input",
-    "moe_identity_expert": "identity experts of a mixture-of-experts layer",
     "sequence_parallel": "transformers' sequence-parallel style (use meshpar's 'sequence_parallel' config key)",
 }
 
@@ -50,6 +49,18 @@ def _parameter_dim(style: str, ndim: int) -> int | None:
         return -2 if ndim >= 2 else -1
     if style == "rowwise" and ndim >= 2:
         return -1
+    return None
+
+
+def _expert_feature_split(style: str, ndim: int) -> tuple[int, int] | None:
+    """``(dim, parts)`` splitting an experts module's stacked weight by intermediate features for the plan's style
+    of it (``[experts, out, in]`` weights, ``[experts, out]`` biases); ``None`` where no split keeps the output a
+    partial sum (a rowwise bias, added after the reduction) or for a style that places no weight."""
+    parts = 2 if style == "packed_colwise" else 1
+    if style in ("colwise", "packed_colwise") and ndim in (2, 3):
+        return (-2 if ndim == 3 else -1, parts)
+    if style == "rowwise" and ndim == 3:
+        return (-1, 1)
     return None
 
 
@@ -348,13 +359,20 @@ def resolve_entries(
     refused = []
     experts = {pattern for pattern, style in plan.items() if style == "moe_tp_experts"}
     local = {pattern: {} for pattern, style in plan.items() if style in _OWNER_STYLES}
+    features: dict[str, dict[str, tuple[int, int] | None]] = {pattern: {} for pattern in experts}
     ndims = {name: param.dim() for name, param in model.named_parameters(remove_duplicate=False)}
     for pattern, style in plan.items():
         on_modules = any(fqn_matches(pattern, name) for name in modules)
         on_params = not on_modules and any(fqn_matches(pattern, name) for name in params)
-        if (not on_modules and not on_params) or (on_params and pattern.rpartition(".")[0] in experts):
-            continue  # no such module here; or an expert weight, which its experts module's style shards
         owner, _, leaf = pattern.rpartition(".")
+        if not on_modules and not on_params:
+            continue  # no such module here
+        if owner in experts and (on_params or style == "moe_identity_expert"):
+            # an expert weight or identity expert: its experts module's style places it (whole experts where it can)
+            if on_params:  # None: no feature split; refused only if the experts cannot be split whole
+                ndim = next(n for name, n in ndims.items() if fqn_matches(pattern, name))
+                features[owner][leaf] = _expert_feature_split(style, ndim)
+            continue
         if on_params and owner in local and isinstance(style, str):
             ndim = next(n for name, n in ndims.items() if fqn_matches(pattern, name))
             dim = _parameter_dim(style, ndim)
@@ -385,6 +403,9 @@ def resolve_entries(
                 continue
             if mapped is not None:
                 styles[pattern] = mapped
+    for pattern, split in features.items():
+        if split and isinstance(styles.get(pattern), ExpertsOverTP):
+            styles[pattern] = ExpertsOverTP(features=split)
     for pattern, shards in local.items():
         partial = plan[pattern] == "all_reduce"
         if shards:

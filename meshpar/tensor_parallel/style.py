@@ -246,11 +246,16 @@ class LocalParameters(ParallelStyle):
     ``partial_output=True`` (``all_reduce`` over ``colwise`` / ``rowwise`` parameters: shared experts stored as 3-D
     weights) is Megatron's MLP around one module: every floating-point input enters through ``copy_to_tp`` (its grad
     summed over tp in backward) and the output, a partial sum over the rank's intermediate features, is all-reduced.
-    The one-block verification proves either per model."""
+    The one-block verification proves either per model.
 
-    def __init__(self, shards: dict[str, int], *, partial_output: bool = False) -> None:
+    A shard given as ``(dim, parts)`` splits a packed parameter (``[gate | up]`` along ``dim``) per part: it is kept
+    as ``[..., parts, size / parts, ...]`` sharded on the part rows, checkpointed in the model's shape
+    (``checkpoint_shapes``, :mod:`meshpar._stored_layout`), and the forward gets this rank's rows of every part
+    merged back along ``dim`` (a view)."""
+
+    def __init__(self, shards: dict[str, int | tuple[int, int]], *, partial_output: bool = False) -> None:
         super().__init__()
-        self.shards = dict(shards)
+        self.shards = {name: spec if isinstance(spec, tuple) else (spec, 1) for name, spec in shards.items()}
         self.partial_output = partial_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -260,25 +265,36 @@ class LocalParameters(ParallelStyle):
         shards = {n: d for n, d in self.shards.items() if module._parameters.get(n) is not None}
         if not shards and not self.partial_output:
             return module
-        for name, dim in self.shards.items():
+        merged: dict[str, int] = {}  # packed parameters: the dim their parts are merged back along
+        for name, (dim, parts) in self.shards.items():
             param = module._parameters.get(name)
             if param is None:
                 if not self.partial_output:
                     continue
                 raise ValueError(f"LocalParameters: {type(module).__name__} has no parameter {name!r}")
-            if param.shape[dim] % tp:
+            dim %= param.dim()
+            if param.shape[dim] % (tp * parts):
                 raise ValueError(
                     f"LocalParameters: {type(module).__name__}.{name} of shape {tuple(param.shape)} cannot be split "
-                    f"along dim {dim} over tp={tp}"
+                    f"along dim {dim}" + (f" into {parts} parts" if parts > 1 else "") + f" over tp={tp}"
                 )
+            if parts > 1:
+                shapes = module.__dict__.setdefault("checkpoint_shapes", {})
+                shapes[name] = tuple(param.shape)
+                param, merged[name] = nn.Parameter(param.detach().unflatten(dim, (parts, -1)), param.requires_grad), dim
+                dim += 1
             module._parameters[name] = distribute_parameter(param, device_mesh, [Shard(dim)], self.src_data_rank)
         names = tuple(shards)
         saved: list[dict[str, nn.Parameter]] = []
 
+        def local(name: str, param: nn.Parameter) -> torch.Tensor:
+            shard = param.to_local()
+            return shard.flatten(merged[name], merged[name] + 1) if name in merged else shard
+
         def to_local(_module: nn.Module, _args: tuple) -> None:
             params = _module._parameters
             saved.append({n: params[n] for n in names})
-            params.update({n: params[n].to_local() for n in names})
+            params.update({n: local(n, params[n]) for n in names})
 
         def restore(_module: nn.Module, _args: tuple, _out: object) -> None:
             if saved:

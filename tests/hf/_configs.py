@@ -57,6 +57,13 @@ GENERIC = {
     ),
     # per-head gates computed from every local value head (dt_proj) and per-head q/k norms: meshpar's amendment
     "doge": ("DogeConfig", "DogeForCausalLM", {"keep_window_size": 4}),
+    # identity ("zero-computation") experts next to routed ones, whose fused gate/up weights also hold their rows:
+    # split by features, the identity output counted once; layers of two sublayers (4 hidden layers = 2 layers)
+    "longcat_flash": (
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        {**_MLA, "zero_expert_num": 2, "num_hidden_layers": 4, "attn_implementation": "eager"},
+    ),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),

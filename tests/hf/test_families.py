@@ -131,6 +131,15 @@ def test_per_head_gates_from_every_local_head_stay_with_their_heads() -> None:
     run_distributed(pipeline_case, 4, "doge", 2, 2)
 
 
+def test_identity_experts_and_experts_split_by_features_match_dense() -> None:
+    """LongCat-Flash: its fused gate/up weights hold rows for its identity experts too, so its two expert weights
+    count different experts and cannot be split into whole experts; each rank keeps every expert with half its
+    features (the plan's packed_colwise / rowwise entries), the identity experts' output is counted once in the sum
+    over tp (transformers' ``moe_identity_expert``); tp=2 and tp=2 x pp=2 equal dense."""
+    run_distributed(family_case, 2, "longcat_flash", 2)
+    run_distributed(pipeline_case, 4, "longcat_flash", 2, 2)
+
+
 def test_latent_attention_and_shared_experts_match_dense() -> None:
     """DeepSeek-V3: transformers ships no attention entries for it; meshpar's amendment shards its latent attention
     as V2's plan does (the rope features of ``kv_a_proj_with_mqa`` feed every rank's heads: their grad is summed over
@@ -231,7 +240,7 @@ def reshard_case(directory: str, family: str) -> str:
     return str(step)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral", "longcat_flash"])
 def test_checkpoints_reshard_and_load_with_torch_tools(tmp_path, family: str) -> None:
     """The DCP checkpoint holds every parameter under its FQN in the HF model's own shape: torch's
     ``dcp_to_torch_save`` gives a state dict the plain model loads (a tied head is stored once)."""
