@@ -8,7 +8,8 @@ in which the stage's layers sit at their global indices and every other index pa
 per-layer data the forward reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables)
 stays right; the pieces before the layers (embedding, dropout) act only on the first stage (a learned position
 embedding the forward adds adds nothing later) and those after them (final norm) only on the last, which returns the
-head's logits. Masks, positions and rotary tables are built by the
+head's logits; a parameter-free module the forward calls on both sides of the layers (NanoChat's one norm) acts in
+its early calls on the first stage and in its late ones on the last. Masks, positions and rotary tables are built by the
 model's forward itself, with the user's attention implementation. :func:`check_stage_composition` proves, on the
 dense model before it is split, that the stages composed reproduce its forward.
 
@@ -152,6 +153,8 @@ class PipelineLayout:
     embeddings: tuple[str, ...] = ()
     # layers return a tuple (hidden states first: GPT-J's blocks in older transformers), so stand-ins do too
     layer_returns_tuple: bool = False
+    # parameter-free modules the forward calls on both sides of the layers, with their number of calls before them
+    both_sides: tuple[tuple[str, int], ...] = ()
 
     def stage_sides(self, model: nn.Module) -> tuple[list[str], list[str]]:
         """(first stage's, last stage's) modules of this layout that hold parameters, for the splitter."""
@@ -194,20 +197,37 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
         path = f"{path}.{name}"
 
 
-def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> tuple[list[str], bool]:
-    """The children of ``holder`` in the order the dense model's forward first calls them (a layer list at its first
-    layer's call), on a tiny batch: registration order need not be run order; and whether the layers of
-    ``layer_list`` return tuples (other lists, such as per-layer rotary tables, may).
+@dataclass(frozen=True)
+class _RunOrder:
+    """What one dense forward shows about ``holder``'s children."""
+
+    order: list[str]  # first calls, in order (a layer list at its first layer's call)
+    returns_tuple: bool  # the layers of the layer list return tuples
+    calls: list[str]  # every call, in order
+
+
+def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> _RunOrder:
+    """The children of ``holder`` in the order the dense model's forward first calls them, on a tiny batch:
+    registration order need not be run order; whether the layers of ``layer_list`` return tuples (other lists, such
+    as per-layer rotary tables, may); and every call in order.
     A model on meta cannot run: its registration order, tensors (nothing proves that guess, so
     :mod:`meshpar.hf.parallelize` refuses it)."""
     if any(p.is_meta for p in model.parameters()):
-        return [name for name, _ in holder.named_children()], False
+        names = [name for name, _ in holder.named_children()]
+        return _RunOrder(names, False, names)
     order: list[str] = []
+    calls_seen: list[str] = []
     returns_tuple: list[bool] = []
     handles = []
+
+    def seen(name: str) -> None:
+        calls_seen.append(name)
+        if name not in order:
+            order.append(name)
+
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
-        handles.append(calls.register_forward_pre_hook(lambda *_, n=name: None if n in order else order.append(n)))
+        handles.append(calls.register_forward_pre_hook(lambda *_, n=name: seen(n)))
         if name == layer_list and calls is not child:
             handles.append(
                 calls.register_forward_hook(lambda _m, _a, out: returns_tuple.append(isinstance(out, tuple)))
@@ -223,7 +243,23 @@ def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> tuple[li
             handle.remove()
         for module, training in modes:
             module.training = training
-    return order, any(returns_tuple)
+    return _RunOrder(order, any(returns_tuple), calls_seen)
+
+
+def _both_sides(calls: list[str], layer_list: str, holder: nn.Module, holder_path: str) -> tuple[tuple[str, int], ...]:
+    """Parameter-free children called both before and after the layers (NanoChat's one norm, applied to the
+    embeddings and to the last hidden states), with how many of their calls come before: their early calls belong
+    to the first stage and their late ones to the last, as plan pieces on either side do."""
+    if layer_list not in calls:
+        return ()
+    first = calls.index(layer_list)
+    last = len(calls) - 1 - calls[::-1].index(layer_list)
+    sided = []
+    for name, _ in holder.named_children():
+        early = calls[:first].count(name)
+        if name != layer_list and early and calls[last:].count(name) and not _holds_parameters(holder, name):
+            sided.append((f"{holder_path}.{name}", early))
+    return tuple(sided)
 
 
 def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
@@ -239,13 +275,16 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     lists = [n for n, m in holder.named_children() if isinstance(m, nn.ModuleList) and _holds_parameters(holder, n)]
     if len(lists) != 1:
         return None
-    # parameter-free children (rotary tables) run on every stage, as they are
-    called, returns_tuple = _run_order(model, holder, lists[0])
-    order = [n for n in called if n == lists[0] or _holds_parameters(holder, n)]
+    # parameter-free children (rotary tables) run on every stage, as they are, unless they act on both sides
+    run = _run_order(model, holder, lists[0])
+    order = [n for n in run.order if n == lists[0] or _holds_parameters(holder, n)]
     if lists[0] not in order:
         return None
     layout = _layout(model, order, holder_path)
-    return replace(layout, layer_returns_tuple=returns_tuple) if layout is not None else None
+    if layout is None:
+        return None
+    both = _both_sides(run.calls, lists[0], holder, holder_path)
+    return replace(layout, layer_returns_tuple=run.returns_tuple, both_sides=both)
 
 
 def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) -> PipelineLayout | None:
@@ -313,6 +352,21 @@ class _PassThrough(nn.Module):
         return (hidden_states,) if self.as_tuple else hidden_states
 
 
+class _Sided(nn.Module):
+    """Stands in for a module called on both sides of the layers: its first ``early`` calls act only on the first
+    stage, the later ones only on the last; elsewhere it hands its input on."""
+
+    def __init__(self, module: nn.Module, early: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.module, self.early, self.first, self.last = module, early, first, last
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> object:
+        acts = self.first if self.calls < self.early else self.last
+        self.calls += 1
+        return self.module(x, *args, **kwargs) if acts else x
+
+
 class _NoEmbedding(nn.Module):
     """Stands in for an embedding of the first stage on later ones: a 0-dim zero, so ``hidden + embedding(...)``
     leaves the received hidden states as they are (a 0-dim operand changes neither their shape nor dtype)."""
@@ -339,6 +393,8 @@ def _stage_view(
         swap(fqn, _NoEmbedding() if fqn in layout.embeddings else nn.Identity())
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
+    for fqn, early in () if first and last else layout.both_sides:
+        swap(fqn, _Sided(model.get_submodule(fqn), early, first, last))
     stand_ins = [
         owned.get(i) or _PassThrough(layout.layer_attributes[i], layout.layer_returns_tuple)
         for i in range(layout.num_layers)

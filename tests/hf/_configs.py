@@ -65,6 +65,7 @@ GENERIC = {
         {**_MLA, "zero_expert_num": 2, "num_hidden_layers": 4, "attn_implementation": "eager"},
     ),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
     "gptj": (

@@ -298,14 +298,15 @@ def test_tp_x_pp_from_transformers_plans_matches_dense(family: str, vpp: int) ->
 
 @pytest.mark.parametrize(
     ("family", "world", "tp"),
-    [("nemotron", 2, 1), ("olmoe", 4, 2), ("opt", 2, 1), ("opt", 4, 2), ("opt_projected", 2, 1)],
+    [("nemotron", 2, 1), ("olmoe", 4, 2), ("opt", 2, 1), ("opt", 4, 2), ("opt_projected", 2, 1), ("nanochat", 2, 1)],
 )
 def test_pipeline_from_a_plan_read_off_the_model_matches_dense(family: str, world: int, tp: int) -> None:
     """Families without transformers' pipeline plan: the plan is read from the module holding the layer list (the
     base model, or OPT's decoder inside it) in the order the dense forward calls its children, proven on the dense
     model, and the pipelined step equals the dense one (OLMoE: experts under tp too; OPT: its final norm is
     registered before the layers but runs on the last stage, its learned positions add nothing after the first
-    stage, OPT-350m's projections in and out of narrower embeddings)."""
+    stage, OPT-350m's projections in and out of narrower embeddings; NanoChat's one parameter-free norm is applied
+    to the embeddings and to the last hidden states: its first call acts on the first stage, its last on the last)."""
     assert not getattr(build(family).config, "base_model_pp_plan", None)
     run_distributed(pipeline_case, world, family, tp, 2)
 

@@ -136,6 +136,19 @@ def test_run_order_reads_call_order_and_whether_the_layers_return_tuples(as_tupl
     from meshpar.hf.stages import _run_order
 
     model = _Holder(as_tuple)
-    order, returns_tuple = _run_order(model, model, "layers")
-    assert order == ["embed", "rotary", "layers", "norm"]
-    assert returns_tuple is as_tuple
+    run = _run_order(model, model, "layers")
+    assert run.order == ["embed", "rotary", "layers", "norm"]
+    assert run.returns_tuple is as_tuple
+
+
+def test_parameter_free_modules_called_on_both_sides_of_the_layers_are_found() -> None:
+    """NanoChat's one norm runs on the embeddings and on the last hidden states: its early calls belong to the
+    first stage, its late ones to the last; a module with parameters or called on one side only is not such."""
+    from meshpar.hf.stages import _both_sides
+
+    holder = torch.nn.Module()
+    holder.free, holder.weighted, holder.rotary = torch.nn.Identity(), torch.nn.LayerNorm(4), torch.nn.Identity()
+    holder.layers = torch.nn.ModuleList([torch.nn.Identity()])
+    calls = ["rotary", "free", "free", "weighted", "layers", "free", "weighted"]
+    assert _both_sides(calls, "layers", holder, "model") == (("model.free", 2),)
+    assert _both_sides(["rotary", "free"], "layers", holder, "model") == ()
