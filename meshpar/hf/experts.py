@@ -20,7 +20,14 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar._in_place import mix_into
-from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from meshpar.tensor_parallel._collectives import (
+    all_gather,
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
 from meshpar.tensor_parallel.layers import distribute_parameter, parameters_replaced
 from meshpar.tensor_parallel.style import LocalParameters
 
@@ -30,6 +37,8 @@ class _LocalExperts:
 
     tp_mesh: DeviceMesh
     num_experts: int
+    # tokens arrive as sequence shards (sequence parallelism): gathered on entry, the output reduce-scattered back
+    sequence_parallel: bool
 
     def forward(
         self,
@@ -40,11 +49,17 @@ class _LocalExperts:
         if top_k_index is None:
             return self._forward_blocks(hidden_states)
         mesh = self.tp_mesh
+        if self.sequence_parallel:  # per-token inputs: any dim-0 order works if the output is scattered back alike
+            hidden_states = gather_from_sp(hidden_states, mesh, 0)
+            top_k_weights = gather_from_sp(top_k_weights, mesh, 0)
+            top_k_index = all_gather(top_k_index, mesh, 0)
+        else:
+            hidden_states, top_k_weights = copy_to_tp(hidden_states, mesh), copy_to_tp(top_k_weights, mesh)
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
         elsewhere = (top_k_index < start) | (top_k_index >= start + local)
         local_index = torch.where(elsewhere, local, top_k_index - start)
-        weights = copy_to_tp(top_k_weights, mesh).masked_fill(elsewhere, 0.0)
+        weights = top_k_weights.masked_fill(elsewhere, 0.0)
         shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
         previous = (self.num_experts, getattr(self, "_is_expert_parallel", None))
         try:
@@ -52,18 +67,23 @@ class _LocalExperts:
             if previous[1] is not None:
                 self._is_expert_parallel = True  # transformers' grouped forwards then mask the sentinel routes
             with parameters_replaced(self, shards):
-                out = super().forward(copy_to_tp(hidden_states, mesh), local_index, weights)  # type: ignore[misc]
+                out = super().forward(hidden_states, local_index, weights)  # type: ignore[misc]
         finally:
             self.num_experts = previous[0]
             if previous[1] is not None:
                 self._is_expert_parallel = previous[1]
-        return reduce_from_tp(out, mesh)
+        return reduce_scatter_to_sp(out, mesh, 0) if self.sequence_parallel else reduce_from_tp(out, mesh)
 
     def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Experts handed one block of (already weighted) tokens per expert, ``[experts * tokens, hidden]`` in expert
         order (Llama-4): this rank runs its experts' blocks and the blocks are all-gathered back in order (backward:
         each rank keeps its blocks' grad; the input grad, non-zero only in this rank's blocks, is summed over tp)."""
         mesh = self.tp_mesh
+        if self.sequence_parallel:
+            raise NotImplementedError(
+                f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
+                "'sequence_parallel' off"
+            )
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
         width = hidden_states.shape[-1]
@@ -86,14 +106,22 @@ class ExpertsOverTP(ParallelStyle):
     is a partial sum, all-reduced (:class:`meshpar.tensor_parallel.style.LocalParameters` with ``partial_output``),
     and the identity experts' output is divided by tp inside it, so that the sum counts it once."""
 
-    def __init__(self, features: dict[str, tuple[int, int] | None] | None = None) -> None:
+    def __init__(
+        self, features: dict[str, tuple[int, int] | None] | None = None, *, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.features = features
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
         if self.features is not None and not _whole_experts_possible(module, experts):
+            if self.sequence_parallel:
+                raise ValueError(
+                    f"{cls.__name__}: experts split by features under sequence parallelism are not supported; turn "
+                    "'sequence_parallel' off"
+                )
             return _experts_by_features(module, device_mesh, self.features, self.src_data_rank)
         if not isinstance(experts, int) or experts % tp:
             raise ValueError(
@@ -110,7 +138,7 @@ class ExpertsOverTP(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, distribute_parameter(param, device_mesh, [Shard(0)], self.src_data_rank))
         mix_into(module, _LocalExperts, "TensorParallel")
-        module.tp_mesh = device_mesh
+        module.tp_mesh, module.sequence_parallel = device_mesh, self.sequence_parallel
         return module
 
 

@@ -8,10 +8,15 @@ gather and reduce-scatter on their own); the modules between the regions (norms)
 parameters' grads summed over tp. The first layer splits its input into shards, the final norm gathers them back for
 the (vocab-parallel) LM head.
 
+A mixture-of-experts block (a region holding a ``moe_tp_experts`` module) is not gathered whole: Megatron's layout,
+its router runs on the shards (its parameters' grads summed over tp, as a norm's), the experts module all-gathers
+the tokens with their routes and reduce-scatters its output back into shards (:class:`ExpertsOverTP` with
+``sequence_parallel``), and sharded modules inside the block (shared experts) form regions of their own.
+
 transformers' plans say which projections are column- and row-parallel, not what runs on the residual stream, so the
 plan is converted only where each layer is regions plus per-token modules whose parameters are vectors (norms);
-anything else (experts whose output is all-reduced, gathered outputs, bare parameters of the layer, replicated
-key/value heads) is refused with the modules named. The converted plan is proven by the same one-block verification
+anything else (gathered outputs, partial-sum outputs, bare parameters of the layer, replicated key/value heads) is
+refused with the modules named. The converted plan is proven by the same one-block verification
 as the plan without sequence parallelism, on sequence shards.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 from torch import nn
 
 from meshpar._compat import ParallelStyle
+from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import (
     ColumnParallel,
     GatherSequenceInput,
@@ -79,12 +85,24 @@ def sequence_parallel_styles(
     with_rows: set[str] = set()  # regions whose output a row projection reduce-scatters back into shards
     direct: set[str] = set()  # projections sitting directly in the layer, each gathering / scattering on its own
     inside = f"{layers}.*."
+    # mixture-of-experts blocks: layer child -> its experts child
+    moe = {
+        pattern[len(inside) :].split(".")[0]: pattern[len(inside) :].split(".")[1]
+        for pattern, style in styles.items()
+        if pattern.startswith(inside) and isinstance(style, ExpertsOverTP) and pattern[len(inside) :].count(".") == 1
+    }
     for pattern, style in styles.items():
         if not pattern.startswith(inside):
             out[pattern] = style  # embedding, head: full sequence
             continue
-        region = pattern[len(inside) :].split(".", 1)[0]
-        in_region = region != pattern[len(inside) :]
+        path = pattern[len(inside) :].split(".")
+        if path[0] in moe and len(path) == 2 and path[1] == moe[path[0]]:
+            out[pattern] = ExpertsOverTP(style.features, sequence_parallel=True)
+            continue
+        # inside a mixture-of-experts block, its children are the regions (shared experts)
+        depth = 2 if path[0] in moe and len(path) > 1 else 1
+        region = ".".join(path[:depth])
+        in_region = len(path) > depth
         converted = _as_sequence_parallel(style, in_region)
         if converted is None:
             refused.append(f"{pattern}: {_describe(style)}")
@@ -102,10 +120,16 @@ def sequence_parallel_styles(
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
         out[key] = GatherSequenceInput()
     norms: set[str] = set()
+    routers: set[str] = set()  # replicated modules of a mixture-of-experts block, run on shards
     for index, layer in enumerate(model.get_submodule(layers)):
         if any(True for _ in layer.parameters(recurse=False)):
             refused.append(f"{layers}.{index}: parameters of the layer itself")
         for child_name, child in layer.named_children():
+            if child_name in moe:
+                routers |= _replicated_in_block(child, child_name, moe[child_name], regions | direct)
+                if any(True for _ in child.parameters(recurse=False)):
+                    refused.append(f"{layers}.{index}.{child_name}: parameters of the experts block itself")
+                continue
             if child_name in regions | direct or not any(True for _ in child.parameters()):
                 continue
             if _is_per_token(child):
@@ -114,6 +138,8 @@ def sequence_parallel_styles(
                 refused.append(f"{layers}.{index}.{child_name}: neither sharded by the plan nor a norm")
     for norm in sorted(norms):
         out[f"{inside}{norm}"] = SequenceParallelNorm()
+    for router in sorted(routers):
+        out[f"{inside}{router}"] = ReplicatedGradSum()
     if len(final) != 1 or not _is_per_token(model.get_submodule(final[0])):
         refused.append(f"after {layers}: {final or 'nothing'} (one final norm expected)")
     if refused:
@@ -125,3 +151,20 @@ def sequence_parallel_styles(
     out[f"{layers}.0"] = scatter
     out[final[0]] = final_norm
     return out
+
+
+def _replicated_in_block(block: nn.Module, name: str, experts: str, sharded: set[str]) -> set[str]:
+    """The modules of a mixture-of-experts block that hold parameters the plan leaves replicated (routers, shared
+    experts' gates), relative to the layer: on sequence shards each sees only this rank's tokens, so their grads
+    are summed over tp."""
+    found = set()
+    for child_name, child in block.named_children():
+        key = f"{name}.{child_name}"
+        if child_name == experts or key in sharded:
+            continue
+        found |= {
+            f"{key}.{sub}".rstrip(".")
+            for sub, module in child.named_modules()
+            if any(True for _ in module.parameters(recurse=False))
+        }
+    return found

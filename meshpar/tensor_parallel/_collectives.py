@@ -160,3 +160,8 @@ def scatter_to_sp(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tens
 def all_reduce_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Non-differentiable sum over tp."""
     return x if mesh.size() == 1 else _all_reduce(x, mesh, "sum")
+
+
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Non-differentiable all-gather over tp along ``dim`` (integer tensors: routing indices)."""
+    return x if mesh.size() == 1 else _all_gather(x, mesh, dim)

@@ -238,7 +238,7 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
         x, w, b = _autocast_operands(x, matrix(local_tensor(weight), in_out), b)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.bias, ctx.mesh, ctx.in_out = weight, bias, mesh, in_out
-        y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, 1)
+        y = _reduce_scatter(torch.nn.functional.linear(x, w), mesh, -2)  # [b, s, h]: s; flattened [tokens, h]
         if b is not None:
             y.add_(b)  # y is the reduce-scatter's fresh output
         return y
@@ -251,7 +251,7 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
         if need_b:
             grad_b = _flat(grad_out).sum(0)
             work = dist.all_reduce(grad_b, group=ctx.mesh.get_group(), async_op=True)
-        grad_full = _all_gather(grad_out, ctx.mesh, 1) if need_x or need_w else None
+        grad_full = _all_gather(grad_out, ctx.mesh, -2) if need_x or need_w else None
         grad_x = grad_full @ w if need_x else None
         grad_w = _weight_grad(grad_full, x, ctx.in_out) if need_w else None
         if work is not None:

@@ -341,7 +341,7 @@ class RowParallelLinear(_TensorParallelLinear):
             return RowLinearSequenceParallelFunction.apply(x, self.weight, self.bias, self.tp_mesh, self.weight_in_out)
         weight = matrix(self.weight.to_local(), self.weight_in_out)
         if self.sequence_parallel_enabled:
-            y = reduce_scatter_to_sp(F.linear(x, weight), self.tp_mesh, dim=1)
+            y = reduce_scatter_to_sp(F.linear(x, weight), self.tp_mesh, dim=-2)
         else:
             y = reduce_from_tp(F.linear(x, weight), self.tp_mesh)
         if self.bias is None:

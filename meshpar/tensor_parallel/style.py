@@ -212,15 +212,16 @@ class SequenceParallelNorm(ParallelStyle):
 class GatherSequenceInput(ParallelStyle):
     """Sequence-parallel entry for a whole attention or MLP module: its ``hidden_states`` input (a sequence shard)
     is all-gathered once (backward: reduce-scatter), so code inside that reshapes by the input's sequence length sees
-    the full sequence and several column layers share one gather (``ColumnParallel(input_gathered=True)``).
-    """
+    the full sequence and several column layers share one gather (``ColumnParallel(input_gathered=True)``). The
+    sequence is the second-to-last dim: ``[b, s, h]``, or the tokens of ``[tokens, h]`` (an MoE block's shared
+    experts run on flattened tokens; a row layer's sequence-parallel reduce-scatter takes the same dim)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             if "hidden_states" in kwargs:
-                kwargs = {**kwargs, "hidden_states": gather_from_sp(kwargs["hidden_states"], device_mesh, 1)}
+                kwargs = {**kwargs, "hidden_states": gather_from_sp(kwargs["hidden_states"], device_mesh, -2)}
                 return args, kwargs
-            return (gather_from_sp(args[0], device_mesh, 1), *args[1:]), kwargs
+            return (gather_from_sp(args[0], device_mesh, -2), *args[1:]), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

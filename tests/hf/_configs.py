@@ -64,6 +64,17 @@ GENERIC = {
         "LongcatFlashForCausalLM",
         {**_MLA, "zero_expert_num": 2, "num_hidden_layers": 4, "attn_implementation": "eager"},
     ),
+    # routed experts next to a gated shared expert that runs on flattened tokens
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+        },
+    ),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),

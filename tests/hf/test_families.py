@@ -92,10 +92,26 @@ def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) ->
     run_distributed(family_case, 2, family, 2, None, None, True)
 
 
-def sequence_parallel_verification_case() -> str:
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
+    """Megatron's sequence parallelism around mixture-of-experts blocks: the router runs on the shards (its grads
+    summed over tp), the experts all-gather the tokens with their routes and reduce-scatter their output back
+    (Mixtral); Qwen2-MoE's shared expert, run on flattened tokens, is a region of its own and its gate runs on the
+    shards; loss, every grad and the step equal dense."""
+    run_distributed(family_case, 2, family, 2, None, None, True)
+
+
+def test_sequence_parallel_refuses_latent_attention_by_verification() -> None:
+    """DeepSeek-V3's experts convert, but its latent attention's replicated ``q_a_proj`` would read the gathered
+    input (its grads summed twice): the one-block verification on sequence shards refuses it on every rank."""
+    for message in run_distributed(sequence_parallel_verification_case, 2, "deepseek_v3"):
+        assert "does not match the dense one at tp=2" in message and "q_a_proj" in message, message
+
+
+def sequence_parallel_verification_case(family: str = "opt") -> str:
     setup_parallel(tp=2)
     try:
-        meshpar.parallelize(build("opt"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+        meshpar.parallelize(build(family), {"tensor_parallel_size": 2, "sequence_parallel": True})
     except PlanVerificationError as error:
         return str(error)
     return "not refused"
@@ -201,10 +217,8 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     assert "neither a tensor-parallel plan in the installed transformers nor a meshpar table" in _refusal(
         bloom, {"tensor_parallel_size": 2}
     )
-    message = _refusal(build("mixtral"), {"tensor_parallel_size": 2, "sequence_parallel": True})
-    assert "sequence parallelism from the model's tensor-parallel plan" in message, message
-    assert "model.layers.*.mlp.experts: ExpertsOverTP" in message, message  # its output is all-reduced
     message = _refusal(build("olmo2"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    assert "sequence parallelism from the model's tensor-parallel plan" in message, message
     assert "model.layers.*.self_attn.q_proj: ColumnParallel(gather_output=True)" in message, message
     message = _refusal(build("qwen2", kv_heads=1), {"tensor_parallel_size": 2, "sequence_parallel": True})
     assert "key/value heads replicated over tp is not supported" in message, message
