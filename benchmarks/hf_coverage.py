@@ -68,8 +68,21 @@ def tiny(model_type: str) -> torch.nn.Module:
 
 
 # families whose sizes the generic keys miss: LongCat-Flash counts layers of two sublayers (``num_layers``; its
-# ``num_hidden_layers`` is twice that) and defaults to 256 identity experts, which would take nearly every route
-_FAMILY_SIZES = {"longcat_flash": {"num_layers": 2, "zero_expert_num": 2}}
+# ``num_hidden_layers`` is twice that) and defaults to 256 identity experts, which would take nearly every route;
+# LFM2-MoE's config has no layer types by default (its checkpoints list them): one convolution, one attention layer;
+# Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_PER_LAYER_INPUTS = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}  # Gemma-3n / Gemma-4
+_FAMILY_SIZES = {
+    "gemma4_text": _PER_LAYER_INPUTS,
+    "gemma3n_text": {**_PER_LAYER_INPUTS, "num_kv_shared_layers": 0},
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": _ROPE, "full_attention": _ROPE},
+    },
+    "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+}
 
 
 def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
@@ -86,8 +99,12 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
         first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
         mamba_n_heads=4, mamba_d_head=16,
     )  # fmt: skip
-    sizes.update(_FAMILY_SIZES.get(model_type, {}))
+    family = _FAMILY_SIZES.get(model_type, {})
+    sizes.update(family)
     text = config.get_text_config()
+    # configs with per-layer sub-configs (Gemma-4, dots3): the tiny sizes are set globally, as the keys' defaults are
+    with contextlib.suppress(AttributeError):
+        text.allow_global_per_layer_attribute_access = True
     depth = getattr(text, "num_hidden_layers", None)
     # per-layer lists (mlp types, head counts; layer types where the config cannot re-derive them) for the full
     # depth: keep the first and the last layer's entries, so both kinds (dense and MoE, sliding and full) stay
@@ -105,10 +122,15 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
                 setattr(text, key, value)
             except AttributeError:  # a derived property
                 continue
-    if hasattr(text, "layer_types") and "layer_types" not in per_layer:
+    if hasattr(text, "layer_types") and "layer_types" not in per_layer and "layer_types" not in family:
         with contextlib.suppress(AttributeError):  # a derived property
             text.layer_types = None  # re-derived for 2 layers below
-    text = type(text)(**text.to_dict())  # re-run the config's own derivations (layer types, head dims)
+    values = text.to_dict()
+    overrides = values.get("per_layer_config")  # per-layer sub-configs by layer index (Gemma-4): the same cut
+    if isinstance(overrides, dict) and depth and depth > 2:
+        by_index = {int(k): v for k, v in overrides.items()}
+        values["per_layer_config"] = {new: by_index[old] for new, old in ((0, 0), (1, depth - 1)) if old in by_index}
+    text = type(text)(**values)  # re-run the config's own derivations (layer types, head dims)
     text._attn_implementation = "eager"
     return text
 
