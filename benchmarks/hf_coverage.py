@@ -72,6 +72,21 @@ def tiny(model_type: str) -> torch.nn.Module:
 # LFM2-MoE's config has no layer types by default (its checkpoints list them): one convolution, one attention layer;
 # Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do)
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# vision / audio towers built inside a causal LM, at tiny size
+_TOWER_SIZES = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_blocks=1,
+    num_attention_heads=4,
+    image_size=28,
+    crop_size=28,
+    patch_size=14,
+    ext_pw_out_channel=32,
+    depthwise_separable_out_channel=32,
+    nemo_conv_channels=32,
+    depthwise_multiplier=1,
+)
 _PER_LAYER_INPUTS = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}  # Gemma-3n / Gemma-4
 _FAMILY_SIZES = {
     "gemma4_text": _PER_LAYER_INPUTS,
@@ -125,6 +140,11 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     if hasattr(text, "layer_types") and "layer_types" not in per_layer and "layer_types" not in family:
         with contextlib.suppress(AttributeError):  # a derived property
             text.layer_types = None  # re-derived for 2 layers below
+    for name, tower in list(vars(text).items()):  # towers a text model still builds (Phi-4-multimodal's encoders)
+        if name.endswith("_config") and hasattr(tower, "to_dict"):
+            for key, value in _TOWER_SIZES.items():
+                if key in tower.to_dict():
+                    setattr(tower, key, value)
     values = text.to_dict()
     overrides = values.get("per_layer_config")  # per-layer sub-configs by layer index (Gemma-4): the same cut
     if isinstance(overrides, dict) and depth and depth > 2:

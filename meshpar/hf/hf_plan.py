@@ -19,6 +19,7 @@ from torch import nn
 
 from meshpar._compat import ParallelStyle
 from meshpar.hf.experts import ExpertsOverTP
+from meshpar.hf.fixups import gaussian_topk_over_tp
 from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
 from meshpar.tensor_parallel.style import (
     AllReduceOutput,
@@ -190,6 +191,8 @@ _DOGE_ATTENTION = {
 }
 AMENDMENTS: dict[str, dict[str, object]] = {
     "doge": _DOGE_ATTENTION,
+    # the activation sparsity of Gemma-3n's first layers cuts at statistics over all of a token's MLP features
+    "gemma3n_text": {"layers.*.mlp": gaussian_topk_over_tp()},
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "deepseek_v3": _MLA_ATTENTION,

@@ -192,9 +192,16 @@ class ParallelizedModel(nn.Module):
             sides = ([], [])
 
         else:
-            layout = pipeline_layout(model)
-            inferred = layout is None
-            if inferred:
+            try:
+                layout = pipeline_layout(model)
+                inferred = layout is None
+            except ValueError as plan_error:  # transformers' plan does not describe the model: read one off it
+                layout = None if self._from_meta else inferred_pipeline_layout(model)
+                if layout is None:
+                    raise
+                inferred = True
+                _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
+            if inferred and layout is None:
                 layout = inferred_pipeline_layout(model)
             if layout is None or self.plan.task != "causal_lm":
                 raise ValueError(

@@ -75,6 +75,46 @@ GENERIC = {
             "shared_expert_intermediate_size": 24,
         },
     ),
+    # activation sparsity in its first layer: a cutoff at statistics over all of a token's MLP features
+    "gemma3n_text": (
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        {
+            "activation_sparsity_pattern": [0.95, 0.0],
+            "layer_types": ["sliding_attention", "full_attention"],
+            "vocab_size_per_layer_input": 64,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 0,
+            "attn_implementation": "eager",
+        },
+    ),
+    # a shipped pipeline plan that leaves out a module holding parameters (the image / audio embedder that runs
+    # before the layers): meshpar reads the plan off the model and proves it
+    "phi4_multimodal": (
+        "Phi4MultimodalConfig",
+        "Phi4MultimodalForCausalLM",
+        {
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "image_size": 28,
+                "crop_size": 28,
+                "patch_size": 14,
+            },
+            "audio_config": {
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_blocks": 1,
+                "num_attention_heads": 4,
+                "ext_pw_out_channel": 32,
+                "depthwise_separable_out_channel": 32,
+                "nemo_conv_channels": 32,
+                "depthwise_multiplier": 1,
+            },
+        },
+    ),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),

@@ -147,6 +147,14 @@ def test_per_head_gates_from_every_local_head_stay_with_their_heads() -> None:
     run_distributed(pipeline_case, 4, "doge", 2, 2)
 
 
+def test_statistics_over_the_features_tp_splits_are_taken_over_all_of_them() -> None:
+    """Gemma-3n: the activation sparsity of its first layers cuts each token's gate activations at mean + k * std of
+    all its MLP features, which tp splits; meshpar's fix-up sums both statistics over tp (and their grads); loss,
+    every grad and the step equal dense at tp=2 (dp=2 beside it)."""
+    run_distributed(family_case, 2, "gemma3n_text", 2)
+    run_distributed(family_case, 4, "gemma3n_text", 2)
+
+
 def test_identity_experts_and_experts_split_by_features_match_dense() -> None:
     """LongCat-Flash: its fused gate/up weights hold rows for its identity experts too, so its two expert weights
     count different experts and cannot be split into whole experts; each rank keeps every expert with half its
@@ -323,6 +331,12 @@ def test_pipeline_from_a_plan_read_off_the_model_matches_dense(family: str, worl
     to the embeddings and to the last hidden states: its first call acts on the first stage, its last on the last)."""
     assert not getattr(build(family).config, "base_model_pp_plan", None)
     run_distributed(pipeline_case, world, family, tp, 2)
+
+
+def test_pipeline_plan_that_leaves_out_a_module_is_read_off_the_model() -> None:
+    """Phi-4-multimodal's shipped pipeline plan leaves out its image / audio embedder, which runs before the layers:
+    the plan is read off the model instead (the embedder with the first stage) and proven on the dense model."""
+    run_distributed(pipeline_case, 2, "phi4_multimodal", 1, 2)
 
 
 def test_gptj_pipeline_matches_dense() -> None:
