@@ -189,7 +189,28 @@ _DOGE_ATTENTION = {
     "layers.*.self_attn": "local_params",
     "layers.*.self_attn.A": "colwise",
 }
+# Families whose shipped plans shard their experts only, leaving every attention weight on every rank (and their
+# layers out of sequence parallelism): Megatron's attention layout, per-head q/k norms' grads summed over tp
+_ATTENTION = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
 AMENDMENTS: dict[str, dict[str, object]] = {
+    **{family: _ATTENTION for family in ("granitemoe", "granitemoeshared", "phimoe")},
+    "hunyuan_v1_moe": {
+        **_ATTENTION,
+        "layers.*.self_attn.query_layernorm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.key_layernorm": "replicated_with_grad_allreduce",
+    },
+    # its attention output is gated per feature before o_proj
+    "afmoe": {
+        **_ATTENTION,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.gate_proj": "colwise",
+    },
     "doge": _DOGE_ATTENTION,
     # the activation sparsity of Gemma-3n's first layers cuts at statistics over all of a token's MLP features
     "gemma3n_text": {"layers.*.mlp": gaussian_topk_over_tp()},

@@ -57,7 +57,10 @@ def _capture_block_inputs(model: nn.Module, block: nn.Module) -> tuple[tuple, di
 
     vocab = getattr(text_config(model.config), "vocab_size", None) or 2
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
+    # no KV cache: the dense run would fill it, and the sharded block would append its own heads to it
+    params = inspect.signature(type(model).forward).parameters
+    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {"use_cache": False} if takes else {}
     device = next(iter(model.parameters())).device
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:

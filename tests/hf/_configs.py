@@ -115,6 +115,8 @@ GENERIC = {
             },
         },
     ),
+    # a shipped plan that shards the experts only: meshpar's amendment shards the attention (Megatron's layout)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),

@@ -155,6 +155,23 @@ def test_statistics_over_the_features_tp_splits_are_taken_over_all_of_them() -> 
     run_distributed(family_case, 4, "gemma3n_text", 2)
 
 
+def attention_placements_case(family: str) -> list[str]:
+    setup_parallel(tp=2)
+    model = meshpar.parallelize(build(family), {"tensor_parallel_size": 2})
+    attention = model.module.model.layers[0].self_attn
+    return [repr(getattr(attention, n).weight.placements) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+
+
+def test_plans_that_shard_only_the_experts_get_the_attention_sharded_too() -> None:
+    """GraniteMoE's shipped plan (as PhiMoE's, HunYuan-MoE's, AFMoE's) has entries for its experts only, which
+    would keep every attention weight on every rank; meshpar's amendment shards q/k/v by heads and o_proj by its
+    input, and the step equals dense with sequence parallelism too."""
+    placements = run_distributed(attention_placements_case, 2, "granitemoe")[0]
+    assert placements == ["(Shard(dim=0),)"] * 3 + ["(Shard(dim=1),)"], placements
+    run_distributed(family_case, 2, "granitemoe", 2)
+    run_distributed(family_case, 2, "granitemoe", 2, None, None, True)
+
+
 def test_identity_experts_and_experts_split_by_features_match_dense() -> None:
     """LongCat-Flash: its fused gate/up weights hold rows for its identity experts too, so its two expert weights
     count different experts and cannot be split into whole experts; each rank keeps every expert with half its
