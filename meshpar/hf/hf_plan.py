@@ -204,6 +204,14 @@ AMENDMENTS: dict[str, dict[str, object]] = {
         "layers.*.self_attn.query_layernorm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.key_layernorm": "replicated_with_grad_allreduce",
     },
+    # per-head attention sinks, kept with their heads
+    "flint": {
+        **_ATTENTION,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn": "local_params",
+        "layers.*.self_attn.sinks": "colwise",
+    },
     # its attention output is gated per feature before o_proj
     "afmoe": {
         **_ATTENTION,
