@@ -67,27 +67,19 @@ def tiny(model_type: str) -> torch.nn.Module:
     return _tiny_model(model_type, cut_layer_types=True)
 
 
-# families whose sizes the generic keys miss: LongCat-Flash counts layers of two sublayers (``num_layers``; its
-# ``num_hidden_layers`` is twice that) and defaults to 256 identity experts, which would take nearly every route;
-# LFM2-MoE's config has no layer types by default (its checkpoints list them): one convolution, one attention layer;
-# Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do)
-_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-# vision / audio towers built inside a causal LM, at tiny size
+# vision / audio towers built inside a causal LM (Phi-4-multimodal's encoders), at tiny size
 _TOWER_SIZES = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=1,
-    num_blocks=1,
-    num_attention_heads=4,
-    image_size=28,
-    crop_size=28,
-    patch_size=14,
-    ext_pw_out_channel=32,
-    depthwise_separable_out_channel=32,
-    nemo_conv_channels=32,
+    hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_blocks=1, num_attention_heads=4, image_size=28,
+    crop_size=28, patch_size=14, ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32,
     depthwise_multiplier=1,
-)
-_PER_LAYER_INPUTS = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}  # Gemma-3n / Gemma-4
+)  # fmt: skip
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_PER_LAYER_INPUTS = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
+# families whose sizes the generic keys miss: Gemma-3n / Gemma-4 embed per-layer inputs from full-size vocabularies;
+# Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do); LongCat-Flash
+# counts layers of two sublayers (``num_layers``; its ``num_hidden_layers`` is twice that) and defaults to 256
+# identity experts, which would take nearly every route; LFM2-MoE's config has no layer types by default (its
+# checkpoints list them): one convolution, one attention layer
 _FAMILY_SIZES = {
     "gemma4_text": _PER_LAYER_INPUTS,
     "gemma3n_text": {**_PER_LAYER_INPUTS, "num_kv_shared_layers": 0},
