@@ -182,9 +182,13 @@ _PACKED_ATTENTION = {
 # Doge's attention gates each key/value head by dt_proj(all of its value features) * A: the shipped rowwise dt_proj
 # gives every rank the gates of all heads while it holds half of them; each rank keeps its heads' gates and A's. Its
 # per-head q/k norms meet only this rank's heads (their grads are partial over tp), as Qwen3's plan says for its own
-_DOGE_ATTENTION = {
+# per-head q/k norms (each rank's heads only): their grads are partial over tp
+_HEAD_NORMS = {
     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
     "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+_DOGE_ATTENTION = {
+    **_HEAD_NORMS,
     "layers.*.self_attn.dt_proj": RowParallel(local_output=True),
     "layers.*.self_attn": "local_params",
     "layers.*.self_attn.A": "colwise",
@@ -207,16 +211,14 @@ AMENDMENTS: dict[str, dict[str, object]] = {
     # per-head attention sinks, kept with their heads
     "flint": {
         **_ATTENTION,
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        **_HEAD_NORMS,
         "layers.*.self_attn": "local_params",
         "layers.*.self_attn.sinks": "colwise",
     },
     # its attention output is gated per feature before o_proj
     "afmoe": {
         **_ATTENTION,
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        **_HEAD_NORMS,
         "layers.*.self_attn.gate_proj": "colwise",
     },
     "doge": _DOGE_ATTENTION,

@@ -201,9 +201,13 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
 class _RunOrder:
     """What one dense forward shows about ``holder``'s children."""
 
-    order: list[str]  # first calls, in order (a layer list at its first layer's call)
+    calls: list[str]  # every call of a child, in order (a layer list: its first layer's calls)
     returns_tuple: bool  # the layers of the layer list return tuples
-    calls: list[str]  # every call, in order
+
+    @property
+    def order(self) -> list[str]:
+        """The children in the order of their first calls."""
+        return list(dict.fromkeys(self.calls))
 
 
 def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> _RunOrder:
@@ -213,21 +217,13 @@ def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> _RunOrde
     A model on meta cannot run: its registration order, tensors (nothing proves that guess, so
     :mod:`meshpar.hf.parallelize` refuses it)."""
     if any(p.is_meta for p in model.parameters()):
-        names = [name for name, _ in holder.named_children()]
-        return _RunOrder(names, False, names)
-    order: list[str] = []
+        return _RunOrder([name for name, _ in holder.named_children()], False)
     calls_seen: list[str] = []
     returns_tuple: list[bool] = []
     handles = []
-
-    def seen(name: str) -> None:
-        calls_seen.append(name)
-        if name not in order:
-            order.append(name)
-
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
-        handles.append(calls.register_forward_pre_hook(lambda *_, n=name: seen(n)))
+        handles.append(calls.register_forward_pre_hook(lambda *_, n=name: calls_seen.append(n)))
         if name == layer_list and calls is not child:
             handles.append(
                 calls.register_forward_hook(lambda _m, _a, out: returns_tuple.append(isinstance(out, tuple)))
@@ -243,7 +239,7 @@ def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> _RunOrde
             handle.remove()
         for module, training in modes:
             module.training = training
-    return _RunOrder(order, any(returns_tuple), calls_seen)
+    return _RunOrder(calls_seen, any(returns_tuple))
 
 
 def _both_sides(calls: list[str], layer_list: str, holder: nn.Module, holder_path: str) -> tuple[tuple[str, int], ...]:
