@@ -12,6 +12,7 @@ the modules that use it; nothing is guessed from module names.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -78,6 +79,12 @@ def fqn_matches(pattern: str, name: str) -> bool:
     """``parallelize_module``'s rule: dot-separated atoms, each matched with fnmatch (``*`` is one atom)."""
     atoms, parts = pattern.split("."), name.split(".")
     return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts, strict=True))
+
+
+def takes_use_cache(model: nn.Module) -> bool:
+    """Whether the HF model's forward takes ``use_cache``, by name or through ``**kwargs`` (GraniteMoE's)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def text_config(config: object) -> object:

@@ -15,7 +15,6 @@ computed from vocab-sharded logits with :func:`meshpar.parallel_cross_entropy`; 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import shutil
 from pathlib import Path
@@ -34,7 +33,7 @@ from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
-from meshpar.hf.hf_plan import text_config
+from meshpar.hf.hf_plan import takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.loss import TokenLoss
@@ -473,5 +472,4 @@ def parallelize(
 def _builds_kv_cache(model: nn.Module) -> bool:
     """The HF model's forward takes ``use_cache`` and builds a key/value cache unless told not to (decoders; BERT's
     heads take no such argument)."""
-    takes_it = "use_cache" in inspect.signature(type(model).forward).parameters
-    return takes_it and bool(getattr(getattr(model, "config", None), "use_cache", False))
+    return takes_use_cache(model) and bool(getattr(getattr(model, "config", None), "use_cache", False))

@@ -11,7 +11,6 @@ tp rank raises, naming the submodules whose outputs differ first and the paramet
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.failure import first_failure_on_any_rank
-from meshpar.hf.hf_plan import embedding_and_head, text_config
+from meshpar.hf.hf_plan import embedding_and_head, takes_use_cache, text_config
 from meshpar.hf.plans import HFPlan
 from meshpar.parallel_dims import ParallelDims
 
@@ -58,9 +57,7 @@ def _capture_block_inputs(model: nn.Module, block: nn.Module) -> tuple[tuple, di
     vocab = getattr(text_config(model.config), "vocab_size", None) or 2
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     # no KV cache: the dense run would fill it, and the sharded block would append its own heads to it
-    params = inspect.signature(type(model).forward).parameters
-    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    extra = {"use_cache": False} if takes else {}
+    extra = {"use_cache": False} if takes_use_cache(model) else {}
     device = next(iter(model.parameters())).device
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
