@@ -40,6 +40,7 @@ from meshpar.hf.loss import TokenLoss
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
     STAGE_FORWARDS,
+    block_lists,
     check_stage_composition,
     inferred_pipeline_layout,
     install_decoder_stage,
@@ -188,7 +189,7 @@ class ParallelizedModel(nn.Module):
                 stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
                 return install_stage_forward(stage, family)
 
-            sides = ([], [])
+            sides, stage_kwargs = ([], []), ("attention_mask",)
 
         else:
             try:
@@ -197,7 +198,15 @@ class ParallelizedModel(nn.Module):
             except ValueError as plan_error:  # transformers' plan does not describe the model: read one off it
                 layout = None if self._from_meta else inferred_pipeline_layout(model)
                 if layout is None:
-                    raise
+                    lists = block_lists(model)
+                    raise ValueError(
+                        f"{plan_error}; nor can a plan be read off the model: "
+                        + (
+                            f"it keeps its layers in {lists}, not in one list its forward runs once in order"
+                            if len(lists) > 1
+                            else "its base model holds no single list of layers"
+                        )
+                    ) from plan_error
                 inferred = True
                 _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
             if inferred and layout is None:
@@ -234,6 +243,8 @@ class ParallelizedModel(nn.Module):
             def install(stage: nn.Module) -> nn.Module:
                 return install_decoder_stage(stage, layout)
 
+            stage_kwargs = ("attention_mask", "input_ids")  # every stage runs the model's forward on the ids
+
         return PipelineModel(
             model,
             transformer_layer_cls=self._layer_cls,
@@ -246,7 +257,7 @@ class ParallelizedModel(nn.Module):
             keep_modules=keep,
             stage_transform=lambda stage: self._shard(install(stage)),
             dp_mode=self.dp_mode,
-            stage_kwargs=("attention_mask",),
+            stage_kwargs=stage_kwargs,
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             schedule=config.pipeline_schedule,

@@ -1,17 +1,22 @@
 """Pipeline stage forwards for HuggingFace models.
 
-Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one, whose base model, or the
-one module it wraps, holds one layer list: the plan is then read from its children in the order the dense forward
-calls them, and must pass the composition check) runs the model's
-*own* forward on each stage (:func:`decoder_stage_forward`): the layer list is swapped for a view of the full depth
-in which the stage's layers sit at their global indices and every other index passes its input through, so
-per-layer data the forward reads by index (``config.layer_types[i]``: sliding-window masks, per-type rotary tables)
-stays right; the pieces before the layers (embedding, dropout) act only on the first stage (a learned position
-embedding the forward adds adds nothing later) and those after them (final norm) only on the last, which returns the
-head's logits; a parameter-free module the forward calls on both sides of the layers (NanoChat's one norm) acts in
-its early calls on the first stage and in its late ones on the last. Masks, positions and rotary tables are built by the
-model's forward itself, with the user's attention implementation. :func:`check_stage_composition` proves, on the
-dense model before it is split, that the stages composed reproduce its forward.
+Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one or with one that does not
+describe the model, whose base model, or the one module it wraps, holds a layer list: the plan is then read from its
+children in the order the dense forward calls them) runs the model's *own* forward on each stage
+(:func:`decoder_stage_forward`), on the microbatch's token ids. The layer list is swapped for a view of the full
+depth in which the stage's layers sit at their global indices and every other index is a pass-through, so per-layer
+data the forward reads by index or from each layer (``config.layer_types[i]``, ``layer.attention_type``) stays right.
+The steps before the layers run on every stage, the first stage's modules holding parameters replaced by shape-only
+stand-ins elsewhere, so masks, positions, rotary tables and token-id routing are the model's own, built with the
+user's attention implementation. What a stage's layers are handed that the stage cannot compute itself
+(:class:`Carried`, read off one dense forward with grads) crosses from the stage before: the hidden states (any
+shape: DeepSeek-V4's residual streams, Gemma-3n's altup stack) and other loop state into a stage's first layer, and
+per-layer inputs computed before the layers (Gemma's) from the first stage to their layer's. A non-first stage writes
+them into its own tensors, so loop code between layers that reads them (Inkling2 stacks the hidden states it handed a
+layer) sees them too. A non-last stage stops where the forward reaches the model's last layer; the last stage runs
+the model class's own forward to the logits. :func:`check_stage_composition` proves, on the dense model before it is
+split, that the stages composed reproduce its forward; what it cannot prove (layers that share state outside their
+arguments) is refused.
 
 GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the mask
 the HF model would for its configured attention implementation (none for sdpa's ``is_causal``, a 4-D causal mask for
@@ -22,12 +27,15 @@ attention implementation holds under pipeline parallelism too.
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
@@ -136,6 +144,24 @@ def install_stage_forward(stage: nn.Module, family: str) -> nn.Module:
     return mix_into(stage, STAGE_FORWARDS[family][0], "PipelineStage")
 
 
+# where a layer's argument sits in its call: an index into the positional arguments, or a keyword's name
+ArgPosition = int | str
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A tensor argument of a layer call that a stage cannot compute itself and receives from the stage before."""
+
+    position: ArgPosition
+    # True: the layers before compute it (the hidden states; Inkling2's block states), so it crosses into a stage's
+    # first layer only and the stage's own layers carry it on. False: the forward computes it before the layers for
+    # this one layer (Gemma's per-layer inputs), so the first stage computes it and it travels to its layer's stage.
+    loop_state: bool
+
+
+_STREAM = (Carried(0, True),)  # the hidden states alone, handed to each layer first
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """Where a causal LM's pieces are, from transformers' pipeline plan (full FQNs)."""
@@ -148,13 +174,18 @@ class PipelineLayout:
     num_layers: int
     # each layer's plain attributes (attention_type, block_type, ...): a forward may read them from every layer
     layer_attributes: tuple[tuple[tuple[str, object], ...], ...]
-    # the embeddings among ``before``: on later stages they add nothing (a learned position embedding the forward
-    # adds to the hidden states it is handed)
-    embeddings: tuple[str, ...] = ()
-    # layers return a tuple (hidden states first: GPT-J's blocks in older transformers), so stand-ins do too
-    layer_returns_tuple: bool = False
-    # parameter-free modules the forward calls on both sides of the layers, with their number of calls before them
-    both_sides: tuple[tuple[str, int], ...] = ()
+    # layers return a tuple of this length (hidden states first; GLM-MoE-DSA's layers add their top-k indices), so
+    # stand-ins do too (with ``None`` after the hidden states); 0: a tensor
+    layer_returns: int = 0
+    # per layer, the arguments that cross stage boundaries (see Carried), read off a dense forward; empty: the
+    # hidden states alone (a model on meta cannot run)
+    carried: tuple[tuple[Carried, ...], ...] = ()
+    # shape-only stand-ins for the modules of ``before`` that hold parameters: later stages run the forward's steps
+    # before the layers too (masks, positions, what the layers are handed) without those modules' weights
+    stand_ins: Mapping[str, nn.Module] = field(default_factory=dict, compare=False, repr=False)
+
+    def carried_into(self, layer: int) -> tuple[Carried, ...]:
+        return self.carried[layer] if self.carried else _STREAM
 
     def stage_sides(self, model: nn.Module) -> tuple[list[str], list[str]]:
         """(first stage's, last stage's) modules of this layout that hold parameters, for the splitter."""
@@ -197,103 +228,176 @@ def _layer_holder(base: nn.Module, prefix: str) -> str:
         path = f"{path}.{name}"
 
 
-@dataclass(frozen=True)
-class _RunOrder:
-    """What one dense forward shows about ``holder``'s children."""
-
-    calls: list[str]  # every call of a child, in order (a layer list: its first layer's calls)
-    returns_tuple: bool  # the layers of the layer list return tuples
-
-    @property
-    def order(self) -> list[str]:
-        """The children in the order of their first calls."""
-        return list(dict.fromkeys(self.calls))
+def _layer_list(model: nn.Module, holder: nn.Module) -> str | None:
+    """The child of ``holder`` that is the layer list: its one list holding parameters, or, among several (Gemma-3n
+    also keeps its altup projections in lists), the one of the model's unsplittable block classes."""
+    lists = [n for n, m in holder.named_children() if isinstance(m, nn.ModuleList) and _holds_parameters(holder, n)]
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    if len(lists) > 1:
+        lists = [n for n in lists if any(type(m).__name__ in blocks for m in holder.get_submodule(n))]
+    return lists[0] if len(lists) == 1 else None
 
 
-def _run_order(model: nn.Module, holder: nn.Module, layer_list: str) -> _RunOrder:
-    """The children of ``holder`` in the order the dense model's forward first calls them, on a tiny batch:
-    registration order need not be run order; whether the layers of ``layer_list`` return tuples (other lists, such
-    as per-layer rotary tables, may); and every call in order.
-    A model on meta cannot run: its registration order, tensors (nothing proves that guess, so
-    :mod:`meshpar.hf.parallelize` refuses it)."""
+@contextlib.contextmanager
+def _probe(model: nn.Module, grad: bool = False) -> Iterator[Callable[[], object]]:
+    """A forward of the dense model on a tiny batch, in eval mode with the RNG untouched, for reading what it does
+    (hooks set by the caller); yields the function that runs it."""
+    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(iter(model.parameters())).device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
+            yield lambda: model(input_ids=ids, use_cache=False)
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
+    """Every call of a child of ``holder`` (a list: its first element's) in order, in the dense model's forward on a
+    tiny batch: registration order need not be run order.
+    A model on meta cannot run: its registration order (nothing proves that guess, so :mod:`meshpar.hf.parallelize`
+    refuses it)."""
     if any(p.is_meta for p in model.parameters()):
-        return _RunOrder([name for name, _ in holder.named_children()], False)
+        return [name for name, _ in holder.named_children()]
     calls_seen: list[str] = []
-    returns_tuple: list[bool] = []
     handles = []
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
         handles.append(calls.register_forward_pre_hook(lambda *_, n=name: calls_seen.append(n)))
-        if name == layer_list and calls is not child:
-            handles.append(
-                calls.register_forward_hook(lambda _m, _a, out: returns_tuple.append(isinstance(out, tuple)))
-            )
-    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(input_ids=ids.to(next(iter(model.parameters())).device), use_cache=False)
+        with _probe(model) as forward:
+            forward()
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in modes:
-            module.training = training
-    return _RunOrder(calls_seen, any(returns_tuple))
+    return calls_seen
 
 
-def _both_sides(calls: list[str], layer_list: str, holder: nn.Module, holder_path: str) -> tuple[tuple[str, int], ...]:
-    """Parameter-free children called both before and after the layers (NanoChat's one norm, applied to the
-    embeddings and to the last hidden states), with how many of their calls come before: their early calls belong
-    to the first stage and their late ones to the last, as plan pieces on either side do."""
-    if layer_list not in calls:
-        return ()
-    first = calls.index(layer_list)
-    last = len(calls) - 1 - calls[::-1].index(layer_list)
-    sided = []
-    for name, _ in holder.named_children():
-        early = calls[:first].count(name)
-        if name != layer_list and early and calls[last:].count(name) and not _holds_parameters(holder, name):
-            sided.append((f"{holder_path}.{name}", early))
-    return tuple(sided)
+def _argument(args: Sequence[object], kwargs: Mapping[str, object], position: ArgPosition) -> object:
+    return args[position] if isinstance(position, int) else kwargs[position]
+
+
+def block_lists(model: nn.Module) -> list[str]:
+    """FQNs of every list of the model's unsplittable blocks (its transformer layers), wherever they are."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and any(type(m).__name__ in blocks for m in module)
+    ]
+
+
+@dataclass(frozen=True)
+class _LayerCalls:
+    """What one dense forward with grads shows about the layers' calls."""
+
+    carried: tuple[tuple[Carried, ...], ...]
+    returns: int  # see PipelineLayout.layer_returns
+
+
+def _layer_calls(model: nn.Module, container: str) -> _LayerCalls:
+    """Per layer of ``container``, the tensor arguments of its call computed with grads (the hidden states always,
+    first), each marked loop state when it depends on what an earlier layer returned. Arguments without grads
+    (masks, positions, rotary tables, token ids) every stage computes itself; parameters handed to layers (leaves)
+    live where they are."""
+    layers = model.get_submodule(container)
+    seen: dict[int, list[tuple[ArgPosition, torch.Tensor]]] = {}
+    outputs: list[torch.Tensor] = []
+    returns: list[int] = []
+
+    def carries(value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.grad_fn is not None
+
+    def record(layer: int, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        stream: ArgPosition = 0 if args else "hidden_states"
+        found = [(stream, _argument(args, kwargs, stream))]
+        found += [(i, a) for i, a in enumerate(args) if i and carries(a)]
+        found += [(k, v) for k, v in kwargs.items() if k != stream and carries(v)]
+        seen.setdefault(layer, found)
+
+    def output(out: object) -> None:
+        returns.append(len(out) if isinstance(out, tuple) else 0)
+        outputs.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda _m, a, k, i=index: record(i, a, k), with_kwargs=True))
+        handles.append(layer.register_forward_hook(lambda _m, _a, out: output(out)))
+    try:
+        with _probe(model, grad=True) as forward:
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    from_layers = _GraphReach({t.grad_fn for t in outputs if t.grad_fn is not None})
+    carried = tuple(
+        tuple(Carried(pos, pos in (0, "hidden_states") or from_layers(t)) for pos, t in seen.get(i, [(0, None)]))
+        for i in range(len(layers))
+    )
+    return _LayerCalls(carried, max(returns, default=0))
+
+
+class _GraphReach:
+    """Whether a tensor's autograd graph reaches one of ``targets`` (the grad nodes of layer outputs); nodes found
+    not to reach them are remembered across queries."""
+
+    def __init__(self, targets: set[object]) -> None:
+        self.targets, self.cleared = targets, set()
+
+    def __call__(self, tensor: torch.Tensor | None) -> bool:
+        if tensor is None or tensor.grad_fn is None:
+            return False
+        stack, seen = [tensor.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node in self.targets:
+                return True
+            if node in seen or node in self.cleared:
+                continue
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        self.cleared |= seen
+        return False
 
 
 def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
-    """For a causal LM without transformers' pipeline plan: the plan read from the module holding its one layer list
+    """For a causal LM without transformers' pipeline plan: the plan read from the module holding its layer list
     (the base model, or the single module it wraps): the list and the children holding parameters, in the order a
-    forward of the dense model calls them; ``None`` when there is no single layer list. Only a guess until
+    forward of the dense model calls them; ``None`` when there is no layer list. Only a guess until
     :func:`check_stage_composition` proves it on the dense model."""
     prefix = base_model_name(model)
     if not prefix:
         return None
     holder_path = _layer_holder(model.get_submodule(prefix), prefix)
     holder = model.get_submodule(holder_path)
-    lists = [n for n, m in holder.named_children() if isinstance(m, nn.ModuleList) and _holds_parameters(holder, n)]
-    if len(lists) != 1:
+    layer_list = _layer_list(model, holder)
+    if layer_list is None:
         return None
-    # parameter-free children (rotary tables) run on every stage, as they are, unless they act on both sides
-    run = _run_order(model, holder, lists[0])
-    order = [n for n in run.order if n == lists[0] or _holds_parameters(holder, n)]
-    if lists[0] not in order:
+    # parameter-free children (rotary tables) run on every stage, as they are
+    order = [n for n in dict.fromkeys(_run_order(model, holder)) if n == layer_list or _holds_parameters(holder, n)]
+    if layer_list not in order:
         return None
-    layout = _layout(model, order, holder_path)
-    if layout is None:
-        return None
-    both = _both_sides(run.calls, lists[0], holder, holder_path)
-    return replace(layout, layer_returns_tuple=run.returns_tuple, both_sides=both)
+    return _layout(model, order, holder_path, layer_list)
 
 
-def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) -> PipelineLayout | None:
-    """The layout of ``names`` (children of ``holder_path``, the base model by default, in run order)."""
+def _layout(
+    model: nn.Module, names: list[str], holder_path: str | None = None, layer_list: str | None = None
+) -> PipelineLayout | None:
+    """The layout of ``names`` (children of ``holder_path``, the base model by default, in run order; ``layer_list``
+    among them, by default their one list)."""
     prefix = base_model_name(model)
     if not prefix or not type(model).__name__.endswith("ForCausalLM"):
         return None
     holder_path = holder_path or prefix
     base = model.get_submodule(holder_path)
-    lists = [name for name in names if isinstance(getattr(base, name, None), nn.ModuleList)]
-    if len(lists) != 1:
-        return None
-    index = names.index(lists[0])
+    if layer_list is None:
+        lists = [name for name in names if isinstance(getattr(base, name, None), nn.ModuleList)]
+        if len(lists) != 1:
+            return None
+        layer_list = lists[0]
+    index = names.index(layer_list)
     others = [n for n, m in base.named_children() if n not in names]
     holding = [n for n in others if _holds_parameters(base, n)]
     if holding:
@@ -304,28 +408,78 @@ def _layout(model: nn.Module, names: list[str], holder_path: str | None = None) 
     full = [f"{holder_path}.{n}" for n in names]
     # parameter-free plan pieces (dropouts) go to every stage too: where they must not act they become identities,
     # so it does not matter which side of the layers the model registered them on
-    free = [f for f, n in zip(full, names, strict=True) if n != lists[0] and not _holds_parameters(base, n)]
+    free = [f for f, n in zip(full, names, strict=True) if n != layer_list and not _holds_parameters(base, n)]
+    container = full[index]
+    calls = None if any(p.is_meta for p in model.parameters()) else _layer_calls(model, container)
     return PipelineLayout(
-        container=full[index],
+        container=container,
         before=tuple(full[:index]),
         after=tuple(full[index + 1 :]),
         keep=tuple(f"{holder_path}.{n}" for n in others) + tuple(free),
         base=prefix,
-        num_layers=len(base.get_submodule(lists[0])),
-        layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(lists[0])),
-        embeddings=tuple(
-            f
-            for f, n in zip(full[:index], names[:index], strict=True)
-            if isinstance(base.get_submodule(n), nn.Embedding)
-        ),
+        num_layers=len(base.get_submodule(layer_list)),
+        layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(layer_list)),
+        layer_returns=calls.returns if calls else 0,
+        carried=calls.carried if calls else (),
+        stand_ins={f: _shape_only(model.get_submodule(f)) for f in full[:index] if _holds_parameters(model, f)},
     )
 
 
 def _plain_attributes(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """A layer's plain attributes, its class's included (Inkling2 sets ``attention_type`` on the class)."""
     plain = (str, int, float, bool, type(None))
-    return tuple(
-        (k, v) for k, v in vars(module).items() if not k.startswith("_") and k != "training" and isinstance(v, plain)
-    )
+    found: dict[str, object] = {}
+    for owner in (*reversed(type(module).__mro__), module):
+        if owner in nn.Module.__mro__:
+            continue
+        found.update((k, v) for k, v in vars(owner).items() if not k.startswith("_") and isinstance(v, plain))
+    found.pop("training", None)
+    return tuple(found.items())
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """``module`` with every parameter and buffer on meta, without copying their data."""
+    memo: dict[int, object] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _shape_only(module: nn.Module) -> nn.Module:
+    """A stand-in for ``module`` on stages that do not hold it (lists stay lists of stand-ins)."""
+    if isinstance(module, nn.ModuleList):
+        return nn.ModuleList(_shape_only(m) for m in module)
+    if isinstance(module, nn.ModuleDict):
+        return nn.ModuleDict({k: _shape_only(m) for k, m in module.items()})
+    return _ShapeOnly(module)
+
+
+class _ShapeOnly(nn.Module):
+    """Stands in for a first-stage module (an embedding, a per-layer-input projection) on later stages: its output
+    only feeds what the stage replaces with received tensors, so zeros of the right shape and dtype do; a copy of the
+    module on meta gives them, and the attributes the forward reads (an embedding's scale; its weight's device,
+    where Llama-4 moves the ids: tensors read are zeros on the stage's device that take no memory)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_meta", _meta_copy(module))  # not a submodule: the stage holds no extra parameters
+        self.on: torch.device | None = None  # the stage's device, set for each run
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        on_meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        with torch.no_grad():
+            shapes = self._meta(*on_meta[0], **on_meta[1])
+        return tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.on), shapes)
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self._meta, name)
+        if isinstance(value, torch.Tensor):
+            return torch.zeros((), dtype=value.dtype, device=self.on).expand(value.shape)
+        return value
 
 
 def _present(model: nn.Module, fqn: str) -> bool:
@@ -334,50 +488,117 @@ def _present(model: nn.Module, fqn: str) -> bool:
     return (model.get_submodule(parent) if parent else model)._modules.get(name) is not None
 
 
-class _PassThrough(nn.Module):
-    """Stands in for a layer another stage owns: hands its hidden states on unchanged, and carries that layer's
-    plain attributes (a forward may read ``layer.attention_type`` of every layer to pick its mask)."""
+class _StageDone(Exception):  # noqa: N818 - control flow: the stage has what it sends
+    """Ends a non-last stage's forward at its last layer call: what follows belongs to the last stage."""
 
-    def __init__(self, attributes: tuple[tuple[str, object], ...] = (), as_tuple: bool = False) -> None:
+
+class _Boundary:
+    """What one run of a stage receives and sends. Carried tensors (see :class:`Carried`) cross as one flat tensor
+    (the runtime sends one per microbatch): the loop state handed to the next stage's first layer, then the
+    per-layer arguments of every later layer in call order. The receiver cuts them out with the shapes its own
+    forward gives the same arguments (it runs the steps before the layers too, on stand-ins), so variable lengths
+    need nothing more. With nothing but the hidden states to carry, they cross as they are."""
+
+    def __init__(self, layout: PipelineLayout, owned: Sequence[int], received: torch.Tensor | None) -> None:
+        self.layout = layout
+        self.start, self.stop = min(owned), max(owned) + 1
+        self.flat = None if received is None else received.reshape(-1)
+        self.offset = 0
+        self.sent: list[torch.Tensor] = []
+        self.rest: torch.Tensor | None = None  # per-layer arguments received for later stages, handed on
+
+    def _take(self, like: object, what: str) -> torch.Tensor:
+        if not isinstance(like, torch.Tensor) or self.flat is None or self.offset + like.numel() > self.flat.numel():
+            raise RuntimeError(f"pipeline stage: {what} does not match what the previous stage sent")
+        piece = self.flat[self.offset : self.offset + like.numel()].view(like.shape).to(like.dtype)
+        self.offset += like.numel()
+        return piece
+
+    def feed(self, layer: int, args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple, dict] | None:
+        """Pre-hook of an owned layer: its carried arguments get the received values (loop state: first layer only).
+        Written into the stage's own tensor where it can be (it was computed from stand-ins and holds no grad), so
+        the forward's variable holds them too: loop code between layers reads it (Inkling2 stacks the hidden states
+        it handed a layer); replaced in the call otherwise."""
+        if self.flat is None:
+            return None
+        new_args, new_kwargs = list(args), dict(kwargs)
+        carried = self.layout.carried_into(layer)
+        for entry in [c for c in carried if c.loop_state and layer == self.start] + [
+            c for c in carried if not c.loop_state
+        ]:
+            local = _argument(new_args, new_kwargs, entry.position)
+            value = self._take(local, f"layer {layer}'s argument {entry.position!r}")
+            if not local.requires_grad:
+                try:
+                    local.copy_(value)
+                    continue
+                except RuntimeError:  # overlapping memory (an expanded view), an inference tensor
+                    pass
+            if isinstance(entry.position, int):
+                new_args[entry.position] = value
+            else:
+                new_kwargs[entry.position] = value
+        return tuple(new_args), new_kwargs
+
+    def passed(self, layer: int, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        """A layer this stage does not own was called: the first one after its layers gets the loop state to send;
+        the first stage also sends the per-layer arguments of every later one."""
+        if layer < self.stop:
+            return
+        carried = self.layout.carried_into(layer)
+        if layer == self.stop:
+            self.sent += [_argument(args, kwargs, c.position) for c in carried if c.loop_state]
+            if self.flat is not None:
+                self.rest = self.flat[self.offset :]
+                self.offset = self.flat.numel()
+        if self.flat is None:
+            self.sent += [_argument(args, kwargs, c.position) for c in carried if not c.loop_state]
+        if layer == self.layout.num_layers - 1:
+            raise _StageDone
+
+    def output(self) -> torch.Tensor:
+        pieces = self.sent + ([self.rest] if self.rest is not None and self.rest.numel() else [])
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([p.reshape(-1) for p in pieces])
+
+    def check_used(self) -> None:
+        if self.flat is not None and self.offset != self.flat.numel():
+            raise RuntimeError(
+                f"pipeline stage: {self.flat.numel() - self.offset} received values were not used by its layers"
+            )
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a layer another stage owns: hands its hidden states on unchanged, tells the stage's boundary
+    it was called, and carries that layer's plain attributes (a forward may read ``layer.attention_type`` of every
+    layer to pick its mask)."""
+
+    def __init__(self, index: int, boundary: _Boundary, attributes: tuple[tuple[str, object], ...], returns: int):
         super().__init__()
         for name, value in attributes:
             setattr(self, name, value)
-        self.as_tuple = as_tuple
+        self._index, self._boundary, self._returns = index, boundary, returns
 
-    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> object:
-        return (hidden_states,) if self.as_tuple else hidden_states
-
-
-class _Sided(nn.Module):
-    """Stands in for a module called on both sides of the layers: its first ``early`` calls act only on the first
-    stage, the later ones only on the last; elsewhere it hands its input on."""
-
-    def __init__(self, module: nn.Module, early: int, first: bool, last: bool) -> None:
-        super().__init__()
-        self.module, self.early, self.first, self.last = module, early, first, last
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> object:
-        acts = self.first if self.calls < self.early else self.last
-        self.calls += 1
-        return self.module(x, *args, **kwargs) if acts else x
-
-
-class _NoEmbedding(nn.Module):
-    """Stands in for an embedding of the first stage on later ones: a 0-dim zero, so ``hidden + embedding(...)``
-    leaves the received hidden states as they are (a 0-dim operand changes neither their shape nor dtype)."""
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        return torch.zeros((), device=tensors[0].device if tensors else None)
+    def forward(self, *args: object, **kwargs: object) -> object:
+        self._boundary.passed(self._index, args, kwargs)
+        hidden = _argument(args, kwargs, 0 if args else "hidden_states")
+        return (hidden, *(None,) * (self._returns - 1)) if self._returns else hidden
 
 
 @contextlib.contextmanager
 def _stage_view(
-    model: nn.Module, layout: PipelineLayout, owned: dict[int, nn.Module], first: bool, last: bool
+    model: nn.Module,
+    layout: PipelineLayout,
+    owned: dict[int, nn.Module],
+    boundary: _Boundary,
+    last: bool,
+    device: torch.device,
 ) -> Iterator[None]:
-    """Temporarily make ``model`` (a stage, or the dense model in the composition check) compute one stage."""
-    saved = []
+    """Temporarily make ``model`` (a stage, or the dense model in the composition check) compute one stage: the
+    pieces before the layers it lacks become shape-only stand-ins, the layers of other stages pass-throughs, its own
+    layers take what they are handed from the boundary."""
+    saved, handles = [], []
 
     def swap(fqn: str, new: nn.Module) -> None:
         parent, _, name = fqn.rpartition(".")
@@ -385,20 +606,31 @@ def _stage_view(
         saved.append((owner, name, owner._modules[name]))
         owner._modules[name] = new
 
-    for fqn in () if first else layout.before:
-        swap(fqn, _NoEmbedding() if fqn in layout.embeddings else nn.Identity())
+    if boundary.flat is not None:
+        for fqn, stand_in in layout.stand_ins.items():
+            for shape_only in stand_in.modules():
+                if isinstance(shape_only, _ShapeOnly):
+                    shape_only.on = device
+            swap(fqn, stand_in)
     for fqn in () if last else layout.after:
         swap(fqn, nn.Identity())
-    for fqn, early in () if first and last else layout.both_sides:
-        swap(fqn, _Sided(model.get_submodule(fqn), early, first, last))
     stand_ins = [
-        owned.get(i) or _PassThrough(layout.layer_attributes[i], layout.layer_returns_tuple)
+        owned.get(i) or _PassThrough(i, boundary, layout.layer_attributes[i], layout.layer_returns)
         for i in range(layout.num_layers)
     ]
     swap(layout.container, nn.ModuleList(stand_ins))
+    for index, layer in owned.items():
+        # first among the pre-hooks: FSDP's may cast the inputs it is handed
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda _m, a, k, i=index: boundary.feed(i, a, k), with_kwargs=True, prepend=True
+            )
+        )
     try:
         yield
     finally:
+        for handle in handles:
+            handle.remove()
         for owner, name, module in reversed(saved):
             owner._modules[name] = module
 
@@ -407,28 +639,47 @@ def _run_stage(
     model: nn.Module,
     layout: PipelineLayout,
     owned: dict[int, nn.Module],
-    first: bool,
     last: bool,
-    x: torch.Tensor,
+    received: torch.Tensor | None,
+    input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    inputs = {"input_ids" if first else "inputs_embeds": x, "attention_mask": attention_mask, "use_cache": False}
-    with _stage_view(model, layout, owned, first, last):
-        if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
-            own = super(_DecoderStage, model).forward if isinstance(model, _DecoderStage) else model.forward
-            return own(**inputs).logits
-        return model.get_submodule(layout.base)(**inputs).last_hidden_state
+    """Every stage runs the model's forward on the microbatch's ids (masks, positions and rotary tables are the
+    model's own); a non-first stage's layers take the tensors ``received`` from the previous stage."""
+    boundary = _Boundary(layout, sorted(owned), received)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    with _stage_view(model, layout, owned, boundary, last, input_ids.device):
+        try:
+            if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
+                own = super(_DecoderStage, model).forward if isinstance(model, _DecoderStage) else model.forward
+                logits = own(**inputs).logits
+                boundary.check_used()
+                return logits
+            model.get_submodule(layout.base)(**inputs)
+        except _StageDone:
+            return boundary.output()
+    raise RuntimeError(
+        f"{type(model).__name__}: its forward returned before calling layer {layout.num_layers - 1}, so this "
+        "pipeline stage has nothing to send"
+    )
 
 
-def decoder_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One stage of a causal LM split by :func:`pipeline_layout`: token ids (first stage) or hidden states in,
-    hidden states or (last stage) logits out."""
+def decoder_stage_forward(
+    self: nn.Module,
+    x: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One stage of a causal LM split by :func:`pipeline_layout`: token ids (first stage) or the received tensor
+    in, with the microbatch's ``input_ids`` on every stage; what the next stage needs or (last stage) logits out."""
     layout: PipelineLayout = self.meshpar_layout
     layers = self.get_submodule(layout.container)
     owned = {int(key): layer for key, layer in layers._modules.items()}
     first = all(_present(self, name) for name in layout.before)
-    last = self.meshpar_last_stage
-    return _run_stage(self, layout, owned, first, last, x, attention_mask)
+    ids = x if first else input_ids
+    if ids is None:
+        raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
+    return _run_stage(self, layout, owned, self.meshpar_last_stage, None if first else x, ids, attention_mask)
 
 
 def check_stage_composition(
@@ -436,8 +687,8 @@ def check_stage_composition(
 ) -> None:
     """Raise unless the stages, run one after another on the dense model with :func:`decoder_stage_forward`'s
     logic, give the dense model's logits on a small padded batch: a forward step that transformers' pipeline plan
-    does not describe (scaling the embeddings in the base model's forward, say) would otherwise be repeated or lost
-    on some stage, silently."""
+    does not describe (state handed between layers outside their arguments, say) would otherwise be repeated or
+    lost on some stage, silently."""
     misplaced = [n for n in layout.before if n not in first_modules and n not in layout.keep]
     if misplaced:
         raise ValueError(
@@ -456,10 +707,10 @@ def check_stage_composition(
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            x = ids
+            x = None
             for stage, keys in enumerate(stage_layers):
                 owned = {int(k): container[int(k)] for k in keys}
-                x = _run_stage(model, layout, owned, stage == 0, stage == len(stage_layers) - 1, x, mask)
+                x = _run_stage(model, layout, owned, stage == len(stage_layers) - 1, x, ids, mask)
     except Exception as error:  # the forward needs something a stage does not have
         raise ValueError(
             f"{type(model).__name__}: its forward cannot run stage by stage ({type(error).__name__}: {error}); use "

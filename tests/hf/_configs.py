@@ -115,6 +115,42 @@ GENERIC = {
             },
         },
     ),
+    # layers handed more than the hidden states (see meshpar.hf.stages.Carried): DeepSeek-V4's residual streams
+    # (hc_mult copies of the hidden states) and its routing by token ids; Inkling2's stack of earlier hidden states
+    # (every layer a block boundary), which the forward extends between layers; GLM-MoE-DSA's layers return their
+    # top-k indices too, which the next layer may reuse
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        {
+            "attn_implementation": "eager",
+            "num_key_value_heads": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 16,
+            "o_lora_rank": 16,
+        },
+    ),
+    "inkling2_text": (
+        "Inkling2TextConfig",
+        "Inkling2ForCausalLM",
+        {
+            "attn_implementation": "eager",
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "swa_head_dim": 8,
+            "n_layers_per_attn_res_block": 1,
+        },
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        _MLA,
+    ),
+    # two layer stacks run in turn, over and over (a recurrent model): no order of pipeline stages exists
+    "hrm_text": ("HrmTextConfig", "HrmTextForCausalLM", {"attn_implementation": "eager"}),
     # a shipped plan that shards the experts only: meshpar's amendment shards the attention (Megatron's layout)
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # no transformers pipeline plan: meshpar reads one from the base model's children and proves it

@@ -294,11 +294,11 @@ def test_checkpoints_reshard_and_load_with_torch_tools(tmp_path, family: str) ->
     assert torch.equal(plain.get_parameter("model.embed_tokens.weight"), state["model.embed_tokens.weight"])
 
 
-def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1) -> None:
+def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1, layers: int | None = None) -> None:
     """One step through the pipeline (each stage runs the model's own forward) against the dense model, on a
     left-padded batch: every stage builds the model's own masks."""
     setup_parallel(tp=tp, pp=pp)
-    dense = build(family, layers=2 * pp * vpp)
+    dense = build(family, layers=layers or 2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
     model = meshpar.parallelize(copy.deepcopy(dense), {**config, "num_microbatches": 2 * pp})
     data = batch(family, rows=4)
@@ -356,6 +356,27 @@ def test_pipeline_plan_that_leaves_out_a_module_is_read_off_the_model() -> None:
     run_distributed(pipeline_case, 2, "phi4_multimodal", 1, 2)
 
 
+@pytest.mark.parametrize(
+    ("family", "world", "tp", "layers"),
+    [
+        ("gemma3n_text", 2, 1, 2),
+        ("deepseek_v4", 4, 2, None),
+        ("inkling2_text", 2, 1, None),
+        ("glm_moe_dsa", 2, 1, None),
+    ],
+)
+def test_pipeline_stages_carry_what_layers_are_handed_besides_hidden_states(
+    family: str, world: int, tp: int, layers: int | None
+) -> None:
+    """Every stage runs the model's own forward on the microbatch's ids; what a stage's layers are handed that it
+    cannot compute itself crosses from the stage before (meshpar.hf.stages.Carried): Gemma-3n's per-layer inputs
+    (computed before the layers by first-stage modules, for every layer) next to its altup streams; DeepSeek-V4's
+    residual streams, with routing by token ids on every stage, at tp=2 too; Inkling2's stack of earlier hidden
+    states, which its forward extends between layers from the hidden states it handed a layer; GLM-MoE-DSA's
+    layers, which return their top-k indices too."""
+    run_distributed(pipeline_case, world, family, tp, 2, 1, layers)
+
+
 def test_gptj_pipeline_matches_dense() -> None:
     """GPT-J at tp=2 x pp=2 however the installed transformers describes it: 5.23 ships no pipeline plan (read off
     the model) and its blocks return tuples (so do the stand-ins for other stages' blocks); 5.24 ships a plan."""
@@ -373,6 +394,18 @@ def test_a_plan_read_off_a_meta_model_is_refused() -> None:
     """Nothing can prove the read plan on a model without values: refused, not guessed."""
     with pytest.raises(AssertionError, match=r"has no transformers pipeline plan.*built on meta cannot run"):
         run_distributed(inferred_meta_case, 2)
+
+
+def recurrent_case() -> None:
+    setup_parallel(pp=2)
+    meshpar.parallelize(build("hrm_text"), {"pipeline_parallel_size": 2, "num_microbatches": 2})
+
+
+def test_a_model_that_is_not_one_layer_stack_is_refused_for_pipelines() -> None:
+    """HRM runs its two layer stacks in turn, over and over, and its shipped pipeline plan names modules it does not
+    have: no split into stages run once in order exists, so it is refused with its layer lists named."""
+    with pytest.raises(AssertionError, match=r"keeps its layers in \['model.L_module.layers', 'model.H_module.layers'"):
+        run_distributed(recurrent_case, 2)
 
 
 def merged_case(directory: str, family: str) -> float:

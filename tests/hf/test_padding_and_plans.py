@@ -130,25 +130,57 @@ class _Holder(torch.nn.Module):
 
 
 @pytest.mark.parametrize("as_tuple", [False, True])
-def test_run_order_reads_call_order_and_whether_the_layers_return_tuples(as_tuple: bool) -> None:
+def test_run_order_reads_call_order_and_what_the_layers_return(as_tuple: bool) -> None:
     """Stand-ins for other stages' layers return what the layers return (GPT-J's blocks: tuples); per-layer rotary
     tables returning tuples say nothing about the layers (GraniteMoE-SWA)."""
-    from meshpar.hf.stages import _run_order
+    from meshpar.hf.stages import _layer_calls, _run_order
 
     model = _Holder(as_tuple)
-    run = _run_order(model, model, "layers")
-    assert run.order == ["embed", "rotary", "layers", "norm"]
-    assert run.returns_tuple is as_tuple
+    assert list(dict.fromkeys(_run_order(model, model))) == ["embed", "rotary", "layers", "norm"]
+    assert _layer_calls(model, "layers").returns == (1 if as_tuple else 0)
 
 
-def test_parameter_free_modules_called_on_both_sides_of_the_layers_are_found() -> None:
-    """NanoChat's one norm runs on the embeddings and on the last hidden states: its early calls belong to the
-    first stage, its late ones to the last; a module with parameters or called on one side only is not such."""
-    from meshpar.hf.stages import _both_sides
+class _HandedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
 
-    holder = torch.nn.Module()
-    holder.free, holder.weighted, holder.rotary = torch.nn.Identity(), torch.nn.LayerNorm(4), torch.nn.Identity()
-    holder.layers = torch.nn.ModuleList([torch.nn.Identity()])
-    calls = ["rotary", "free", "free", "weighted", "layers", "free", "weighted"]
-    assert _both_sides(calls, "layers", holder, "model") == (("model.free", 2),)
-    assert _both_sides(["rotary", "free"], "layers", holder, "model") == ()
+    def forward(self, hidden: torch.Tensor, per_layer: torch.Tensor, stack: torch.Tensor, mask: torch.Tensor):
+        return self.linear(hidden + per_layer + stack.sum(-2)) * mask.unsqueeze(-1)
+
+
+class _Handing(torch.nn.Module):
+    """Layers handed, besides the hidden states, a per-layer input computed before the layers (as Gemma's), a
+    stack of earlier hidden states the loop extends between layers (as Inkling2's) and a mask without grads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=8)
+        self.embed = torch.nn.Embedding(8, 4)
+        self.per_layer = torch.nn.Linear(4, 12)
+        self.layers = torch.nn.ModuleList(_HandedLayer() for _ in range(3))
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        per_layer = self.per_layer(hidden).unflatten(-1, (3, 4))
+        stack, mask = hidden.unsqueeze(-2), torch.ones(input_ids.shape)
+        for i, layer in enumerate(self.layers):
+            out = layer(hidden, per_layer[..., i, :], stack=stack, mask=mask)
+            stack = torch.cat([stack, hidden.unsqueeze(-2)], -2)
+            hidden = out
+        return hidden
+
+
+def test_what_stages_carry_is_read_off_the_layer_calls() -> None:
+    """The hidden states are loop state; a per-layer input computed before the layers is carried to its layer's
+    stage from the first; the stack is loop state from the layer where it holds a layer's output on; the mask
+    (no grads) every stage builds itself."""
+    from meshpar.hf.stages import Carried, _layer_calls
+
+    carried = _layer_calls(_Handing(), "layers").carried
+    before_the_layers = (Carried(0, True), Carried(1, False), Carried("stack", False))
+    assert carried == (
+        before_the_layers,
+        before_the_layers,
+        (Carried(0, True), Carried(1, False), Carried("stack", True)),
+    )
