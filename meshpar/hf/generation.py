@@ -36,6 +36,9 @@ class _PipelineAsModel(PreTrainedModel, GenerationMixin):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # nor experts: any experts implementation the config names (mixture-of-experts families) is fine; transformers
+    # reads this cached answer before guessing from the module's source
+    _can_set_experts_implementation_cached_value = True
 
     def __init__(self, config: Any, logits: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
         super().__init__(copy.deepcopy(config))  # PreTrainedModel adjusts its config's attention setting
@@ -96,7 +99,8 @@ def _logits_only(model: ParallelizedModel) -> Iterator[None]:
     """During generation the last stage gathers full-vocabulary logits and computes no loss."""
     pipeline = model.pipeline
     named = [dict(stage.named_modules()) for stage in pipeline.local_modules()]
-    heads = [modules[model.plan.head] for modules in named if model.plan.head in modules]
+    # a vocab-parallel head (tp > 1) gathers its logits; at tp = 1 the head is the model's own (``plan.head`` empty)
+    heads = [modules[model.plan.head] for modules in named if model.plan.head and model.plan.head in modules]
     saved = (pipeline.loss_fn, pipeline.num_microbatches, [h.gather_output for h in heads])
     pipeline.loss_fn = lambda logits, *args, **kwargs: logits.new_zeros(())
     for head in heads:
