@@ -13,6 +13,9 @@ its router runs on the shards (its parameters' grads summed over tp, as a norm's
 the tokens with their routes and reduce-scatters its output back into shards (:class:`ExpertsOverTP` with
 ``sequence_parallel``), and sharded modules inside the block (shared experts) form regions of their own.
 
+A region module's own per-head parameters (an attention's ``sinks``, transformers' ``local_params``) stay sharded with
+its heads (:class:`GatherSequenceInput` with ``own_parameters``): they meet the gathered, head-sharded activations.
+
 transformers' plans say which projections are column- and row-parallel, not what runs on the residual stream, so the
 plan is converted only where each layer is regions plus per-token modules whose parameters are vectors (norms);
 anything else (gathered outputs, partial-sum outputs, bare parameters of the layer, replicated key/value heads) is
@@ -84,6 +87,7 @@ def sequence_parallel_styles(
     regions: set[str] = set()
     with_rows: set[str] = set()  # regions whose output a row projection reduce-scatters back into shards
     direct: set[str] = set()  # projections sitting directly in the layer, each gathering / scattering on its own
+    own: dict[str, LocalParameters] = {}  # a region module's own per-head parameters (an attention's sinks)
     inside = f"{layers}.*."
     # mixture-of-experts blocks: layer child -> its experts child
     moe = {
@@ -103,6 +107,9 @@ def sequence_parallel_styles(
         depth = 2 if path[0] in moe and len(path) > 1 else 1
         region = ".".join(path[:depth])
         in_region = len(path) > depth
+        if not in_region and isinstance(style, LocalParameters) and not style.partial_output:  # its own sinks
+            own[region] = style
+            continue
         converted = _as_sequence_parallel(style, in_region)
         if converted is None:
             refused.append(f"{pattern}: {_describe(style)}")
@@ -118,7 +125,8 @@ def sequence_parallel_styles(
         key = f"{inside}{region}"
         if region not in with_rows:
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
-        out[key] = GatherSequenceInput()
+        out[key] = GatherSequenceInput(own.pop(region, None))
+    refused += [f"{inside}{name}: {_describe(style)} outside an attention / MLP region" for name, style in own.items()]
     norms: set[str] = set()
     routers: set[str] = set()  # replicated modules of a mixture-of-experts block, run on shards
     for index, layer in enumerate(model.get_submodule(layers)):

@@ -167,7 +167,9 @@ class PipelineLayout:
     """Where a causal LM's pieces are, from transformers' pipeline plan (full FQNs)."""
 
     container: str  # the transformer-layer list, e.g. "model.layers"
-    before: tuple[str, ...]  # plan entries that run before the layers: first stage only (embedding, dropout)
+    # plan entries that run before the layers (embedding, dropout): those holding parameters live on the first stage,
+    # later stages run shape-only stand-ins for them
+    before: tuple[str, ...]
     after: tuple[str, ...]  # plan entries after them: last stage only (final norm)
     keep: tuple[str, ...]  # parameter-free base-model modules every stage needs (rotary embeddings)
     base: str  # the base model, whose forward non-last stages run

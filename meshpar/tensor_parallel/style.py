@@ -214,9 +214,20 @@ class GatherSequenceInput(ParallelStyle):
     is all-gathered once (backward: reduce-scatter), so code inside that reshapes by the input's sequence length sees
     the full sequence and several column layers share one gather (``ColumnParallel(input_gathered=True)``). The
     sequence is the second-to-last dim: ``[b, s, h]``, or the tokens of ``[tokens, h]`` (an MoE block's shared
-    experts run on flattened tokens; a row layer's sequence-parallel reduce-scatter takes the same dim)."""
+    experts run on flattened tokens; a row layer's sequence-parallel reduce-scatter takes the same dim).
+
+    ``own_parameters``: the module's own per-head parameters (an attention's ``sinks``), sharded as that style says;
+    they meet the region's gathered, head-sharded activations, as without sequence parallelism."""
+
+    def __init__(self, own_parameters: LocalParameters | None = None) -> None:
+        super().__init__()
+        self.own_parameters = own_parameters
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.own_parameters is not None:
+            self.own_parameters.src_data_rank = self.src_data_rank
+            module = self.own_parameters._apply(module, device_mesh)
+
         def gather(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             if "hidden_states" in kwargs:
                 kwargs = {**kwargs, "hidden_states": gather_from_sp(kwargs["hidden_states"], device_mesh, -2)}

@@ -133,9 +133,11 @@ def test_key_value_heads_below_tp_are_replicated() -> None:
 
 def test_attention_sinks_are_sharded_with_their_heads() -> None:
     """transformers' ``local_params``: each rank keeps the sinks of its own heads (``Shard(0)``) and the attention's
-    forward reads them as local tensors; loss, every grad and the step equal dense, at tp=2 and tp=2 x pp=2."""
+    forward reads them as local tensors; loss, every grad and the step equal dense, at tp=2, tp=2 x pp=2 and with
+    sequence parallelism (the attention gathers its input and keeps its sinks sharded with its heads)."""
     run_distributed(family_case, 2, "granite_swa", 2)
     run_distributed(pipeline_case, 4, "granite_swa", 2, 2)
+    run_distributed(family_case, 2, "granite_swa", 2, None, None, True)
 
 
 def test_per_head_gates_from_every_local_head_stay_with_their_heads() -> None:
