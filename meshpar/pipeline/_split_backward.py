@@ -10,7 +10,8 @@ accumulators, so post-accumulate hooks (overlapped dp grad sync) fire as in a fu
 Parameters are grouped by the frontier nodes they hang off, and each group is one autograd call: a call from a node
 upstream would otherwise also run the input path down to another group's frontier. Where one group has frontier
 nodes on top of each other (a parameter used twice), a pre-hook pins each to its recorded grads so nothing is counted
-twice.
+twice; the calls keep the graph, since that one walks the input path between them, through other groups' frontier
+nodes (each node's saved tensors are freed with the stage's output once the weight pass is done).
 
 meshpar's fused tensor-parallel linears (:mod:`meshpar.tensor_parallel._linear_functions`) ask autograd which of
 their grads the current pass needs (:func:`meshpar._compat.grad_needed`), so the input pass skips their weight grad
@@ -111,7 +112,10 @@ def _weight_pass(group: _Group) -> None:
     if len(group.frontier) > 1:
         pins = [node.register_prehook(_replace_with(group.grads.get(node))) for node in group.frontier]
     try:
-        torch.autograd.backward(edges, grad_tensors=grads, inputs=group.params)
+        # the graph is kept: stacked frontier nodes (a parameter used twice along the input path: Gemma-3n's altup
+        # router) make autograd walk the input path between them again, through other groups' frontier nodes; it is
+        # freed with the stage's output once the last group ran
+        torch.autograd.backward(edges, grad_tensors=grads, inputs=group.params, retain_graph=True)
     finally:
         for pin in pins:
             pin.remove()

@@ -20,19 +20,21 @@ H = 8
 
 
 class Block(nn.Module):
-    """A norm, a gated MLP, a residual, a bias-only branch and a weight used twice."""
+    """A norm, a gated MLP, a residual, a bias-only branch and a weight used twice, with another weight between its
+    uses (as Gemma-3n's altup router, applied before and after the altup correction)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(H)
         self.gate, self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
         self.shift = nn.Parameter(torch.randn(H))  # reaches the output without touching the input's path
-        self.shared = nn.Linear(H, H, bias=False)
+        self.shared, self.between = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         x = x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-        x = self.shared(torch.tanh(self.shared(x)))  # the same weight twice: two frontier nodes in one group
+        # the same weight twice: two frontier nodes in one group, another group's frontier on the path between them
+        x = self.shared(torch.tanh(self.between(self.shared(x))))
         return x * 0.5 + self.shift.tanh()
 
 
