@@ -39,12 +39,10 @@ from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.loss import TokenLoss
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
-    STAGE_FORWARDS,
     block_lists,
     check_stage_composition,
     inferred_pipeline_layout,
     install_decoder_stage,
-    install_stage_forward,
     pipeline_layout,
 )
 from meshpar.hf.verify import verify_plan
@@ -176,74 +174,59 @@ class ParallelizedModel(nn.Module):
         return apply_recipe(module, self.dims, self.recipe, initialised_per_rank=self._from_meta and self.dims.pp > 1)
 
     def _split(self, model: nn.Module) -> PipelineModel:
-        """Stages of GPT-2, BERT and Llama run meshpar's stage forwards; every other causal LM with transformers'
-        pipeline plan runs its own forward per stage (:func:`meshpar.hf.stages.decoder_stage_forward`), proven on
-        the dense model first."""
+        """Every stage runs the model's own forward (:func:`meshpar.hf.stages.decoder_stage_forward`), from
+        transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model, proven on the dense
+        model first."""
         family, config = self.plan.family, self.parallel_config
         loss_fn = self.loss_fn
-        if family in STAGE_FORWARDS and loss_fn is not None:
-            keep = STAGE_FORWARDS[family][1]
-            shards = self.dims.tp if config.sequence_parallel else 1
-
-            def install(stage: nn.Module) -> nn.Module:
-                stage.meshpar_sequence_shards = shards  # stages after the first receive sequence shards
-                return install_stage_forward(stage, family)
-
-            sides, stage_kwargs = ([], []), ("attention_mask",)
-
+        try:
+            layout = pipeline_layout(model)
+            inferred = layout is None
+        except ValueError as plan_error:  # the plan does not describe the model: read one off it
+            layout = None if self._from_meta else inferred_pipeline_layout(model)
+            if layout is None:
+                lists = block_lists(model)
+                raise ValueError(
+                    f"{plan_error}; nor can a plan be read off the model: "
+                    + (
+                        f"it keeps its layers in {lists}, not in one list its forward runs once in order"
+                        if len(lists) > 1
+                        else "its base model holds no single list of layers"
+                    )
+                ) from plan_error
+            inferred = True
+            _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
+        if inferred and layout is None:
+            layout = inferred_pipeline_layout(model)
+        if layout is None or loss_fn is None:
+            raise ValueError(
+                "pipeline parallelism needs a causal or masked LM whose config carries transformers' pipeline plan "
+                "(base_model_pp_plan), or one meshpar has a table for, or whose base model holds one list of layers; "
+                f"{type(model).__name__} is none of these"
+            )
+        sides = layout.stage_sides(model)
+        if self._from_meta and inferred:
+            raise ValueError(
+                f"{type(model).__name__} has no pipeline plan: meshpar reads one from the model's modules and proves "
+                "it on the dense model, which a model built on meta cannot run; build it on cpu, or use "
+                "pipeline_parallel_size 1"
+            )
+        if self._from_meta:
+            _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
         else:
-            try:
-                layout = pipeline_layout(model)
-                inferred = layout is None
-            except ValueError as plan_error:  # transformers' plan does not describe the model: read one off it
-                layout = None if self._from_meta else inferred_pipeline_layout(model)
-                if layout is None:
-                    lists = block_lists(model)
-                    raise ValueError(
-                        f"{plan_error}; nor can a plan be read off the model: "
-                        + (
-                            f"it keeps its layers in {lists}, not in one list its forward runs once in order"
-                            if len(lists) > 1
-                            else "its base model holds no single list of layers"
-                        )
-                    ) from plan_error
-                inferred = True
-                _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
-            if inferred and layout is None:
-                layout = inferred_pipeline_layout(model)
-            if layout is None or self.plan.task != "causal_lm":
-                raise ValueError(
-                    f"pipeline parallelism needs a causal LM whose config carries transformers' pipeline plan "
-                    f"(base_model_pp_plan) or whose base model holds one list of layers, or one of "
-                    f"{sorted(STAGE_FORWARDS)}; {type(model).__name__} is none of these"
-                )
-            if config.sequence_parallel:
-                raise ValueError(f"sequence_parallel with pipeline stages is supported for {sorted(STAGE_FORWARDS)}")
-            keep = layout.keep
-            sides = layout.stage_sides(model)
-            if self._from_meta and inferred:
-                raise ValueError(
-                    f"{type(model).__name__} has no transformers pipeline plan: meshpar reads one from the model's "
-                    "modules and proves it on the dense model, which a model built on meta cannot run; build it on "
-                    "cpu, or use pipeline_parallel_size 1"
-                )
-            if self._from_meta:
-                _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
-            else:
-                stages = plan_stages(
-                    model,
-                    self.dims.pp * config.virtual_pipeline_size,
-                    transformer_layer_cls=self._layer_cls,
-                    auto_partition=config.auto_partition,
-                    first_stage_modules=sides[0],
-                    last_stage_modules=sides[1],
-                )
-                check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+            stages = plan_stages(
+                model,
+                self.dims.pp * config.virtual_pipeline_size,
+                transformer_layer_cls=self._layer_cls,
+                auto_partition=config.auto_partition,
+                first_stage_modules=sides[0],
+                last_stage_modules=sides[1],
+            )
+            check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+        shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
 
-            def install(stage: nn.Module) -> nn.Module:
-                return install_decoder_stage(stage, layout)
-
-            stage_kwargs = ("attention_mask", "input_ids")  # every stage runs the model's forward on the ids
+        def install(stage: nn.Module) -> nn.Module:
+            return install_decoder_stage(stage, layout, shards)
 
         return PipelineModel(
             model,
@@ -254,10 +237,10 @@ class ParallelizedModel(nn.Module):
             input_names=["input_ids"],
             broadcast_and_average_loss=True,
             loss_fn=loss_fn.pipeline_loss if loss_fn is not None else None,
-            keep_modules=keep,
+            keep_modules=layout.keep,
             stage_transform=lambda stage: self._shard(install(stage)),
             dp_mode=self.dp_mode,
-            stage_kwargs=stage_kwargs,
+            stage_kwargs=("attention_mask", "input_ids"),  # every stage runs the model's forward on the ids
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             schedule=config.pipeline_schedule,

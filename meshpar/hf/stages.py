@@ -1,8 +1,8 @@
 """Pipeline stage forwards for HuggingFace models.
 
-Every causal LM whose config carries transformers' ``base_model_pp_plan`` (or, without one or with one that does not
-describe the model, whose base model, or the one module it wraps, holds a layer list: the plan is then read from its
-children in the order the dense forward calls them) runs the model's *own* forward on each stage
+Every causal or masked LM whose config carries transformers' ``base_model_pp_plan`` (or, without one or with one that
+does not describe the model, whose base model, or the one module it wraps, holds a layer list: the plan is then read
+from its children in the order the dense forward calls them) runs the model's *own* forward on each stage
 (:func:`decoder_stage_forward`), on the microbatch's token ids. The layer list is swapped for a view of the full
 depth in which the stage's layers sit at their global indices and every other index is a pass-through, so per-layer
 data the forward reads by index or from each layer (``config.layer_types[i]``, ``layer.attention_type``) stays right.
@@ -18,10 +18,10 @@ the model class's own forward to the logits. :func:`check_stage_composition` pro
 split, that the stages composed reproduce its forward; what it cannot prove (layers that share state outside their
 arguments) is refused.
 
-GPT-2, Llama and BERT keep hand-written stage forwards (they also run sequence-parallel stages): each builds the mask
-the HF model would for its configured attention implementation (none for sdpa's ``is_causal``, a 4-D causal mask for
-eager attention) from the microbatch's ``attention_mask`` (``[batch, seq]``, 1 = attend), so the user's choice of
-attention implementation holds under pipeline parallelism too.
+GPT-2 and BERT ship no pipeline plan: meshpar's tables (:data:`PIPELINE_TABLES`) give theirs in transformers' format.
+Under sequence parallelism the hidden states cross stages as this rank's sequence shard (the first layer's style
+splits them on the first stage, the final norm's gathers them on the last); models whose layers are handed more are
+refused there.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,108 +39,22 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
 
-_log = logging.getLogger(__name__)
-
-
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-
-
-def _full_sequence(self: nn.Module, x: torch.Tensor, first_stage: bool) -> int:
-    """A later stage receives sequence shards under sequence parallelism."""
-    return x.shape[1] if first_stage else x.shape[1] * getattr(self, "meshpar_sequence_shards", 1)
-
-
-def _attention_mask(
-    config: object, hidden: torch.Tensor, seq: int, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor | None:
-    """The mask the HF model itself would build from a ``[batch, seq]`` padding mask for the configured attention
-    implementation: ``None`` where none is needed (sdpa's ``is_causal``, bidirectional without padding), a 4-D
-    causal mask for eager attention, a block mask for flex attention."""
-    if mask is None and not causal:
-        return None
-    try:
-        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-    except ImportError as error:  # pragma: no cover - older transformers
-        raise RuntimeError("an attention_mask under pipeline parallelism needs transformers>=4.53") from error
-    like = hidden.new_empty((hidden.shape[0], seq, 1))  # the shape, dtype and device the mask builders read
-    if causal:
-        return create_causal_mask(
-            config=config, inputs_embeds=like, attention_mask=mask, past_key_values=None, position_ids=None
-        )
-    return create_bidirectional_mask(config=config, inputs_embeds=like, attention_mask=mask)
-
-
-def gpt2_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    body = self.transformer
-    first = body.wte is not None
-    seq = _full_sequence(self, x, first)
-    if first:
-        x = body.drop(body.wte(x) + body.wpe(_positions(x)))
-    mask = _attention_mask(body.config, x, seq, attention_mask, causal=True)
-    for block in body.h:
-        x = block(x, attention_mask=mask)
-    if body.ln_f is not None:
-        x = self.lm_head(body.ln_f(x))
-    return x
-
-
-def llama_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    body = self.model
-    first = body.embed_tokens is not None
-    seq = _full_sequence(self, x, first)
-    if first:
-        x = body.embed_tokens(x)
-    positions = torch.arange(seq, device=x.device).unsqueeze(0)
-    position_embeddings = body.rotary_emb(x, positions)
-    mask = _attention_mask(body.config, x, seq, attention_mask, causal=True)
-    for layer in body.layers:
-        x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings)
-    if body.norm is not None:
-        x = self.lm_head(body.norm(x))
-    return x
-
-
-def bert_stage_forward(self: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """BERT for masked LM: bidirectional attention, padding masked where ``attention_mask`` is 0."""
-    body = self.bert
-    first = body.embeddings is not None
-    seq = _full_sequence(self, x, first)
-    if first:
-        x = body.embeddings(input_ids=x)
-    mask = _attention_mask(body.config, x, seq, attention_mask, causal=False)
-    for layer in body.encoder.layer:
-        x = layer(x, attention_mask=mask)
-    if getattr(self, "cls", None) is not None:
-        x = self.cls(x)
-    return x
-
-
-class _GPT2Stage:
-    forward = gpt2_stage_forward
-
-
-class _LlamaStage:
-    forward = llama_stage_forward
-
-
-class _BertStage:
-    forward = bert_stage_forward
-
-
-# family -> (the stage's forward as a mixin, parameter-free modules every stage keeps)
-STAGE_FORWARDS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "gpt2": (_GPT2Stage, ()),
-    "llama": (_LlamaStage, ("model.rotary_emb",)),
-    "bert": (_BertStage, ()),
+# meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
+# each with what it takes and gives), for families whose config ships none: GPT-2, and BERT, whose layer list sits
+# inside its encoder (a dotted name)
+PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
+    "gpt2": {
+        "wte": (["input_ids"], ["inputs_embeds"]),
+        "wpe": (["position_ids"], ["position_embeds"]),
+        "drop": (["hidden_states"], ["hidden_states"]),
+        "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "ln_f": (["hidden_states"], ["hidden_states"]),
+    },
+    "bert": {
+        "embeddings": (["input_ids"], ["hidden_states"]),
+        "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    },
 }
-
-
-def install_stage_forward(stage: nn.Module, family: str) -> nn.Module:
-    if family not in STAGE_FORWARDS:
-        raise ValueError(f"pipeline parallelism supports the families {sorted(STAGE_FORWARDS)}, not {family!r}")
-    # the stage is the HF model with other stages' pieces removed; it runs meshpar's forward (meshpar._in_place)
-    return mix_into(stage, STAGE_FORWARDS[family][0], "PipelineStage")
 
 
 # where a layer's argument sits in its call: an index into the positional arguments, or a keyword's name
@@ -199,18 +112,28 @@ def _holds_parameters(module: nn.Module, name: str) -> bool:
     return any(True for _ in module.get_submodule(name).parameters())
 
 
+def _child(base: nn.Module, name: str) -> nn.Module | None:
+    """``base``'s module ``name`` (dotted for one deeper: BERT's ``encoder.layer``), or ``None``."""
+    try:
+        return base.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
-    """The layout of a causal LM with transformers' ``base_model_pp_plan``; ``None`` when it has none. Raises when
-    the plan does not describe the model (a base-model module outside the plan holds parameters)."""
+    """The layout from transformers' ``base_model_pp_plan`` (or meshpar's table for a family that ships none);
+    ``None`` without either. Raises when the plan does not describe the model (it names modules the model lacks, or
+    a base-model module outside the plan holds parameters)."""
     config = getattr(model, "config", None)
-    plan = list(dict(getattr(config, "base_model_pp_plan", None) or {}))
+    shipped = getattr(config, "base_model_pp_plan", None) or PIPELINE_TABLES.get(getattr(config, "model_type", None))
+    plan = list(dict(shipped or {}))
     prefix = base_model_name(model)
     if plan and prefix:
         base = model.get_submodule(prefix)
-        missing = [n for n in plan if getattr(base, n, None) is None]
+        missing = [n for n in plan if _child(base, n) is None]
         if missing:
             raise ValueError(
-                f"{type(model).__name__}: transformers' pipeline plan {plan} names {missing}, which "
+                f"{type(model).__name__}: the pipeline plan {plan} names {missing}, which "
                 f"{type(base).__name__} does not have (its children: {[n for n, _ in base.named_children()]}): the "
                 "plan does not describe this model, so pipeline parallelism cannot place its layers (use "
                 "pipeline_parallel_size 1)"
@@ -387,20 +310,21 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
 def _layout(
     model: nn.Module, names: list[str], holder_path: str | None = None, layer_list: str | None = None
 ) -> PipelineLayout | None:
-    """The layout of ``names`` (children of ``holder_path``, the base model by default, in run order; ``layer_list``
-    among them, by default their one list)."""
+    """The layout of ``names`` (modules of ``holder_path``, the base model by default, in run order; ``layer_list``
+    among them, by default their one list); ``None`` for a model without an output head (logits come from the last
+    stage)."""
     prefix = base_model_name(model)
-    if not prefix or not type(model).__name__.endswith("ForCausalLM"):
+    if not prefix or model.get_output_embeddings() is None:
         return None
     holder_path = holder_path or prefix
     base = model.get_submodule(holder_path)
     if layer_list is None:
-        lists = [name for name in names if isinstance(getattr(base, name, None), nn.ModuleList)]
+        lists = [name for name in names if isinstance(_child(base, name), nn.ModuleList)]
         if len(lists) != 1:
             return None
         layer_list = lists[0]
     index = names.index(layer_list)
-    others = [n for n, m in base.named_children() if n not in names]
+    others = [n for n, _ in base.named_children() if n not in names and not any(x.startswith(f"{n}.") for x in names)]
     holding = [n for n in others if _holds_parameters(base, n)]
     if holding:
         raise ValueError(
@@ -408,8 +332,7 @@ def _layout(
             "parameters; pipeline parallelism cannot place them (use pipeline_parallel_size 1)"
         )
     full = [f"{holder_path}.{n}" for n in names]
-    # parameter-free plan pieces (dropouts) go to every stage too: where they must not act they become identities,
-    # so it does not matter which side of the layers the model registered them on
+    # parameter-free plan pieces (dropouts) run on every stage, as the steps before the layers do
     free = [f for f, n in zip(full, names, strict=True) if n != layer_list and not _holds_parameters(base, n)]
     container = full[index]
     calls = None if any(p.is_meta for p in model.parameters()) else _layer_calls(model, container)
@@ -501,8 +424,11 @@ class _Boundary:
     forward gives the same arguments (it runs the steps before the layers too, on stand-ins), so variable lengths
     need nothing more. With nothing but the hidden states to carry, they cross as they are."""
 
-    def __init__(self, layout: PipelineLayout, owned: Sequence[int], received: torch.Tensor | None) -> None:
+    def __init__(
+        self, layout: PipelineLayout, owned: Sequence[int], received: torch.Tensor | None, sequence_shards: int = 1
+    ) -> None:
         self.layout = layout
+        self.sequence_shards = sequence_shards  # tp under sequence parallelism: the hidden states cross as shards
         self.start, self.stop = min(owned), max(owned) + 1
         self.flat = None if received is None else received.reshape(-1)
         self.offset = 0
@@ -529,8 +455,12 @@ class _Boundary:
             c for c in carried if not c.loop_state
         ]:
             local = _argument(new_args, new_kwargs, entry.position)
+            if self.sequence_shards > 1:  # this rank's sequence shard of the stage's full-length tensor
+                shape = list(local.shape)
+                shape[1] //= self.sequence_shards
+                local = torch.empty(shape, dtype=local.dtype, device="meta")
             value = self._take(local, f"layer {layer}'s argument {entry.position!r}")
-            if not local.requires_grad:
+            if not local.requires_grad and not local.is_meta:
                 try:
                     local.copy_(value)
                     continue
@@ -645,10 +575,13 @@ def _run_stage(
     received: torch.Tensor | None,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    sequence_shards: int = 1,
 ) -> torch.Tensor:
     """Every stage runs the model's forward on the microbatch's ids (masks, positions and rotary tables are the
-    model's own); a non-first stage's layers take the tensors ``received`` from the previous stage."""
-    boundary = _Boundary(layout, sorted(owned), received)
+    model's own, for the full sequence); a non-first stage's layers take the tensors ``received`` from the previous
+    stage (under sequence parallelism the hidden states' sequence shard: the first layer's style split them, the
+    last stage's final norm gathers them)."""
+    boundary = _Boundary(layout, sorted(owned), received, sequence_shards)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
     with _stage_view(model, layout, owned, boundary, last, input_ids.device):
         try:
@@ -681,7 +614,9 @@ def decoder_stage_forward(
     ids = x if first else input_ids
     if ids is None:
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
-    return _run_stage(self, layout, owned, self.meshpar_last_stage, None if first else x, ids, attention_mask)
+    received = None if first else x
+    shards = self.meshpar_sequence_shards
+    return _run_stage(self, layout, owned, self.meshpar_last_stage, received, ids, attention_mask, shards)
 
 
 def check_stage_composition(
@@ -730,12 +665,30 @@ def check_stage_composition(
         )
 
 
-def install_decoder_stage(stage: nn.Module, layout: PipelineLayout) -> nn.Module:
-    """Give a stage of a causal LM split by :func:`pipeline_layout` its forward (the user's attention
-    implementation is kept)."""
+def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_shards: int = 1) -> nn.Module:
+    """Give a stage of a model split by :func:`pipeline_layout` its forward (the user's attention implementation is
+    kept); ``sequence_shards``: tp under sequence parallelism."""
+    carried = {c for layer in range(layout.num_layers) for c in layout.carried_into(layer)} - set(_STREAM)
+    if sequence_shards > 1 and carried:
+        raise ValueError(
+            f"{type(stage).__name__}: sequence parallelism inside pipeline stages hands each stage the hidden "
+            f"states' sequence shard only, but its layers are handed more "
+            f"({sorted(str(c.position) for c in carried)}); "
+            "turn 'sequence_parallel' off, or use pipeline_parallel_size 1"
+        )
     stage.meshpar_layout = layout
-    stage.meshpar_last_stage = stage.get_output_embeddings() is not None
+    stage.meshpar_sequence_shards = sequence_shards
+    stage.meshpar_last_stage = _output_embeddings(stage) is not None
     return mix_into(stage, _DecoderStage, "PipelineStage")
+
+
+def _output_embeddings(stage: nn.Module) -> nn.Module | None:
+    """The stage's LM head, ``None`` where it lives on another stage (some heads' getters then fail: BERT's reads
+    ``self.cls.predictions``)."""
+    try:
+        return stage.get_output_embeddings()
+    except AttributeError:
+        return None
 
 
 class _DecoderStage:

@@ -15,6 +15,7 @@ from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.hf import PlanVerificationError
 from meshpar.hf.hf_plan import divide_attribute
+from meshpar.hf.stages import inferred_pipeline_layout, install_decoder_stage
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
@@ -306,12 +307,13 @@ def test_checkpoints_reshard_and_load_with_torch_tools(tmp_path, family: str) ->
     assert torch.equal(plain.get_parameter("model.embed_tokens.weight"), state["model.embed_tokens.weight"])
 
 
-def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1, layers: int | None = None) -> None:
+def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1, layers: int | None = None, sp: bool = False) -> None:
     """One step through the pipeline (each stage runs the model's own forward) against the dense model, on a
     left-padded batch: every stage builds the model's own masks."""
     setup_parallel(tp=tp, pp=pp)
     dense = build(family, layers=layers or 2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
+    config["sequence_parallel"] = sp
     model = meshpar.parallelize(copy.deepcopy(dense), {**config, "num_microbatches": 2 * pp})
     data = batch(family, rows=4)
     data["attention_mask"] = torch.ones_like(data["input_ids"])
@@ -345,6 +347,23 @@ def test_tp_x_pp_from_transformers_plans_matches_dense(family: str, vpp: int) ->
     """tp=2 x pp=2 (Gemma2: a tied, vocab-parallel embedding over an uneven vocab on the first and last stage;
     OLMo-2 with two interleaved chunks per rank)."""
     run_distributed(pipeline_case, 4, family, 2, 2, vpp)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_sequence_parallel_inside_pipeline_stages_matches_dense(family: str) -> None:
+    """tp=2 x pp=2 with sequence parallelism, every stage running the model's own forward: the hidden states cross
+    stages as each rank's sequence shard (Qwen3: q/k norms over gathered heads; Phi-3: packed projections)."""
+    run_distributed(pipeline_case, 4, family, 2, 2, 1, None, True)
+
+
+def test_sequence_parallel_refused_where_pipeline_layers_are_handed_more_than_hidden_states() -> None:
+    """Gemma-3n's layers take per-layer inputs besides the hidden states; stages under sequence parallelism carry
+    only the hidden states' shard, so the layout is refused naming what its layers are handed (the stage check
+    itself: today's shipped plans already refuse sequence parallelism for every such family earlier)."""
+    model = build("gemma3n_text")
+    layout = inferred_pipeline_layout(model)  # its shipped plan leaves out the per-layer-input modules
+    with pytest.raises(ValueError, match=r"sequence parallelism inside pipeline stages.*handed more \(\['2'\]\)"):
+        install_decoder_stage(model, layout, sequence_shards=2)
 
 
 @pytest.mark.parametrize(
@@ -404,7 +423,7 @@ def inferred_meta_case() -> None:
 
 def test_a_plan_read_off_a_meta_model_is_refused() -> None:
     """Nothing can prove the read plan on a model without values: refused, not guessed."""
-    with pytest.raises(AssertionError, match=r"has no transformers pipeline plan.*built on meta cannot run"):
+    with pytest.raises(AssertionError, match=r"has no pipeline plan.*built on meta cannot run"):
         run_distributed(inferred_meta_case, 2)
 
 
