@@ -75,6 +75,7 @@ _TOWER_SIZES = dict(
 )  # fmt: skip
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _PER_LAYER_INPUTS = {"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8}
+_INKLING2 = {"unpadded_vocab_size": 64, "swa_head_dim": 8, "rel_extent": 16}
 # families whose sizes the generic keys miss: Gemma-3n / Gemma-4 embed per-layer inputs from full-size vocabularies;
 # Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do); LongCat-Flash
 # counts layers of two sublayers (``num_layers``; its ``num_hidden_layers`` is twice that) and defaults to 256
@@ -89,6 +90,16 @@ _FAMILY_SIZES = {
     },
     "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": _INKLING2,
+    "dory": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
+    "falcon_h1": {"mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_chunk_size": 16},
 }
 
 

@@ -232,7 +232,9 @@ AMENDMENTS: dict[str, dict[str, object]] = {
     # the activation sparsity of Gemma-3n's first layers cuts at statistics over all of a token's MLP features
     "gemma3n_text": {"layers.*.mlp": gaussian_topk_over_tp()},
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp
-    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    **{family: {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"} for family in ("apertus", "apertus1p5_text")},
+    # GLM-4-MoE's per-head q/k norms (``use_qk_norm``, on in Sarvam-MoE's config) act on each rank's heads
+    **{family: _HEAD_NORMS for family in ("glm4_moe", "sarvam_moe")},
     "deepseek_v3": _MLA_ATTENTION,
     "axk1": _MLA_ATTENTION,
     "youtu": _MLA_ATTENTION,

@@ -285,6 +285,15 @@ def _check_ties(model: nn.Module, plan: HFPlan) -> None:
             )
 
 
+def _output_module(model: nn.Module) -> str | None:
+    """FQN of the model's output embeddings, whatever their type."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    if out is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is out), None)
+
+
 def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     """The plan the model's family ships (transformers' ``tp_plan``, else meshpar's table in the same format),
     mapped onto meshpar's styles, with a vocab-parallel input embedding and LM head (see
@@ -299,8 +308,9 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
         )
     embedding, head, tied = embedding_and_head(model)
     task = task_of(model)
-    # meshpar's own embedding and head styles replace the plan's (transformers gathers full-vocabulary logits)
-    entries = {p: s for p, s in entries.items() if p not in (embedding, head)}
+    # meshpar's own embedding and head styles replace the plan's (transformers gathers full-vocabulary logits); a head
+    # that is no plain Linear (Dory's adds a per-token logit scale) stays whole: full logits, the plain loss
+    entries = {p: s for p, s in entries.items() if p not in (embedding, head, _output_module(model))}
     styles, fixups = resolve_entries(model, entries, tp, replicate_kv=replicate_kv)
     if head is not None and task == "causal_lm":
         styles[head] = ColumnParallel(allow_uneven=True)

@@ -162,6 +162,22 @@ GENERIC = {
         "GPTJForCausalLM",
         {"rotary_dim": 4, "num_key_value_heads": None, "attn_implementation": "eager"},
     ),  # meshpar's table
+    # per-head q/k norms the shipped plan leaves out (meshpar's amendment sums their grads over tp)
+    "glm4_moe_qk_norm": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "use_qk_norm": True,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
+    "dory": ("DoryConfig", "DoryForCausalLM", {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1}),
 }
 
 

@@ -18,7 +18,7 @@ from meshpar.hf.hf_plan import divide_attribute
 from meshpar.hf.stages import inferred_pipeline_layout, install_decoder_stage
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
-from tests.hf._configs import batch, build
+from tests.hf._configs import GENERIC, batch, build
 
 # every family here has a transformers plan except OPT and GPT-J (meshpar's tables); Qwen3 has q/k norms between
 # column and row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed
@@ -76,6 +76,18 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
     summary = run_distributed(family_case, 2, family, 2)[0]
     local, total = (int(n.replace(",", "")) for n in summary.split()[3:6:2])
     assert local < 0.6 * total, summary  # embedding, head and every block's projections are sharded
+
+
+@pytest.mark.parametrize("family", ["glm4_moe_qk_norm", "dory"])
+def test_plan_gaps_are_filled_or_kept_whole(family: str) -> None:
+    """GLM-4-MoE with its per-head q/k norms on (Sarvam-MoE's default): the shipped plan leaves them replicated, so
+    their grads would cover one rank's heads; meshpar's amendment sums them over tp. Dory's LM head is a Linear
+    subclass with a per-token logit scale: it stays whole (full logits, the plain loss) instead of failing."""
+    import transformers
+
+    if not hasattr(transformers, GENERIC[family][1]):
+        pytest.skip(f"the installed transformers has no {GENERIC[family][1]}")
+    run_distributed(family_case, 2, family, 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
