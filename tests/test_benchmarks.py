@@ -98,7 +98,7 @@ def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
     assert re.search(r"^qwen3\s+OK\s+OK\s*$", out, re.MULTILINE), out
     # HRM's recurrent modules are not the layer list its transformers pipeline plan names: refused, reason listed
     assert re.search(r"^hrm_text\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out
-    assert "[1] refused: HrmTextForCausalLM: transformers' pipeline plan" in out, out
+    assert "[1] refused: HrmTextForCausalLM: the pipeline plan" in out, out
     assert "tp2: OK 2" in out and "pp2: OK 1, refused 1" in out and "| qwen3 | OK | OK |" in out
 
 

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from meshpar._compat import DeviceMesh, Replicate, Shard
+from meshpar._compat import DeviceMesh, ParallelStyle, Replicate, Shard
 from meshpar._in_place import become
+from meshpar.tensor_parallel import ColumnParallel, PackedColumnParallel, RowParallel
 from meshpar.tensor_parallel._collectives import gather_from_tp
 from meshpar.tensor_parallel._init import check_divisible, fill_from_full_
 from meshpar.tensor_parallel.layers import (
@@ -51,6 +52,7 @@ class ColumnParallelConv1D(_Conv1DInit, ColumnParallelLinear, Conv1D):
         fused: int = 1,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        input_gathered: bool = False,
     ) -> ColumnParallelConv1D:
         n_in, n_out = conv.weight.shape
         check_divisible(n_out // fused, mesh.size(), "output features per fused block", cls.__name__)
@@ -65,6 +67,7 @@ class ColumnParallelConv1D(_Conv1DInit, ColumnParallelLinear, Conv1D):
             conv.checkpoint_shapes = {"weight": (n_in, n_out), "bias": (n_out,)}
         become(conv, cls)
         conv._configure(mesh, n_in, n_out, gather_output, sequence_parallel, None)
+        conv.input_gathered = input_gathered  # the enclosing region all-gathered the input (sequence parallel)
         conv.fused = fused
         mark_partitioned(conv)
         return conv
@@ -92,3 +95,58 @@ class RowParallelConv1D(_Conv1DInit, RowParallelLinear, Conv1D):
         conv._configure(mesh, n_in, n_out, True, sequence_parallel, None)
         mark_partitioned(conv)
         return conv
+
+
+class Conv1DColumn(ParallelStyle):
+    """:class:`~meshpar.tensor_parallel.ColumnParallel` for a transformers ``Conv1D``; ``fused``: equal blocks
+    (GPT-2's ``[q | k | v]``) split separately; ``input_gathered`` as for ``ColumnParallel``."""
+
+    def __init__(
+        self,
+        *,
+        fused: int = 1,
+        gather_output: bool = False,
+        num_heads: int | None = None,
+        sequence_parallel: bool = False,
+        input_gathered: bool = False,
+    ) -> None:
+        super().__init__()
+        self.fused, self.gather_output, self.num_heads = fused, gather_output, num_heads
+        self.sequence_parallel, self.input_gathered = sequence_parallel, input_gathered
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not Conv1D:
+            raise TypeError(f"Conv1DColumn applies to transformers Conv1D, got {type(module).__name__}")
+        if self.num_heads is not None:
+            check_divisible(self.num_heads, device_mesh.size(), "the number of attention heads", "Conv1DColumn")
+        return ColumnParallelConv1D.from_conv1d(
+            module, device_mesh, fused=self.fused, gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel, input_gathered=self.input_gathered,
+        )  # fmt: skip
+
+
+class Conv1DRow(ParallelStyle):
+    """:class:`~meshpar.tensor_parallel.RowParallel` for a transformers ``Conv1D``."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module) is not Conv1D:
+            raise TypeError(f"Conv1DRow applies to transformers Conv1D, got {type(module).__name__}")
+        return RowParallelConv1D.from_conv1d(module, device_mesh, sequence_parallel=self.sequence_parallel)
+
+
+def on_conv1d(style: ParallelStyle, where: str) -> ParallelStyle:
+    """The style a plan string gave (for ``nn.Linear``) for modules that are transformers ``Conv1D`` (weight stored
+    ``[in, out]``): column, packed column in equal parts (GPT-2's ``c_attn``), row. Raises for anything else."""
+    if type(style) is ColumnParallel and not style.sequence_parallel and not style.input_gathered:
+        return Conv1DColumn(gather_output=style.gather_output)
+    if isinstance(style, PackedColumnParallel):
+        parts = style.parts if isinstance(style.parts, tuple) else (1,) * style.parts
+        if len(set(parts)) == 1:
+            return Conv1DColumn(fused=len(parts))
+    if type(style) is RowParallel and style.input_is_parallel and not style.sequence_parallel:
+        return Conv1DRow()
+    raise ValueError(f"{where}: {type(style).__name__} on a transformers Conv1D")

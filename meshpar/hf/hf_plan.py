@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import ParallelStyle
+from meshpar.hf.conv1d import on_conv1d
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.hf.fixups import gaussian_topk_over_tp
 from meshpar.tensor_parallel import ColumnParallel, ReplicatedKV, RowParallel, VocabParallel
@@ -124,12 +126,12 @@ class divide_attribute:  # noqa: N801 - used like a function in plan dicts
     with ``config.num_attention_heads``): the module gets a :class:`ConfigView` with those divided. A class rather
     than a closure so that plans pickle."""
 
-    name: str | None = None
+    name: str | tuple[str, ...] | None = None  # several: GPT-2's num_heads and split_size
     config_names: tuple[str, ...] = ()
 
     def __call__(self, module: nn.Module, tp: int) -> None:
-        if self.name is not None:
-            setattr(module, self.name, getattr(module, self.name) // tp)
+        for name in (self.name,) if isinstance(self.name, str) else self.name or ():
+            setattr(module, name, getattr(module, name) // tp)
         if self.config_names:
             config = module.config
             module.config = ConfigView(config, {n: getattr(config, n) // tp for n in self.config_names})
@@ -147,6 +149,14 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
         "decoder.layers.*.self_attn": divide_attribute("num_heads"),
         "decoder.layers.*.fc1": "colwise",
         "decoder.layers.*.fc2": "rowwise",
+    },
+    # GPT-2's linear layers are transformers Conv1D (weight [in, out]); c_attn packs [q | k | v]
+    "gpt2": {
+        "h.*.attn.c_attn": "packed_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.attn": divide_attribute(("num_heads", "split_size")),
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
     },
     "gptj": {
         "h.*.attn.q_proj": "colwise",
@@ -393,6 +403,7 @@ def resolve_entries(
     this model (``q_norm`` switched off, say) are skipped. Raises naming every entry meshpar cannot apply (packed or
     expert weights, bare parameters, unknown strings)."""
     modules = _names(model.named_modules())
+    conv1d = [name for name, module in model.named_modules() if type(module) is Conv1D]
     params = _names(model.named_parameters(remove_duplicate=False))
     config = getattr(model, "config", None)
     _, kv_heads = attention_heads(config)
@@ -444,6 +455,12 @@ def resolve_entries(
             except KeyError:
                 refused.append(f"{pattern}: '{style}' (a style string meshpar does not know)")
                 continue
+            if mapped is not None and any(fqn_matches(pattern, name) for name in conv1d):
+                try:
+                    mapped = on_conv1d(mapped, pattern)
+                except ValueError as error:
+                    refused.append(f"{error} ('{style}')")
+                    continue
             if mapped is not None:
                 styles[pattern] = mapped
     for pattern, split in features.items():

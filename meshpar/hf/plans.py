@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
-from meshpar.hf.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from meshpar.hf.hf_plan import (
     attention_heads,
     check_heads,
@@ -31,7 +29,6 @@ from meshpar.hf.stages import inferred_pipeline_layout, pipeline_layout
 from meshpar.tensor_parallel import (
     ColumnParallel,
     GatherSequenceInput,
-    ReplicatedKV,
     RowParallel,
     SequenceParallelNorm,
     VocabParallel,
@@ -39,41 +36,6 @@ from meshpar.tensor_parallel import (
     scatter_to_sp,
 )
 from meshpar.tensor_parallel._init import check_divisible
-
-
-class Conv1DColumn(ParallelStyle):
-    def __init__(
-        self,
-        *,
-        fused: int = 1,
-        gather_output: bool = False,
-        num_heads: int | None = None,
-        sequence_parallel: bool = False,
-    ) -> None:
-        super().__init__()
-        self.fused, self.gather_output, self.num_heads = fused, gather_output, num_heads
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module) is not Conv1D:
-            raise TypeError(f"Conv1DColumn applies to transformers Conv1D, got {type(module).__name__}")
-        if self.num_heads is not None:
-            check_divisible(self.num_heads, device_mesh.size(), "the number of attention heads", "Conv1DColumn")
-        return ColumnParallelConv1D.from_conv1d(
-            module, device_mesh, fused=self.fused, gather_output=self.gather_output,
-            sequence_parallel=self.sequence_parallel,
-        )  # fmt: skip
-
-
-class Conv1DRow(ParallelStyle):
-    def __init__(self, *, sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.sequence_parallel = sequence_parallel
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module) is not Conv1D:
-            raise TypeError(f"Conv1DRow applies to transformers Conv1D, got {type(module).__name__}")
-        return RowParallelConv1D.from_conv1d(module, device_mesh, sequence_parallel=self.sequence_parallel)
 
 
 class ScatterSequenceInput(ParallelStyle):
@@ -116,13 +78,6 @@ class HFPlan:
     head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
 
 
-def _gpt2_fix_attention(model: nn.Module, tp: int) -> None:
-    for module in model.modules():
-        if type(module).__name__ == "GPT2Attention":
-            module.split_size //= tp
-            module.num_heads //= tp
-
-
 def _sequence_parallel_styles(layers: str, norms: list[str], final_norm: str) -> dict[str, ParallelStyle]:
     """Scatter into the first layer, norms on shards, gather after the final norm (the LM head is column-parallel
     over the vocabulary on the full sequence)."""
@@ -139,70 +94,6 @@ def _causal_lm_head(model: nn.Module, styles: dict, embedding: str) -> tuple[str
     styles["lm_head"] = ColumnParallel(allow_uneven=True)
     tied = model.lm_head.weight is model.get_parameter(embedding)
     return "causal_lm", [("lm_head.weight", embedding)] if tied else []
-
-
-def gpt2_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
-    config = model.config
-    check_divisible(config.n_head, tp, "the number of attention heads (n_head)", "GPT-2 plan")
-    prefix = "transformer." if hasattr(model, "transformer") else ""
-    styles: dict[str, ParallelStyle] = {
-        f"{prefix}wte": VocabParallel(),
-        f"{prefix}h.*.attn.c_attn": Conv1DColumn(fused=3, num_heads=config.n_head, sequence_parallel=sp),
-        f"{prefix}h.*.attn.c_proj": Conv1DRow(sequence_parallel=sp),
-        f"{prefix}h.*.mlp.c_fc": Conv1DColumn(sequence_parallel=sp),
-        f"{prefix}h.*.mlp.c_proj": Conv1DRow(sequence_parallel=sp),
-    }
-    if sp:
-        norms = [f"{prefix}h.*.ln_1", f"{prefix}h.*.ln_2"]
-        styles.update(_sequence_parallel_styles(f"{prefix}h", norms, f"{prefix}ln_f"))
-    task, ties = _causal_lm_head(model, styles, "transformer.wte.weight")
-    return HFPlan("gpt2", task, styles, [_gpt2_fix_attention], ties, f"{prefix}h")
-
-
-def llama_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    check_divisible(heads, tp, "the number of attention heads", "Llama plan")
-    replicate_kv = kv_heads % tp != 0
-    if replicate_kv and tp % kv_heads != 0:
-        raise ValueError(
-            f"Llama plan: {kv_heads} key/value heads can neither be split over tp={tp} nor replicated evenly; "
-            f"use a tp that divides {kv_heads} or is a multiple of it"
-        )
-    if replicate_kv and sp:
-        raise ValueError(
-            "Llama plan: sequence parallelism with replicated KV heads is not supported; use tp <= kv heads"
-        )
-    prefix = "model." if hasattr(model, "model") else ""
-    # Under SP, attention and MLP each all-gather their input once (Llama reshapes by the input's sequence length)
-    # and their column projections take the gathered input as is.
-    gathered = {"input_gathered": sp}
-    kv_style = ReplicatedKV(num_kv_heads=kv_heads) if replicate_kv else ColumnParallel(num_heads=kv_heads, **gathered)
-    styles: dict[str, ParallelStyle] = {
-        f"{prefix}embed_tokens": VocabParallel(),
-        f"{prefix}layers.*.self_attn.q_proj": ColumnParallel(num_heads=heads, **gathered),
-        f"{prefix}layers.*.self_attn.k_proj": kv_style,
-        f"{prefix}layers.*.self_attn.v_proj": kv_style,
-        f"{prefix}layers.*.self_attn.o_proj": RowParallel(sequence_parallel=sp),
-        f"{prefix}layers.*.mlp.gate_proj": ColumnParallel(**gathered),
-        f"{prefix}layers.*.mlp.up_proj": ColumnParallel(**gathered),
-        f"{prefix}layers.*.mlp.down_proj": RowParallel(sequence_parallel=sp),
-    }
-    if sp:
-        styles[f"{prefix}layers.*.self_attn"] = GatherSequenceInput()
-        styles[f"{prefix}layers.*.mlp"] = GatherSequenceInput()
-        norms = [f"{prefix}layers.*.input_layernorm", f"{prefix}layers.*.post_attention_layernorm"]
-        styles.update(_sequence_parallel_styles(f"{prefix}layers", norms, f"{prefix}norm"))
-    task, ties = _causal_lm_head(model, styles, "model.embed_tokens.weight")
-    fixups = [_llama_fix_kv_groups] if replicate_kv else []
-    return HFPlan("llama", task, styles, fixups, ties, f"{prefix}layers")
-
-
-def _llama_fix_kv_groups(model: nn.Module, tp: int) -> None:
-    """With replicated KV heads each rank holds one KV head for all its query heads."""
-    for module in model.modules():
-        if type(module).__name__ == "LlamaAttention":
-            module.num_key_value_groups = module.config.num_attention_heads // tp
 
 
 class GatherSequenceOutput(ParallelStyle):
@@ -249,7 +140,7 @@ def bert_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     return HFPlan("bert", task, styles, [], ties, f"{prefix}encoder.layer")
 
 
-_FAMILIES = {"gpt2": gpt2_plan, "llama": llama_plan, "bert": bert_plan}
+_FAMILIES = {"bert": bert_plan}
 
 
 def task_of(model: nn.Module) -> str:
@@ -348,9 +239,9 @@ def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
 def plan_for(
     model: nn.Module, tp: int, sequence_parallel: bool = False, plan: dict[str, object] | None = None
 ) -> HFPlan:
-    """The plan ``parallelize`` applies: the user's ``plan`` if given; else meshpar's GPT-2, BERT and Llama plans
-    (with sequence parallelism); else the plan the family ships (transformers' own, or meshpar's table in the same
-    format); at tp=1 nothing needs sharding. A model with none of these is refused: meshpar does not guess from
+    """The plan ``parallelize`` applies: the user's ``plan`` if given; else meshpar's BERT plan (with sequence
+    parallelism); else the plan the family ships (transformers' own, or meshpar's table in the same format: GPT-2,
+    OPT, GPT-J); at tp=1 nothing needs sharding. A model with none of these is refused: meshpar does not guess from
     module names."""
     if plan is not None:
         built = user_plan(model, plan, tp)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from torch import nn
 
 from meshpar._compat import ParallelStyle
+from meshpar.hf.conv1d import Conv1DColumn, Conv1DRow
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import (
     ColumnParallel,
@@ -47,6 +48,10 @@ def _as_sequence_parallel(style: ParallelStyle, in_region: bool) -> ParallelStyl
     """The style under sequence parallelism; ``None`` if there is none. A column projection inside a region takes
     the region's gathered input; one sitting directly in the layer (OPT's ``fc1``) gathers its own."""
     own = {"sequence_parallel": True} if not in_region else {"input_gathered": True}
+    if isinstance(style, Conv1DColumn) and not (style.gather_output or style.sequence_parallel or style.input_gathered):
+        return Conv1DColumn(fused=style.fused, num_heads=style.num_heads, **own)
+    if isinstance(style, Conv1DRow) and not style.sequence_parallel:
+        return Conv1DRow(sequence_parallel=True)
     if isinstance(style, PackedColumnParallel):
         return PackedColumnParallel(parts=style.parts, unit=style.unit, **own)
     if type(style) is ColumnParallel and not style.gather_output and not style.sequence_parallel:
@@ -119,7 +124,7 @@ def sequence_parallel_styles(
             direct.add(region)
             continue
         regions.add(region)
-        if isinstance(converted, RowParallel):
+        if isinstance(converted, RowParallel | Conv1DRow):
             with_rows.add(region)
     for region in sorted(regions):
         key = f"{inside}{region}"

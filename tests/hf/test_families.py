@@ -247,7 +247,7 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     )
     for family in ("gpt2", "llama"):  # meshpar's own plans too
         message = _refusal(build(family, heads=6, kv_heads=6), {"tensor_parallel_size": 4})
-        assert "6 is not divisible by tp=4" in message, message
+        assert "6 attention heads cannot be split over tp=4" in message, message
     message = _refusal(build("qwen2", heads=6, kv_heads=3), {"tensor_parallel_size": 2})
     assert "3 key/value heads can neither be split over tp=2 nor replicated evenly" in message
     assert "4 experts cannot be split into whole experts over tp=3" in _refusal(
