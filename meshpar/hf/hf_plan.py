@@ -137,6 +137,15 @@ class divide_attribute:  # noqa: N801 - used like a function in plan dicts
             module.config = ConfigView(config, {n: getattr(config, n) // tp for n in self.config_names})
 
 
+_BERT_ENCODER = {
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
+
 # meshpar's tables for families the installed transformers ships no plan for: data in transformers' format
 # (base-model-relative FQN patterns -> style strings), plus fix-ups fn(module, tp) where the attention keeps a head
 # count. Table plans are verified like transformers' plans (meshpar.hf.verify).
@@ -158,6 +167,9 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
         "h.*.mlp.c_fc": "colwise",
         "h.*.mlp.c_proj": "rowwise",
     },
+    # BERT's post-norm encoder layers (sequence parallelism runs their norms on shards; see sequence_parallel), which
+    # RoBERTa and its copies (XLM-R, CamemBERT) share module for module
+    **{family: _BERT_ENCODER for family in ("bert", "roberta", "xlm-roberta", "camembert")},
     "gptj": {
         "h.*.attn.q_proj": "colwise",
         "h.*.attn.k_proj": "colwise",

@@ -457,9 +457,9 @@ class ParallelizedModel(nn.Module):
 def parallelize(
     model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | None = None
 ) -> ParallelizedModel:
-    """Shard a HuggingFace model: GPT-2, BERT and Llama by meshpar's tables, every other family by the plan the
-    installed transformers ships for it (verified on one block), or by a user ``plan`` that replaces both. An
-    error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
+    """Shard a HuggingFace model by the plan the installed transformers ships for its family (or meshpar's table in
+    the same format where it ships none: GPT-2, BERT, OPT, ...), verified on one block, or by a user ``plan`` that
+    replaces it. An error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
     return ParallelizedModel(model, load_config(config), plan)
 
 

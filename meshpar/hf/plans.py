@@ -1,9 +1,10 @@
-"""Tensor-parallel plans for HuggingFace models: meshpar's GPT-2, BERT and Llama tables, transformers' own plans, user
-plans.
+"""Which tensor-parallel plan a HuggingFace model gets: the user's, else the one its family ships (transformers' own,
+or meshpar's table in the same format: :mod:`meshpar.hf.hf_plan`), mapped onto meshpar's styles.
 
 A plan is a dict ``module FQN pattern -> style`` for ``parallelize_module``, plus the attribute fix-ups the model's
 attention needs afterwards (GPT-2 splits its fused QKV output by ``split_size``, which becomes per rank). Embedding
-and LM head are vocab-parallel; the head emits vocab-sharded logits for :func:`meshpar.parallel_cross_entropy`.
+and token heads (causal and masked LM) are vocab-parallel; the head emits vocab-sharded logits for
+:func:`meshpar.parallel_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
 from meshpar.hf.hf_plan import (
     attention_heads,
+    base_model_name,
     check_heads,
     embedding_and_head,
     fqn_matches,
@@ -28,14 +30,11 @@ from meshpar.hf.sequence_parallel import sequence_parallel_styles
 from meshpar.hf.stages import inferred_pipeline_layout, pipeline_layout
 from meshpar.tensor_parallel import (
     ColumnParallel,
-    GatherSequenceInput,
-    RowParallel,
     SequenceParallelNorm,
     VocabParallel,
     gather_from_tp,
     scatter_to_sp,
 )
-from meshpar.tensor_parallel._init import check_divisible
 
 
 class ScatterSequenceInput(ParallelStyle):
@@ -68,7 +67,7 @@ class HFPlan:
     """What ``parallelize`` needs to know about one model family."""
 
     family: str
-    task: str  # "causal_lm", "masked_lm", "sequence_classification" or "base"
+    task: str  # "causal_lm", "masked_lm" or "base"
     styles: dict[str, ParallelStyle]
     fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
@@ -76,71 +75,6 @@ class HFPlan:
     verify: bool = False  # prove the plan against the dense model at parallelize time (plans not meshpar's own)
     sequence_parallel: bool = False  # blocks take and return sequence shards (the verification splits their input)
     head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
-
-
-def _sequence_parallel_styles(layers: str, norms: list[str], final_norm: str) -> dict[str, ParallelStyle]:
-    """Scatter into the first layer, norms on shards, gather after the final norm (the LM head is column-parallel
-    over the vocabulary on the full sequence)."""
-    styles: dict[str, ParallelStyle] = {f"{layers}.0": ScatterSequenceInput()}
-    styles.update({norm: SequenceParallelNorm() for norm in norms})
-    styles[final_norm] = SequenceParallelFinalNorm()
-    return styles
-
-
-def _causal_lm_head(model: nn.Module, styles: dict, embedding: str) -> tuple[str, list[tuple[str, str]]]:
-    """A vocab-parallel LM head (uneven vocabularies allowed), tied to ``embedding`` when the model ties them."""
-    if not hasattr(model, "lm_head"):
-        return "base", []
-    styles["lm_head"] = ColumnParallel(allow_uneven=True)
-    tied = model.lm_head.weight is model.get_parameter(embedding)
-    return "causal_lm", [("lm_head.weight", embedding)] if tied else []
-
-
-class GatherSequenceOutput(ParallelStyle):
-    """Leave the sequence-parallel region after this module (BERT's last encoder layer): its output is gathered to
-    the full sequence for the replicated heads; backward keeps this rank's chunk of the (complete) grad."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _m, _args, out: gather_from_tp(out, device_mesh, 1))
-        return module
-
-
-def bert_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
-    config = model.config
-    heads = config.num_attention_heads
-    check_divisible(heads, tp, "the number of attention heads", "BERT plan")
-    prefix = "bert." if hasattr(model, "bert") else ""
-    layer = f"{prefix}encoder.layer.*."
-    gathered = {"input_gathered": sp}
-    styles: dict[str, ParallelStyle] = {
-        f"{prefix}embeddings.word_embeddings": VocabParallel(),
-        f"{layer}attention.self.query": ColumnParallel(num_heads=heads, **gathered),
-        f"{layer}attention.self.key": ColumnParallel(num_heads=heads, **gathered),
-        f"{layer}attention.self.value": ColumnParallel(num_heads=heads, **gathered),
-        f"{layer}attention.output.dense": RowParallel(sequence_parallel=sp),
-        f"{layer}intermediate.dense": ColumnParallel(sequence_parallel=sp),
-        f"{layer}output.dense": RowParallel(sequence_parallel=sp),
-    }
-    if sp:  # post-norm blocks: both LayerNorms act on sequence shards; heads after the encoder see the full sequence
-        styles[f"{layer}attention.self"] = GatherSequenceInput()
-        styles[f"{layer}attention.output.LayerNorm"] = SequenceParallelNorm()
-        styles[f"{layer}output.LayerNorm"] = SequenceParallelNorm()
-        styles[f"{prefix}encoder.layer.0"] = ScatterSequenceInput()
-        styles[f"{prefix}encoder.layer.{config.num_hidden_layers - 1}"] = GatherSequenceOutput()
-    task, ties = "base", []
-    name = type(model).__name__
-    if name == "BertForMaskedLM":
-        styles["cls.predictions.decoder"] = ColumnParallel(allow_uneven=True)
-        task = "masked_lm"
-        ties.append(("cls.predictions.bias", "cls.predictions.decoder.bias"))
-        if model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight:
-            ties.append(("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"))
-    elif name == "BertForSequenceClassification":
-        task = "sequence_classification"
-    return HFPlan("bert", task, styles, [], ties, f"{prefix}encoder.layer")
-
-
-_FAMILIES = {"bert": bert_plan}
 
 
 def task_of(model: nn.Module) -> str:
@@ -159,14 +93,25 @@ def _vocab_head(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
 
 
 def _head_ties(model: nn.Module) -> list[tuple[str, str]]:
-    """(LM head weight, input embedding weight) when the model ties them: one parameter, saved once."""
+    """(LM head weight, input embedding weight) when the model ties them: one parameter, saved once; and (other
+    name, head parameter) for a head parameter the model also registers elsewhere (BERT's MLM bias, which
+    ``cls.predictions`` holds as ``bias``, its decoder as ``decoder.bias``): sharding the head shards it there too."""
     embedding, head, tied = embedding_and_head(model)
-    return [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+    ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+    if head is not None:
+        owners: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), []).append(name)
+        for local, param in model.get_submodule(head).named_parameters(recurse=False):
+            ties += [(other, f"{head}.{local}") for other in owners[id(param)] if not other.startswith(f"{head}.")]
+    return [(target, source) for target, source in ties if target != f"{embedding}.weight"]
 
 
 def _check_ties(model: nn.Module, plan: HFPlan) -> None:
     """Tied embedding and head share one parameter: sharding only one of them would untie them."""
     for target, source in plan.ties:
+        if not target.endswith(".weight"):  # a head's bias registered twice follows the head
+            continue
         owners = [name.rpartition(".")[0] for name in (target, source)]
         sharded = [any(fqn_matches(pattern, owner) for pattern in plan.styles) for owner in owners]
         if sharded[0] != sharded[1]:
@@ -203,9 +148,10 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     # that is no plain Linear (Dory's adds a per-token logit scale) stays whole: full logits, the plain loss
     entries = {p: s for p, s in entries.items() if p not in (embedding, head, _output_module(model))}
     styles, fixups = resolve_entries(model, entries, tp, replicate_kv=replicate_kv)
-    if head is not None and task == "causal_lm":
+    token_head = task in ("causal_lm", "masked_lm")  # logits per token: vocab-parallel, into the parallel loss
+    if head is not None and token_head:
         styles[head] = ColumnParallel(allow_uneven=True)
-    if embedding is not None and (not tied or task == "causal_lm"):
+    if embedding is not None and (not tied or token_head):
         styles[embedding] = VocabParallel()
     if replicate_kv:
         fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
@@ -215,11 +161,24 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
             layout = pipeline_layout(model) or inferred_pipeline_layout(model)
         except ValueError:  # a pipeline plan that does not describe the model: no final norm is known
             layout = None
-        final = list(layout.stage_sides(model)[1]) if layout is not None else []  # base-model modules: no head
+        # base-model modules after the layers (no head); a model without an LM head: those registered after them
+        final = list(layout.stage_sides(model)[1]) if layout is not None else _registered_after(model, layers)
         styles = sequence_parallel_styles(
             model, styles, layers, final, ScatterSequenceInput(), SequenceParallelFinalNorm()
         )
     return HFPlan(model_type, task, styles, fixups, _head_ties(model), layers, verify=True, sequence_parallel=sp)
+
+
+def _registered_after(model: nn.Module, layers: str) -> list[str]:
+    """The base model's modules holding parameters registered after the one holding the layer list (BERT's
+    pooler), as full FQNs."""
+    base = base_model_name(model)
+    if not base or not layers.startswith(f"{base}."):
+        return []
+    holder = layers[len(base) + 1 :].split(".")[0]
+    names = [n for n, _ in model.get_submodule(base).named_children()]
+    after = names[names.index(holder) + 1 :] if holder in names else []
+    return [f"{base}.{n}" for n in after if any(True for _ in model.get_submodule(f"{base}.{n}").parameters())]
 
 
 def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
@@ -239,18 +198,13 @@ def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
 def plan_for(
     model: nn.Module, tp: int, sequence_parallel: bool = False, plan: dict[str, object] | None = None
 ) -> HFPlan:
-    """The plan ``parallelize`` applies: the user's ``plan`` if given; else meshpar's BERT plan (with sequence
-    parallelism); else the plan the family ships (transformers' own, or meshpar's table in the same format: GPT-2,
-    OPT, GPT-J); at tp=1 nothing needs sharding. A model with none of these is refused: meshpar does not guess from
-    module names."""
+    """The plan ``parallelize`` applies: the user's ``plan`` if given; else the plan the family ships (transformers'
+    own, or meshpar's table in the same format: GPT-2, BERT, OPT, GPT-J); at tp=1 nothing needs sharding. A model
+    with none of these is refused: meshpar does not guess from module names."""
     if plan is not None:
         built = user_plan(model, plan, tp)
     else:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type in _FAMILIES:
-            built = _FAMILIES[model_type](model, tp, sequence_parallel)
-            built.head = _vocab_head(model, built.styles)
-            return built
         if tp == 1 and not sequence_parallel:  # nothing to shard: data and pipeline parallelism need no plan
             name = model_type or type(model).__name__
             built = HFPlan(name, task_of(model), {}, ties=_head_ties(model), layers=layer_container(model))

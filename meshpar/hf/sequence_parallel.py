@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from meshpar._compat import ParallelStyle
+from meshpar._compat import DeviceMesh, ParallelStyle
 from meshpar.hf.conv1d import Conv1DColumn, Conv1DRow
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.tensor_parallel import (
@@ -37,11 +37,13 @@ from meshpar.tensor_parallel import (
     RowParallel,
     SequenceParallelNorm,
 )
+from meshpar.tensor_parallel._collectives import gather_from_tp
 from meshpar.tensor_parallel.style import LocalParameters, ReplicatedGradSum, RopeGradSum
 
 # styles inside a region that sequence parallelism leaves as they are (they act on the region's full-sequence
 # activations: per-head norms, rope-feature grads, per-head parameters)
 _UNCHANGED = (ReplicatedGradSum, RopeGradSum)
+_ROWS = (RowParallel, Conv1DRow)
 
 
 def _as_sequence_parallel(style: ParallelStyle, in_region: bool) -> ParallelStyle | None:
@@ -100,6 +102,10 @@ def sequence_parallel_styles(
         for pattern, style in styles.items()
         if pattern.startswith(inside) and isinstance(style, ExpertsOverTP) and pattern[len(inside) :].count(".") == 1
     }
+    layer_list = model.get_submodule(layers)
+    rows = {p[len(inside) :] for p, st in styles.items() if p.startswith(inside) and isinstance(st, _ROWS)}
+    planned = {p[len(inside) :] for p in styles if p.startswith(inside)}
+    post_norm = _post_norm_modules(layer_list[0], rows, planned)
     for pattern, style in styles.items():
         if not pattern.startswith(inside):
             out[pattern] = style  # embedding, head: full sequence
@@ -108,8 +114,12 @@ def sequence_parallel_styles(
         if path[0] in moe and len(path) == 2 and path[1] == moe[path[0]]:
             out[pattern] = ExpertsOverTP(style.features, sequence_parallel=True)
             continue
-        # inside a mixture-of-experts block, its children are the regions (shared experts)
+        # inside a mixture-of-experts block, its children are the regions (shared experts); inside a post-norm
+        # sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum), its
+        # children are
         depth = 2 if path[0] in moe and len(path) > 1 else 1
+        while depth < len(path) and ".".join(path[:depth]) in post_norm:
+            depth += 1
         region = ".".join(path[:depth])
         in_region = len(path) > depth
         if not in_region and isinstance(style, LocalParameters) and not style.partial_output:  # its own sinks
@@ -124,20 +134,26 @@ def sequence_parallel_styles(
             direct.add(region)
             continue
         regions.add(region)
-        if isinstance(converted, RowParallel | Conv1DRow):
+        if isinstance(converted, _ROWS):
             with_rows.add(region)
+    direct_rows = any(isinstance(out.get(f"{inside}{name}"), _ROWS) for name in direct)
     for region in sorted(regions):
         key = f"{inside}{region}"
-        if region not in with_rows:
+        if region not in with_rows and not (post_norm and direct_rows):  # BERT's intermediate: output.dense's
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
         out[key] = GatherSequenceInput(own.pop(region, None))
     refused += [f"{inside}{name}: {_describe(style)} outside an attention / MLP region" for name, style in own.items()]
     norms: set[str] = set()
     routers: set[str] = set()  # replicated modules of a mixture-of-experts block, run on shards
-    for index, layer in enumerate(model.get_submodule(layers)):
+    for index, layer in enumerate(layer_list):
         if any(True for _ in layer.parameters(recurse=False)):
             refused.append(f"{layers}.{index}: parameters of the layer itself")
-        for child_name, child in layer.named_children():
+        units = list(layer.named_children())
+        while units:
+            child_name, child = units.pop(0)
+            if child_name in post_norm:  # its children are the units
+                units += [(f"{child_name}.{n}", m) for n, m in child.named_children()]
+                continue
             if child_name in moe:
                 routers |= _replicated_in_block(child, child_name, moe[child_name], regions | direct)
                 if any(True for _ in child.parameters(recurse=False)):
@@ -153,7 +169,10 @@ def sequence_parallel_styles(
         out[f"{inside}{norm}"] = SequenceParallelNorm()
     for router in sorted(routers):
         out[f"{inside}{router}"] = ReplicatedGradSum()
-    if len(final) != 1 or not _is_per_token(model.get_submodule(final[0])):
+    # post-norm layers end in a norm of their own: what follows them (BERT's pooler, heads) runs on the gathered
+    # full sequence, as without sequence parallelism
+    encoder = bool(post_norm) and not (len(final) == 1 and _is_per_token(model.get_submodule(final[0])))
+    if not encoder and (len(final) != 1 or not _is_per_token(model.get_submodule(final[0]))):
         refused.append(f"after {layers}: {final or 'nothing'} (one final norm expected)")
     if refused:
         raise ValueError(
@@ -161,9 +180,63 @@ def sequence_parallel_styles(
             f"attention / MLP modules and norms; not so for: {'; '.join(dict.fromkeys(refused))}. Turn "
             "'sequence_parallel' off, or pass plan={...} with sequence-parallel styles"
         )
+    if encoder:  # the last layer's output is gathered for what follows
+        count = len(layer_list)
+        out[f"{layers}.0"] = scatter if count > 1 else _Both(scatter, GatherSequenceOutput())
+        if count > 1:
+            out[f"{layers}.{count - 1}"] = GatherSequenceOutput()
+        return out
     out[f"{layers}.0"] = scatter
     out[final[0]] = final_norm
     return out
+
+
+class GatherSequenceOutput(ParallelStyle):
+    """Leave the sequence-parallel region after this module (an encoder's last layer): its output is gathered to
+    the full sequence for the replicated modules after it; backward keeps this rank's chunk of the (complete,
+    identical on every rank) grad."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda _m, _args, out: _gather_first(out, device_mesh))
+        return module
+
+
+def _gather_first(out: object, device_mesh: DeviceMesh) -> object:
+    """The hidden states (a layer's output or its first element) gathered over the sequence."""
+    if isinstance(out, tuple):
+        return (gather_from_tp(out[0], device_mesh, 1), *out[1:])
+    return gather_from_tp(out, device_mesh, 1)
+
+
+class _Both(ParallelStyle):
+    """Two styles on one module (a one-layer encoder enters and leaves the sequence-parallel region)."""
+
+    def __init__(self, first: ParallelStyle, second: ParallelStyle) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return self.second._apply(self.first._apply(module, device_mesh), device_mesh)
+
+
+def _post_norm_modules(layer: nn.Module, rows: set[str], planned: set[str]) -> set[str]:
+    """Modules of ``layer`` (names relative to it) that are post-norm sublayers or hold one: a module whose children
+    are row projections of the plan (no other sharded ones) and a norm the plan leaves alone (BERT's
+    ``attention.output``: dense, then LayerNorm of the residual sum; not an attention with norms inside it). That
+    norm must run on sequence shards after the row projection's reduce-scatter, so such a module cannot be a region
+    gathered whole: its children are the units."""
+    found: set[str] = set()
+    for name, module in layer.named_modules():
+        children = {f"{name}.{n}" if name else n: m for n, m in module.named_children()}
+        planned_children = [c for c in children if c in planned]
+        if (
+            planned_children
+            and all(c in rows for c in planned_children)  # the sublayer's output part: no projections into it
+            and any(c not in planned and _is_per_token(m) for c, m in children.items())
+        ):
+            parts = name.split(".") if name else []
+            found |= {".".join(parts[: i + 1]) for i in range(len(parts))}
+    return found
 
 
 def _replicated_in_block(block: nn.Module, name: str, experts: str, sharded: set[str]) -> set[str]:

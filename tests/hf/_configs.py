@@ -176,6 +176,9 @@ GENERIC = {
             "topk_group": 1,
         },
     ),
+    # meshpar's BERT-encoder table: post-norm layers, a masked-LM head whose bias is registered twice, positions
+    # counted from the padding index
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", {"num_key_value_heads": None, "tie_word_embeddings": True}),
     # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
     "dory": ("DoryConfig", "DoryForCausalLM", {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1}),
 }

@@ -90,6 +90,14 @@ def test_plan_gaps_are_filled_or_kept_whole(family: str) -> None:
     run_distributed(family_case, 2, family, 2)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_encoder_table_with_masked_lm_head_matches_dense(sp: bool) -> None:
+    """RoBERTa from meshpar's BERT-encoder table at tp=2, with and without sequence parallelism (post-norm layers:
+    each norm after its row projection runs on sequence shards; the last layer's output is gathered for the head):
+    the masked-LM head is vocab-parallel and tied to the embedding, its bias (registered twice) follows it."""
+    run_distributed(family_case, 2, "roberta", 2, None, None, sp)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_data_parallel_needs_no_plan(family: str) -> None:
     """tp=1: nothing is sharded (families whose plan meshpar cannot apply train at dp too)."""
