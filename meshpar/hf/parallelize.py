@@ -205,6 +205,7 @@ class ParallelizedModel(nn.Module):
                 f"{type(model).__name__} is none of these"
             )
         sides = layout.stage_sides(model)
+        last = [*sides[1], *_heads(model, layout.base)]
         if self._from_meta and inferred:
             raise ValueError(
                 f"{type(model).__name__} has no pipeline plan: meshpar reads one from the model's modules and proves "
@@ -220,7 +221,7 @@ class ParallelizedModel(nn.Module):
                 transformer_layer_cls=self._layer_cls,
                 auto_partition=config.auto_partition,
                 first_stage_modules=sides[0],
-                last_stage_modules=sides[1],
+                last_stage_modules=last,
             )
             check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
         shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
@@ -246,7 +247,7 @@ class ParallelizedModel(nn.Module):
             schedule=config.pipeline_schedule,
             dims=self.dims,
             first_stage_modules=sides[0],
-            last_stage_modules=sides[1],
+            last_stage_modules=last,
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -461,6 +462,12 @@ def parallelize(
     the same format where it ships none: GPT-2, BERT, OPT, ...), verified on one block, or by a user ``plan`` that
     replaces it. An error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
     return ParallelizedModel(model, load_config(config), plan)
+
+
+def _heads(model: nn.Module, base: str) -> list[str]:
+    """The model's modules outside its base model that hold parameters (LM head, classifier): they run after the
+    base model, so on the last stage, wherever the model registers them (XLM-R's head comes before its base)."""
+    return [n for n, m in model.named_children() if n != base and any(True for _ in m.parameters())]
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:

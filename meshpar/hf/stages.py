@@ -40,8 +40,8 @@ from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
-# each with what it takes and gives), for families whose config ships none: GPT-2, and BERT, whose layer list sits
-# inside its encoder (a dotted name)
+# each with what it takes and gives), for families whose config ships none: GPT-2, and BERT and RoBERTa, whose layer
+# list sits inside their encoder (a dotted name)
 PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
     "gpt2": {
         "wte": (["input_ids"], ["inputs_embeds"]),
@@ -50,9 +50,12 @@ PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
         "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "ln_f": (["hidden_states"], ["hidden_states"]),
     },
-    "bert": {
-        "embeddings": (["input_ids"], ["hidden_states"]),
-        "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    **{
+        family: {
+            "embeddings": (["input_ids"], ["hidden_states"]),
+            "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        }
+        for family in ("bert", "roberta", "xlm-roberta", "camembert")  # RoBERTa's modules are BERT's
     },
 }
 
