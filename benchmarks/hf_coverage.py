@@ -8,8 +8,11 @@ judged against 1% of the largest grad norm) and the parameters after an SGD step
 relative. Verdicts: ``OK``; ``refused``
 (meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or a crash: a
 defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so nothing ran).
+Checks at tp=2 (``--layouts gen,merged,per-rank``): greedy generation equal to dense, the merged checkpoint loaded
+by the family's ``from_pretrained`` giving the sharded model's loss (1e-5 relative), and the share of the
+parameters each rank holds.
 
-    .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2,tp2sp] [--markdown]
+    .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2,tp2sp,gen] [--markdown]
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ LAYOUTS = {
     "tp2pp2": (2, 2, 4, False),
     "tp2sp": (2, 1, 2, True),
 }
+# checks at tp=2 besides the training step: greedy generation against the dense model's, the merged checkpoint
+# loaded by the family's own ``from_pretrained`` giving the sharded model's loss, and parameters held per rank
+CHECKS = ("gen", "merged", "per-rank")
 
 
 def _families() -> dict[str, str]:
@@ -235,17 +241,63 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     return "OK" if worst < 1e-4 else f"FAIL: max relative error {worst:.1e}"
 
 
+def _check_case(model_type: str, check: str, directory: str) -> str:
+    """One of :data:`CHECKS` at tp=2."""
+    from transformers.utils import logging as hf_logging
+
+    import meshpar
+    from meshpar._compat import DTensor
+    from meshpar.testing import setup_parallel
+
+    hf_logging.disable_progress_bar()
+    setup_parallel(tp=2)
+    dense = tiny(model_type)
+    try:
+        model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2})
+    except (ValueError, NotImplementedError) as error:
+        return "refused: " + str(error).split(". ")[0][:160]
+    if check == "per-rank":
+        return model.plan_summary().splitlines()[-1].rsplit("(", 1)[-1].rstrip(")")
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    if check == "gen":
+        prompt, kwargs = ids[:, :5], {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+        try:
+            got = model.generate(prompt, **kwargs)
+        except (ValueError, NotImplementedError) as error:
+            return "refused: " + str(error).split(". ")[0][:160]
+        return "OK" if torch.equal(got, dense.generate(prompt, **kwargs)) else "FAIL: greedy tokens differ from dense"
+    with torch.no_grad():  # merged: trained-looking weights, saved whole, loaded by transformers
+        for param in model.parameters():
+            (param.to_local() if isinstance(param, DTensor) else param).add_(0.01)
+    model.save_parallelized(directory, merge_checkpoints=True)
+    loss = model.eval_loss(input_ids=ids, labels=ids).item()
+    torch.distributed.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = type(dense).from_pretrained(directory).eval()
+    with torch.no_grad():
+        want = plain(input_ids=ids, labels=ids).loss.item()
+    error = abs(want - loss) / abs(want)
+    return "OK" if error < 1e-5 else f"FAIL: from_pretrained loss off by {error:.1e}"
+
+
 def run(model_type: str, layout: str) -> str:
+    import tempfile
+
     from meshpar.testing import run_distributed
 
-    tp, pp, world, sp = LAYOUTS[layout]
     try:
         tiny(model_type)
     except Exception as error:
         reason = str(error) if "at the tiny size" in str(error) else type(error).__name__
         return f"-: not built ({reason})"
     try:
-        results = run_distributed(_case, world, model_type, tp, pp, sp, timeout=300)
+        if layout in CHECKS:
+            with tempfile.TemporaryDirectory() as directory:
+                results = run_distributed(_check_case, 2, model_type, layout, directory, timeout=300)
+        else:
+            tp, pp, world, sp = LAYOUTS[layout]
+            results = run_distributed(_case, world, model_type, tp, pp, sp, timeout=300)
     except AssertionError as error:
         lines = [line for line in str(error).splitlines() if line.strip() and "Error" in line]
         return "FAIL: " + (lines[-1].strip()[:160] if lines else "crash")
@@ -284,7 +336,8 @@ def main() -> None:
             counts[layout][kind] = counts[layout].get(kind, 0) + 1
     print(f"\n{len(rows)} families in {time.time() - start:.0f} s")
     for layout in layouts:
-        print(f"{layout}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts[layout].items())))
+        if layout != "per-rank":  # a share per family, not a verdict
+            print(f"{layout}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts[layout].items())))
     if args.markdown:
         print("\n| model type | " + " | ".join(layouts) + " |\n|---|" + "---|" * len(layouts))
         for model_type, cells in rows:

@@ -179,6 +179,12 @@ GENERIC = {
     # meshpar's BERT-encoder table: post-norm layers, a masked-LM head whose bias is registered twice, positions
     # counted from the padding index
     "roberta": ("RobertaConfig", "RobertaForMaskedLM", {"num_key_value_heads": None, "tie_word_embeddings": True}),
+    # XLM-R registers its head before its base model (the head must still go to the last pipeline stage)
+    "xlm_roberta": (
+        "XLMRobertaConfig",
+        "XLMRobertaForCausalLM",
+        {"num_key_value_heads": None, "is_decoder": True, "attn_implementation": "eager"},
+    ),
     # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
     "dory": ("DoryConfig", "DoryForCausalLM", {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1}),
 }

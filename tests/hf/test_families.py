@@ -401,6 +401,12 @@ def test_pipeline_from_a_plan_read_off_the_model_matches_dense(family: str, worl
     run_distributed(pipeline_case, world, family, tp, 2)
 
 
+def test_encoder_table_pipeline_with_the_head_registered_first_matches_dense() -> None:
+    """XLM-R as a causal LM at tp=2 x pp=2 from meshpar's BERT-encoder tables (tp and pp): its ``lm_head`` is
+    registered before its base model, and still runs on the last stage."""
+    run_distributed(pipeline_case, 4, "xlm_roberta", 2, 2)
+
+
 def test_pipeline_plan_that_leaves_out_a_module_is_read_off_the_model() -> None:
     """Phi-4-multimodal's shipped pipeline plan leaves out its image / audio embedder, which runs before the layers:
     the plan is read off the model instead (the embedder with the first stage) and proven on the dense model."""
