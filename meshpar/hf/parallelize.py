@@ -398,7 +398,8 @@ class ParallelizedModel(nn.Module):
             return pipelined_generate(self, *args, **kwargs)
         if self.parallel_config.sequence_parallel:
             raise RuntimeError("generate() is not supported with sequence_parallel (decoding steps have length 1)")
-        head = getattr(self.module, "lm_head", None)
+        # the vocab-parallel head, wherever the model keeps it (RoBERTa's is lm_head.decoder), gathers the logits
+        head = self.module.get_submodule(self.plan.head) if self.plan.head else None
         previous = getattr(head, "gather_output", None)
         if previous is not None:
             head.gather_output = True

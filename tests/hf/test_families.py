@@ -284,7 +284,7 @@ def generation_case(family: str, tp: int = 2, pp: int = 1) -> bool:
     return torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "xlm_roberta"])  # XLM-R: head at lm_head.decoder
 def test_greedy_generation_matches_dense(family: str) -> None:
     assert run_distributed(generation_case, 2, family) == [True, True]
 
