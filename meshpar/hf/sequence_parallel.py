@@ -114,9 +114,8 @@ def sequence_parallel_styles(
         if path[0] in moe and len(path) == 2 and path[1] == moe[path[0]]:
             out[pattern] = ExpertsOverTP(style.features, sequence_parallel=True)
             continue
-        # inside a mixture-of-experts block, its children are the regions (shared experts); inside a post-norm
-        # sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum), its
-        # children are
+        # inside a mixture-of-experts block, its children are the regions (shared experts); so are the children of
+        # a post-norm sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum)
         depth = 2 if path[0] in moe and len(path) > 1 else 1
         while depth < len(path) and ".".join(path[:depth]) in post_norm:
             depth += 1
@@ -171,8 +170,9 @@ def sequence_parallel_styles(
         out[f"{inside}{router}"] = ReplicatedGradSum()
     # post-norm layers end in a norm of their own: what follows them (BERT's pooler, heads) runs on the gathered
     # full sequence, as without sequence parallelism
-    encoder = bool(post_norm) and not (len(final) == 1 and _is_per_token(model.get_submodule(final[0])))
-    if not encoder and (len(final) != 1 or not _is_per_token(model.get_submodule(final[0]))):
+    final_norm_only = len(final) == 1 and _is_per_token(model.get_submodule(final[0]))
+    encoder = bool(post_norm) and not final_norm_only
+    if not encoder and not final_norm_only:
         refused.append(f"after {layers}: {final or 'nothing'} (one final norm expected)")
     if refused:
         raise ValueError(

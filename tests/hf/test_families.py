@@ -37,10 +37,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def family_case(family: str, tp: int, kv_heads: int | None = None, plan: dict | None = None, sp: bool = False) -> str:
+def family_case(
+    family: str, tp: int, kv_heads: int | None = None, plan: dict | None = None, sp: bool = False, layers: int = 2
+) -> str:
     """One training step at tp (the rest of the world is dp, each dp rank on its rows) against the dense model."""
     dims = setup_parallel(tp=tp)
-    dense = build(family, kv_heads=kv_heads)
+    dense = build(family, kv_heads=kv_heads, layers=layers)
     config = {"tensor_parallel_size": tp, "sequence_parallel": sp}
     model = meshpar.parallelize(copy.deepcopy(dense), config, plan=plan)
     data = batch(family, rows=4)
@@ -90,12 +92,13 @@ def test_plan_gaps_are_filled_or_kept_whole(family: str) -> None:
     run_distributed(family_case, 2, family, 2)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_encoder_table_with_masked_lm_head_matches_dense(sp: bool) -> None:
+@pytest.mark.parametrize(("sp", "layers"), [(False, 2), (True, 2), (True, 1)])
+def test_encoder_table_with_masked_lm_head_matches_dense(sp: bool, layers: int) -> None:
     """RoBERTa from meshpar's BERT-encoder table at tp=2, with and without sequence parallelism (post-norm layers:
-    each norm after its row projection runs on sequence shards; the last layer's output is gathered for the head):
-    the masked-LM head is vocab-parallel and tied to the embedding, its bias (registered twice) follows it."""
-    run_distributed(family_case, 2, "roberta", 2, None, None, sp)
+    each norm after its row projection runs on sequence shards; the last layer's output is gathered for the head;
+    one layer both enters and leaves the sequence-parallel region): the masked-LM head is vocab-parallel and tied to
+    the embedding, its bias (registered twice) follows it."""
+    run_distributed(family_case, 2, "roberta", 2, None, None, sp, layers)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
