@@ -183,6 +183,11 @@ def _tiny_model(model_type: str, *, cut_layer_types: bool) -> torch.nn.Module:
     return model
 
 
+def _refused(error: Exception) -> str:
+    """A refusal's verdict: its first sentence."""
+    return "refused: " + str(error).split(". ")[0][:160]
+
+
 def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     import meshpar
     from meshpar._compat import DTensor
@@ -207,7 +212,7 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
                 }
             )
             return "refused: sequence parallelism blocked by " + "; ".join(kinds)[:160]
-        return "refused: " + message.split(". ")[0][:160]
+        return _refused(error)
     ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     expected = dense(input_ids=ids, labels=ids)
     expected.loss.backward()
@@ -255,7 +260,7 @@ def _check_case(model_type: str, check: str, directory: str) -> str:
     try:
         model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": 2})
     except (ValueError, NotImplementedError) as error:
-        return "refused: " + str(error).split(". ")[0][:160]
+        return _refused(error)
     if check == "per-rank":
         return model.plan_summary().splitlines()[-1].rsplit("(", 1)[-1].rstrip(")")
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -264,7 +269,7 @@ def _check_case(model_type: str, check: str, directory: str) -> str:
         try:
             got = model.generate(prompt, **kwargs)
         except (ValueError, NotImplementedError) as error:
-            return "refused: " + str(error).split(". ")[0][:160]
+            return _refused(error)
         return "OK" if torch.equal(got, dense.generate(prompt, **kwargs)) else "FAIL: greedy tokens differ from dense"
     with torch.no_grad():  # merged: trained-looking weights, saved whole, loaded by transformers
         for param in model.parameters():
