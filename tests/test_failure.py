@@ -5,6 +5,7 @@ timeout, and the harness must not report a rank that never answered."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from unittest import mock
@@ -148,3 +149,21 @@ def test_a_failure_in_a_load_stops_every_rank(tmp_path: Path) -> None:
 
 def save_small_case(directory: str) -> None:
     checkpoint.save(directory, _small_model(), step=1)
+
+
+def native_abort_case() -> None:
+    """Rank 1 dies in native code (an abort, as a heap-corruption check in malloc would); rank 0 returns."""
+    if dist.get_rank() == 1:
+        os.abort()
+
+
+def test_a_rank_killed_in_native_code_is_reported_with_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    """The harness names the signal, and faulthandler puts the dead rank's Python stack in the captured stderr, so
+    a crash in CI shows where it happened."""
+    with pytest.raises(AssertionError) as caught:
+        run_distributed(native_abort_case, 2)
+    report = str(caught.value)
+    assert "rank 1: the process died (killed by SIGABRT" in report, report
+    assert "rank 0" not in report, report
+    stderr = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in stderr and "native_abort_case" in stderr, stderr

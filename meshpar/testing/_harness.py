@@ -12,8 +12,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -41,6 +43,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # a rank killed by a signal (an abort in native code) prints every thread's Python stack to stderr first
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S)
@@ -64,6 +68,15 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
             destroy_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _exit_reason(code: int | None) -> str:
+    """``exit code 1``, or the signal's name for a process a signal killed (``SIGABRT``: an abort in native code,
+    whose Python stacks faulthandler printed to the test's captured stderr)."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}; its Python stacks are in the captured stderr"
+    return f"exit code {code}"
 
 
 class DistributedPool:
@@ -101,7 +114,7 @@ class DistributedPool:
                 status, payload = conn.recv()
             except (EOFError, ConnectionError):  # the process died (a signal, an abort in native code)
                 self._procs[rank].join(timeout=5)
-                errors.append(f"rank {rank}: the process died (exit code {self._procs[rank].exitcode})")
+                errors.append(f"rank {rank}: the process died ({_exit_reason(self._procs[rank].exitcode)})")
                 hung = True
                 continue
             if status.startswith("ok"):
