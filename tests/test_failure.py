@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import meshpar
 from meshpar import checkpoint
 from meshpar.pipeline import PipelineModel
-from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing import DistributedPool, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 from tests.hf._configs import batch, build
 
@@ -160,8 +160,12 @@ def native_abort_case() -> None:
 def test_a_rank_killed_in_native_code_is_reported_with_its_python_stack(capfd: pytest.CaptureFixture[str]) -> None:
     """The harness names the signal, and faulthandler puts the dead rank's Python stack in the captured stderr, so
     a crash in CI shows where it happened."""
-    with pytest.raises(AssertionError) as caught:
-        run_distributed(native_abort_case, 2)
+    pool = DistributedPool(2)  # spawned here, so its ranks write to this test's captured stderr
+    try:
+        with pytest.raises(AssertionError) as caught:
+            pool.run(native_abort_case)
+    finally:
+        pool.close(force=True)
     report = str(caught.value)
     assert "rank 1: the process died (killed by SIGABRT" in report, report
     assert "rank 0" not in report, report
