@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import meshpar
 from meshpar import checkpoint
 from meshpar.pipeline import PipelineModel
-from meshpar.testing import DistributedPool, run_distributed, setup_parallel
+from meshpar.testing import DistributedPool, RankCrashedError, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 from tests.hf._configs import batch, build
 
@@ -171,3 +171,19 @@ def test_a_rank_killed_in_native_code_is_reported_with_its_python_stack(capfd: p
     assert "rank 0" not in report, report
     stderr = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in stderr and "native_abort_case" in stderr, stderr
+
+
+def abort_once_case(marker: str) -> int:
+    """Rank 1 aborts the first time only (the marker file remembers it across processes)."""
+    if dist.get_rank() == 1 and not Path(marker).exists():
+        Path(marker).touch()
+        os.abort()
+    return dist.get_rank()
+
+
+def test_a_rank_crash_runs_once_more_in_fresh_processes_with_a_warning(tmp_path: Path) -> None:
+    """A native crash in a long-lived worker reruns once, named in a warning; one that happens every time fails."""
+    with pytest.warns(RuntimeWarning, match="rank 1: the process died \\(killed by SIGABRT"):
+        assert run_distributed(abort_once_case, 2, str(tmp_path / "crashed")) == [0, 1]
+    with pytest.raises(RankCrashedError, match="killed by SIGABRT"), pytest.warns(RuntimeWarning):
+        run_distributed(native_abort_case, 2)
