@@ -33,6 +33,21 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+@dataclass(frozen=True)
+class _BuiltMesh:
+    world: dist.ProcessGroup | None  # the default group the mesh's groups belong to
+    mesh: DeviceMesh
+    extra_groups: dict[str, dist.ProcessGroup | None]  # see ParallelDims.pipeline_ends_group
+
+
+# One mesh per layout for the life of the process's default group. Every mesh owns gloo sockets and threads (NCCL
+# communicators) that nothing frees, so re-initialising meshpar again and again (a test suite, a sweep, apex's
+# destroy_model_parallel / initialize_model_parallel) would pile them up. Freeing them is not safe: torch treats
+# equal meshes as one (DTensor's sharding cache hands back specs holding an equal mesh built earlier), so a freed
+# mesh's groups would still be reached. Reusing the mesh of an equal layout is what torch assumes anyway.
+_BUILT_MESHES: dict[tuple[str, int, int, int], _BuiltMesh] = {}
+
+
 @dataclass
 class ParallelDims:
     """Sizes of the three parallel dimensions and, once built, the mesh over them.
@@ -81,8 +96,15 @@ class ParallelDims:
 
     # -- mesh ---------------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the ``(dp, pp, tp)`` mesh; a collective call on every rank."""
-        self.mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+        """Create the ``(dp, pp, tp)`` mesh, or take the one built earlier in this process for the same layout (a
+        collective call on every rank the first time). See ``_BUILT_MESHES`` for why meshes are reused, not freed."""
+        key = (device_type, self.dp, self.pp, self.tp)
+        built = _BUILT_MESHES.get(key)
+        if built is None or built.world is not dist.GroupMember.WORLD:  # none yet, or torch.distributed restarted
+            mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+            built = _BuiltMesh(dist.GroupMember.WORLD, mesh, {})
+            _BUILT_MESHES[key] = built
+        self.mesh, self._extra_groups = built.mesh, built.extra_groups
         return self.mesh
 
     def _require_mesh(self) -> DeviceMesh:
@@ -295,4 +317,5 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
 
     get_rng_tracker().reset()
     if destroy_process_group and dist.is_initialized():
+        _BUILT_MESHES.clear()
         dist.destroy_process_group()

@@ -66,6 +66,34 @@ def test_virtual_pipeline_rank_changes_first_and_last_stage() -> None:
     assert not rank1["last"] and rank1["last_v1"]
 
 
+def reinit_case(rounds: int) -> list[int]:
+    """init_parallel / destroy_parallel again and again (Megatron-style test suites, sweeps, apex's
+    destroy_model_parallel): the number of live process groups stays flat once every layout was built, and each
+    context's mesh still communicates, through plain collectives and DTensor ops (whose caches treat equal meshes
+    as one)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    live = []
+    for layout in [(2, 1), (1, 2), (2, 2)] * rounds:
+        dims = meshpar.init_parallel(tp=layout[0], pp=layout[1])
+        dims.pipeline_ends_group()
+        ones = torch.ones(1)
+        dist.all_reduce(ones, group=dims.tp_mesh.get_group())
+        assert ones.item() == layout[0]
+        weight = distribute_tensor(torch.arange(8.0).reshape(4, 2), dims.tp_mesh, [Shard(0)])
+        assert (weight * 2).sum().full_tensor().item() == 56.0
+        meshpar.destroy_parallel()
+        live.append(len(dist.distributed_c10d._world.pg_map))
+    return live
+
+
+def test_reinitialising_reuses_the_process_groups_of_an_equal_layout() -> None:
+    for live in run_distributed(reinit_case, 4, 3):
+        assert len(set(live[3:])) == 1, f"live process groups after each init/destroy: {live}"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

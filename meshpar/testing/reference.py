@@ -8,22 +8,16 @@ from meshpar._compat import DeviceMesh, DTensor
 from meshpar._shards import local_slice
 from meshpar.parallel_dims import ParallelDims, _set_parallel
 
-_MESH_CACHE: dict[tuple[int, int, int], ParallelDims] = {}
-
 
 def setup_parallel(tp: int = 1, pp: int = 1, dp: int = -1, *, seed: int = 1234) -> ParallelDims:
-    """``init_parallel`` for tests, reusing the process groups of an earlier mesh of the same shape."""
+    """``init_parallel`` for tests on CPU workers whose default group is already up (the mesh of an earlier test
+    with the same layout is reused, as ``init_parallel`` does)."""
     import torch.distributed as dist
 
     from meshpar.random import model_parallel_manual_seed
 
     dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), seed=seed)
-    key = (dims.dp, dims.pp, dims.tp)
-    if key not in _MESH_CACHE:
-        dims.build_mesh("cpu")
-        _MESH_CACHE[key] = dims
-    dims.mesh = _MESH_CACHE[key].mesh
-    dims._extra_groups = _MESH_CACHE[key]._extra_groups  # the mesh's other groups, made once
+    dims.build_mesh("cpu")
     _set_parallel(dims)
     model_parallel_manual_seed(seed, dims)
     return dims
