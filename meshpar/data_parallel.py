@@ -71,7 +71,8 @@ class DataParallelGrads:
     - ``"allreduce"``: :meth:`finish` all-reduces them after backward, one flat buffer per dtype;
     - ``"overlapped"``: bucketed all-reduces start while backward runs, one :class:`OverlappedGradSync` per pipeline
       chunk (a chunk's buckets start in its last backward); :meth:`finish` waits for them;
-    - ``"fsdp"``: FSDP2 reduce-scattered them during backward; nothing is left to do;
+    - ``"fsdp"``: FSDP2 reduce-scattered them during backward; :meth:`finish` gives parameters no dp rank used
+      their ``None`` grad back (:func:`drop_grads_no_dp_rank_used`, for every mode's ``apply_fsdp`` units);
     - ``"optimizer"``: left to the optimizer (ZeRO-1 reduce-scatters each grad to its owner).
 
     ``chunks`` are the model chunks (one module for an unpipelined model); a parameter two chunks share belongs to
@@ -107,6 +108,8 @@ class DataParallelGrads:
     def finish(self) -> None:
         """After the step's last backward: every parameter's grad is the dp mean (``"fsdp"``: already;
         ``"optimizer"``: still this replica's own)."""
+        for chunk in self.chunks:  # parameters no dp rank used under apply_fsdp: None grads, as dense
+            drop_grads_no_dp_rank_used(chunk, self.dp_mesh)
         if self.mode == "overlapped":
             for sync in self.syncs:
                 sync.finish()
@@ -121,7 +124,9 @@ class _ZeroGradsForUnused(torch.autograd.Function):
     post-backward (whose hook wraps the inputs outside this one): every trainable parameter of the unit still without
     a grad gets a zero grad. FSDP2 reduce-scatters the grads a rank has, paired by position across ranks; a parameter
     one dp rank used and another did not (an expert no token of that rank's batch reached) would pair different
-    tensors (gloo aborts, NCCL hangs or mixes grads). Zeros are the unused rank's true contribution to the mean."""
+    tensors (gloo aborts, NCCL hangs or mixes grads). Zeros are the unused rank's true contribution to the mean.
+    Which parameters were used and which were filled is noted, so :func:`drop_grads_no_dp_rank_used` can take the
+    zeros back where no rank used a parameter (the dense step skips it)."""
 
     @staticmethod
     def forward(ctx: object, unit: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -130,25 +135,45 @@ class _ZeroGradsForUnused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: object, *grads: torch.Tensor) -> tuple[object, ...]:
-        for param in _unit_parameters(ctx.unit):  # FSDP's unsharded parameters while the unit runs backward
-            if param.requires_grad and param.grad is None:
+        usage = ctx.unit._meshpar_grad_usage
+        for name, module, attr in _unit_parameters(ctx.unit):  # FSDP's unsharded parameters during backward
+            param = getattr(module, attr)
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
                 param.grad = torch.zeros_like(param)
+                usage.filled.add(name)
+            else:
+                usage.used.add(name)
         return (None, *grads)
 
 
-def _unit_parameters(unit: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters one ``fully_shard`` unit manages: its own, not those of nested units."""
+class _GradUsage:
+    """The parameters of one FSDP unit that had a grad of their own (``used``) or a zero grad from
+    :class:`_ZeroGradsForUnused` (``filled``) in the backward passes since the last
+    :func:`drop_grads_no_dp_rank_used`."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+        self.filled: set[str] = set()
+
+
+def _unit_parameters(unit: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """The parameters one ``fully_shard`` unit manages (its own, not those of nested units), as (name within the
+    unit, module, attribute): FSDP swaps sharded and unsharded parameter objects, names stay."""
     from torch.distributed.fsdp import FSDPModule
 
-    params, stack = [], [unit]
+    params, stack = [], [("", unit)]
     while stack:
-        module = stack.pop()
-        params.extend(module.parameters(recurse=False))
-        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+        prefix, module = stack.pop()
+        params.extend((prefix + attr, module, attr) for attr, p in module._parameters.items() if p is not None)
+        stack.extend((f"{prefix}{n}.", c) for n, c in module.named_children() if not isinstance(c, FSDPModule))
     return params
 
 
 def _give_unused_parameters_zero_grads(unit: torch.nn.Module) -> None:
+    unit._meshpar_grad_usage = _GradUsage()
+
     def wrap_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not torch.is_grad_enabled():
             return None
@@ -166,6 +191,30 @@ def _give_unused_parameters_zero_grads(unit: torch.nn.Module) -> None:
     unit.register_forward_pre_hook(wrap_inputs, with_kwargs=True)
 
 
+def drop_grads_no_dp_rank_used(model: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+    """After the step's last backward under :func:`apply_fsdp`: a parameter that no dp rank used (its unit ran, so
+    every rank gave it a zero grad for FSDP's reduce-scatter) gets its grad back to ``None``, as in the dense step,
+    which an optimizer then skips (AdamW would otherwise still move it by its moments and weight decay). One small
+    all-reduce over dp; a collective call on every dp rank. A grad left from earlier backward passes (accumulation
+    without ``zero_grad``) is kept unless it is exactly zero on every rank."""
+    units = [m for m in model.modules() if hasattr(m, "_meshpar_grad_usage")]
+    if not units or (dp_mesh.size() == 1 and not any(u._meshpar_grad_usage.filled for u in units)):
+        return
+    entries = [(unit, name, module, attr) for unit in units for name, module, attr in _unit_parameters(unit)]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    used = torch.tensor([float(name in unit._meshpar_grad_usage.used) for unit, name, _, _ in entries], device=device)
+    grads = [module._parameters[attr].grad for _, _, module, attr in entries]
+    nonzero = [local_tensor(g).count_nonzero().float() if g is not None else used.new_zeros(()) for g in grads]
+    flags = used + torch.stack(nonzero)  # one device tensor: no host sync per parameter
+    if dp_mesh.size() > 1:
+        dist.all_reduce(flags, group=dp_mesh.get_group())
+    for (unit, name, module, attr), flag in zip(entries, flags.tolist(), strict=True):
+        if flag == 0 and name in unit._meshpar_grad_usage.filled:
+            module._parameters[attr].grad = None
+    for unit in units:
+        unit._meshpar_grad_usage = _GradUsage()
+
+
 def apply_fsdp(
     model: torch.nn.Module,
     dp_mesh: DeviceMesh | None = None,
@@ -179,8 +228,9 @@ def apply_fsdp(
     Apply after TP (and activation checkpointing): parameters that are DTensors on the tp mesh become 2-D
     ``(dp, tp)`` DTensors, sharded over dp between steps and gathered for each block's forward and backward.
     A parameter some dp rank did not use in the step (an expert its batch never reached) gets a zero grad there, so
-    every rank reduce-scatters the same tensors (FSDP2 would otherwise pair different ones); one no rank used gets a
-    zero grad too and is stepped with it (the dense step would skip it: AdamW's moments and decay still move it).
+    every rank reduce-scatters the same tensors (FSDP2 would otherwise pair different ones); call
+    :func:`drop_grads_no_dp_rank_used` after the step's last backward to give one that *no* rank used its ``None``
+    grad back, as in the dense step (``ParallelizedModel.train_step`` / ``allreduce_gradients`` do).
     """
     from torch.distributed.fsdp import fully_shard
 

@@ -12,7 +12,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import clip_grad_norm, get_rng_tracker
 from meshpar._compat import DTensor
-from meshpar.data_parallel import allreduce_gradients, apply_activation_checkpointing, apply_fsdp
+from meshpar.data_parallel import (
+    DataParallelGrads,
+    allreduce_gradients,
+    apply_activation_checkpointing,
+    apply_fsdp,
+)
 from meshpar.grad_clip import total_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.tensor_parallel import ColumnParallel, RowParallel
@@ -200,26 +205,67 @@ class _Routed(nn.Module):
 
 
 def fsdp_unused_case() -> dict[str, bool]:
-    """FSDP2 over dp=2 with an expert only dp rank 0's batch reaches: every rank gets the dense grad (the dp mean),
-    instead of FSDP pairing different tensors in its reduce-scatter (gloo aborted the process)."""
+    """FSDP2 over dp=2 with an expert only dp rank 0's batch reaches and one no batch reaches: every rank gets the
+    dense grad (the dp mean) instead of FSDP pairing different tensors in its reduce-scatter (gloo aborted the
+    process); after the step's sync the never-used expert's grad is None as in the dense step, so two AdamW steps
+    with weight decay leave every parameter equal to dense."""
     dims = setup_parallel()
     torch.manual_seed(0)
     dense = _Routed()
     model = apply_fsdp(copy.deepcopy(dense), dims.dp_mesh, block_cls=_RoutedBlock)
+    sync = DataParallelGrads("fsdp", dims.dp_mesh, [model])
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.1, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     x = torch.randn(2 * dims.dp, 8)
-    (dense(x[:2], True) + dense(x[2:], False)).backward()
-    (model(x[2 * dims.dp_rank : 2 * dims.dp_rank + 2], dims.dp_rank == 0) * dims.dp).backward()
+    has_grad = {}
+    for _ in range(2):
+        (dense(x[:2], True) + dense(x[2:], False)).backward()
+        (model(x[2 * dims.dp_rank : 2 * dims.dp_rank + 2], dims.dp_rank == 0) * dims.dp).backward()
+        sync.finish()
+        has_grad = {name: param.grad is not None for name, param in model.named_parameters()}
+        for name, param in model.named_parameters():
+            want = dense.get_parameter(name).grad
+            assert (param.grad is None) == (want is None), name
+            if want is not None:
+                torch.testing.assert_close(param.grad.full_tensor(), want, atol=1e-5, rtol=1e-5, msg=name)
+        dense_opt.step()
+        opt.step()
+        dense_opt.zero_grad()
+        opt.zero_grad()
     for name, param in model.named_parameters():
-        want = dense.get_parameter(name).grad
-        want = torch.zeros_like(param.full_tensor()) if want is None else want  # 'idle': zeros (see apply_fsdp)
-        torch.testing.assert_close(param.grad.full_tensor(), want, atol=1e-5, rtol=1e-5, msg=name)
-    return {name: bool(param.grad.full_tensor().any()) for name, param in model.named_parameters()}
+        torch.testing.assert_close(param.full_tensor(), dense.get_parameter(name), atol=1e-5, rtol=1e-5, msg=name)
+    return has_grad
 
 
 def test_fsdp_with_a_parameter_one_dp_rank_did_not_use_matches_dense() -> None:
-    for used in run_distributed(fsdp_unused_case, 2):
-        assert used == {"shared.weight": True, "shared.bias": True, "block.expert.weight": True,
-                        "block.expert.bias": True, "block.idle.weight": False, "block.idle.bias": False}  # fmt: skip
+    for has_grad in run_distributed(fsdp_unused_case, 2):
+        used = {"shared.weight", "shared.bias", "block.expert.weight", "block.expert.bias"}
+        assert has_grad == {name: name in used for name in [*used, "block.idle.weight", "block.idle.bias"]}
+
+
+def fsdp_accumulated_case() -> None:
+    """Grads accumulated over two backward passes without zero_grad: the expert every rank used in the first and
+    none in the second keeps its accumulated grad (the drop takes back only zeros)."""
+    dims = setup_parallel()
+    torch.manual_seed(0)
+    dense = _Routed()
+    model = apply_fsdp(copy.deepcopy(dense), dims.dp_mesh, block_cls=_RoutedBlock)
+    sync = DataParallelGrads("fsdp", dims.dp_mesh, [model])
+    x = torch.randn(2 * dims.dp, 8)
+    for use in (True, False):
+        (dense(x[:2], use) + dense(x[2:], use)).backward()
+        (model(x[2 * dims.dp_rank : 2 * dims.dp_rank + 2], use) * dims.dp).backward()
+        sync.finish()
+    for name, param in model.named_parameters():
+        want = dense.get_parameter(name).grad
+        assert (param.grad is None) == (want is None), name
+        if want is not None:
+            torch.testing.assert_close(param.grad.full_tensor(), want, atol=1e-5, rtol=1e-5, msg=name)
+    assert model.block.expert.weight.grad is not None
+
+
+def test_fsdp_keeps_accumulated_grads_of_a_parameter_no_rank_used_later() -> None:
+    run_distributed(fsdp_accumulated_case, 2)
 
 
 def dp_modes_case(mode: str) -> list[float]:
