@@ -201,11 +201,16 @@ def drop_grads_no_dp_rank_used(model: torch.nn.Module, dp_mesh: DeviceMesh) -> N
     if not units or (dp_mesh.size() == 1 and not any(u._meshpar_grad_usage.filled for u in units)):
         return
     entries = [(unit, name, module, attr) for unit in units for name, module, attr in _unit_parameters(unit)]
+    kept, ours = [], []  # kept: used here, or a grad not ours alone; ours: only our zeros went into it (read it)
+    for i, (unit, name, module, attr) in enumerate(entries):
+        usage, grad = unit._meshpar_grad_usage, module._parameters[attr].grad
+        kept.append(float(name in usage.used or grad is not None))
+        if grad is not None and name in usage.filled and name not in usage.used:
+            ours.append((i, grad))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    used = torch.tensor([float(name in unit._meshpar_grad_usage.used) for unit, name, _, _ in entries], device=device)
-    grads = [module._parameters[attr].grad for _, _, module, attr in entries]
-    nonzero = [local_tensor(g).count_nonzero().float() if g is not None else used.new_zeros(()) for g in grads]
-    flags = used + torch.stack(nonzero)  # one device tensor: no host sync per parameter
+    flags = torch.tensor(kept, device=device)
+    if ours:  # an earlier backward's grad may be in it: one device tensor, no host sync per parameter
+        flags[[i for i, _ in ours]] = torch.stack([local_tensor(g).count_nonzero().float() for _, g in ours])
     if dp_mesh.size() > 1:
         dist.all_reduce(flags, group=dp_mesh.get_group())
     for (unit, name, module, attr), flag in zip(entries, flags.tolist(), strict=True):
