@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from meshpar._compat import DeviceMesh
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
-from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_cross_entropy
 
 TASKS = ("causal_lm", "masked_lm")
 
@@ -50,8 +50,7 @@ class TokenLoss:
         if self.vocab_sharded:
             losses = parallel_cross_entropy(logits, scored, vocab_size=self.vocab_sharded, tp_mesh=self.tp_mesh)
         else:
-            flat = F.cross_entropy(logits.float().flatten(0, -2), scored.flatten(), reduction="none")
-            losses = flat.view(scored.shape)
+            losses = token_cross_entropy(logits, scored)
         normalizer = self._normalizer
         return losses.sum() / (normalizer if normalizer is not None else (scored != IGNORE_INDEX).sum().clamp(min=1))
 

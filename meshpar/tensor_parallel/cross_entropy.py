@@ -55,6 +55,16 @@ def token_losses(
     return loss, log_z
 
 
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Refuse a label outside ``[0, vocab_size)`` that is not ``ignore_index``, as ``F.cross_entropy`` does: no rank
+    owns it, so its loss would silently be the log-partition alone. Every tp rank holds the same labels, so every rank
+    raises; on accelerators the check is asynchronous (no host sync)."""
+    valid = ((labels >= 0) & (labels < vocab_size)) | (labels == ignore_index)
+    torch._assert_async(
+        valid.all(), f"cross entropy: every label must be in [0, {vocab_size}) or ignore_index={ignore_index}"
+    )
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -128,8 +138,35 @@ def parallel_cross_entropy(
             f"logits shard of width {vocab_local} on tp rank {mesh.get_local_rank()} does not match vocab_size "
             f"{vocab_size} split over tp={mesh.size()} (expected {expected_local})"
         )
+    return _token_losses(local, labels, mesh, vocab_start, vocab_size, label_smoothing, ignore_index)
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Per-token loss of whole-vocabulary logits ``[..., V]``, as ``F.cross_entropy(logits.float(), labels,
+    reduction="none")`` computes it, with meshpar's kernels: nothing of the logits' size is saved or allocated in
+    forward (aten saves a log-softmax) and one pass writes the grad in backward (aten zero-fills, scatters, then
+    reads both). The loss of models whose head is not vocab-sharded (tp=1, a head kept whole)."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
+    return _token_losses(logits, labels, None, 0, logits.shape[-1], label_smoothing, ignore_index)
+
+
+def _token_losses(
+    local: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: DeviceMesh | None,
+    vocab_start: int,
+    vocab_size: int,
+    label_smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    check_labels(labels, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(
-        local.reshape(-1, vocab_local),
+        local.reshape(-1, local.shape[-1]),
         labels.reshape(-1),
         mesh,
         vocab_start,

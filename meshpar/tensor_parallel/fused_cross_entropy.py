@@ -18,7 +18,7 @@ from meshpar._compat import DeviceMesh, DTensor
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import all_reduce_sum
 from meshpar.tensor_parallel._init import shard_range
-from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_losses
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels, token_losses
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -103,6 +103,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"weight shard has {weight.shape[0]} rows, expected {local} for vocab_size {vocab_size}")
     if chunk_size is None:
         chunk_size = max(1, (1 << 25) // max(local, 1))
+    check_labels(labels, vocab_size, ignore_index)
     return _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,

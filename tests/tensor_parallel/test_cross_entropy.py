@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from meshpar import parallel_cross_entropy
 from meshpar._compat import DTensor, Shard
+from meshpar.tensor_parallel.cross_entropy import token_cross_entropy
 from meshpar.testing import run_distributed, setup_parallel, shard_of
 
 
@@ -94,3 +95,48 @@ def test_mismatched_label_shape_raises() -> None:
 def test_shard_width_not_matching_vocab_size_raises() -> None:
     with pytest.raises(AssertionError, match="does not match vocab_size 12 split over tp=2"):
         run_distributed(bad_shapes_case, 2, "vocab")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_token_cross_entropy_matches_f_cross_entropy_over_many_row_chunks(
+    dtype: torch.dtype, label_smoothing: float
+) -> None:
+    """Whole-vocabulary logits large enough that the CPU references run in several row chunks (the last one short)."""
+    torch.manual_seed(0)
+    rows, vocab = 2 * 3000 + 7, 1001  # ~2 MiB of fp32 per chunk: 523 rows, 12 chunks
+    logits = (torch.randn(2, rows // 2, vocab) * 4).to(dtype)
+    labels = torch.randint(0, vocab, (2, rows // 2))
+    labels[0, ::5] = -100
+    labels[1, -1] = vocab - 1
+    dense = logits.clone().requires_grad_()
+    expected = F.cross_entropy(
+        dense.float().flatten(0, 1), labels.flatten(), reduction="none", label_smoothing=label_smoothing
+    ).view(labels.shape)
+    grad_out = torch.rand(labels.shape)
+    expected.backward(grad_out)
+    ours = logits.clone().requires_grad_()
+    loss = token_cross_entropy(ours, labels, label_smoothing=label_smoothing)
+    loss.backward(grad_out)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(loss, expected.detach(), **tol)
+    torch.testing.assert_close(ours.grad, dense.grad, **tol)
+    assert ours.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("label", [-1, 10, -7])
+def test_token_cross_entropy_refuses_a_label_outside_the_vocabulary(label: int) -> None:
+    labels = torch.tensor([3, label, -100])
+    with pytest.raises(RuntimeError, match=r"every label must be in \[0, 10\) or ignore_index=-100"):
+        token_cross_entropy(torch.randn(3, 10), labels)
+
+
+def out_of_vocabulary_label_case(label: int) -> None:
+    setup_parallel(tp=2)
+    labels = torch.tensor([1, label])
+    parallel_cross_entropy(torch.randn(2, 5), labels, vocab_size=10)  # no rank owns the label
+
+
+def test_parallel_cross_entropy_refuses_a_label_outside_the_vocabulary_on_every_rank() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)rank 0.*every label must be in \[0, 10\).*rank 1.*every label"):
+        run_distributed(out_of_vocabulary_label_case, 2, 10)

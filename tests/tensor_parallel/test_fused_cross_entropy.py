@@ -53,3 +53,14 @@ def bad_case() -> None:
 def test_wrong_shard_size_raises() -> None:
     with pytest.raises(AssertionError, match="weight shard has 5 rows, expected 6 for vocab_size 12"):
         run_distributed(bad_case, 2)
+
+
+def out_of_vocabulary_label_case() -> None:
+    setup_parallel(tp=2)
+    labels = torch.tensor([0, 12, -100, 3])  # 12: past the vocabulary, owned by no rank
+    fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(6, 8), labels, vocab_size=12)
+
+
+def test_a_label_outside_the_vocabulary_raises_on_every_rank() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)rank 0.*must be in \[0, 12\).*rank 1.*must be in \[0, 12\)"):
+        run_distributed(out_of_vocabulary_label_case, 2)
