@@ -125,16 +125,16 @@ def time_variants(variants: list[str], args: argparse.Namespace) -> tuple[dict, 
     return times, host, ops, kernels
 
 
-_NOT_FORWARDED = ("isolate", "only", "breakdown", "cprofile", "passes")
+_NOT_FORWARDED = ("isolate", "only", "breakdown", "cprofile", "passes", "variants")
 
 
 def time_isolated(args: argparse.Namespace) -> tuple[dict, dict]:
     """Each variant in a fresh process; ``--passes`` passes over the variants, alternating, medians pooled."""
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    host: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in args.variants}
+    host: dict[str, list[float]] = {v: [] for v in args.variants}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in _NOT_FORWARDED]
     for _ in range(args.passes):
-        for variant in VARIANTS:
+        for variant in args.variants:
             cmd = [sys.executable, __file__, *forwarded, f"--only={variant}"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             step_times, host_times = json.loads(out.strip().splitlines()[-1])
@@ -157,8 +157,12 @@ def main() -> None:
     parser.add_argument("--isolate", action="store_true", help="time each variant in its own fresh process")
     parser.add_argument("--breakdown", action="store_true", help="CUDA: kernels that differ, dense vs meshpar eager")
     parser.add_argument("--cprofile", nargs="*", choices=VARIANTS, help="print these variants' host profiles")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the variants to time (dense:eager, the baseline, always among them)")  # fmt: skip
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child of --isolate: one variant, JSON out
     args = parser.parse_args()
+    if "dense:eager" not in args.variants:
+        parser.error("--variants must include dense:eager, the baseline of every ratio")
     if args.only:
         times, host, _, _ = time_variants([args.only], args)
         print(json.dumps([times[args.only], host[args.only]]))
@@ -167,7 +171,7 @@ def main() -> None:
     if args.isolate:
         times, host = time_isolated(args)
     else:
-        times, host, ops, kernels = time_variants(list(VARIANTS), args)
+        times, host, ops, kernels = time_variants(list(args.variants), args)
 
     n_params = sum(p.numel() for n, p in GPT(256, args.hidden, args.heads, args.layers, args.seq).named_parameters()
                    if "tok" not in n and "pos" not in n)  # fmt: skip
