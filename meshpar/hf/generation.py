@@ -7,12 +7,17 @@ each step re-runs the sequence, which keeps the pipeline's shapes simple); befor
 every rank of its replica (over tp inside the last stage, then over each pp column), which run the same pipeline
 forward. At the end it sends a stop and the generated sequences, which every rank returns. Only the driver's random
 numbers matter for sampling, so ranks never disagree on a token or on when to stop.
+
+Padded (left-padded) prompts: HF's loop keeps an attention mask and, for models whose forward takes ``position_ids``,
+positions counted from each row's first real token; the driver sends both with the ids and every stage runs the
+model's forward with them, as the dense model's ``generate`` does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,24 +45,29 @@ class _PipelineAsModel(PreTrainedModel, GenerationMixin):
     # reads this cached answer before guessing from the module's source
     _can_set_experts_implementation_cached_value = True
 
-    def __init__(self, config: Any, logits: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    def __init__(self, config: Any, logits: Callable[..., torch.Tensor], device: torch.device) -> None:
         super().__init__(copy.deepcopy(config))  # PreTrainedModel adjusts its config's attention setting
         # HF reads .device from the first parameter
         self.device_marker = torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)
         self._logits = logits
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
-        _refuse_padding(attention_mask)  # HF infers a mask from pad_token_id in the prompt
-        return CausalLMOutputWithPast(logits=self._logits(input_ids))
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> Any:
+        """HF's loop passes the mask it keeps (one it built from ``pad_token_id`` in the prompt, or the caller's)
+        and positions from it; :func:`_model_inputs` keeps those the real model's forward takes."""
+        return CausalLMOutputWithPast(logits=self._logits(input_ids, attention_mask, position_ids))
 
 
-def _refuse_padding(mask: torch.Tensor | None) -> None:
-    if mask is not None and not bool(mask.all()):
-        raise NotImplementedError(
-            "generate() with pipeline_parallel_size > 1 takes unpadded prompts (no pad_token_id inside them, an "
-            "attention_mask of ones): the stages derive positions from the sequence length; use pp=1 for padded "
-            "prompts"
-        )
+def _model_inputs(model: ParallelizedModel) -> tuple[bool, bool]:
+    """Whether the model's own forward takes (``attention_mask``, ``position_ids``): HF's ``generate`` gives the
+    dense model those only (it computes positions from the mask only for a forward that takes them)."""
+    names = inspect.signature(model.model_class.forward).parameters
+    return "attention_mask" in names, "position_ids" in names
 
 
 class _Replica:
@@ -77,16 +87,27 @@ class _Replica:
             dist.broadcast(tensor, group=self.tp_group, group_src=0)
         dist.broadcast(tensor, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
 
-    def exchange(self, flag: int = 0, ids: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
-        """The driver sends ``flag`` and ``ids``; every other rank calls it without them and receives both."""
-        header = torch.tensor([flag, *(ids.shape if ids is not None else (0, 0))], dtype=torch.long)
+    def exchange(self, flag: int = 0, *rows: torch.Tensor | None) -> tuple[int, list[torch.Tensor | None]]:
+        """The driver sends ``flag`` and ``[batch, seq]`` tensors (the ids, then an optional mask and positions);
+        every other rank calls it without them and receives them all (``None`` where the driver sent ``None``)."""
+        present = [r is not None for r in rows]
+        shape = next((r.shape for r in rows if r is not None), (0, 0))
+        header = torch.zeros(6, dtype=torch.long)
+        if self.driver:
+            header[:3] = torch.tensor([flag, *shape])
+            header[3 : 3 + len(present)] = torch.tensor(present, dtype=torch.long)
         header = header.to(self.device)
         self._broadcast(header)
-        flag, rows, cols = header.tolist()
+        flag, batch, seq, *sent = header.tolist()
         # HF's beam search returns views (a beam dimension sliced away): a broadcast sends contiguous memory
-        ids = torch.empty(rows, cols, dtype=torch.long, device=self.device) if ids is None else ids.contiguous()
-        self._broadcast(ids)
-        return flag, ids
+        stacked = (
+            torch.stack([r.long() for r in rows if r is not None]).contiguous()
+            if self.driver
+            else torch.empty(sum(sent), batch, seq, dtype=torch.long, device=self.device)
+        )
+        self._broadcast(stacked)
+        received = iter(stacked.unbind(0))
+        return flag, [next(received) if was_sent else None for was_sent in sent]
 
 
 def _microbatches(rows: int, configured: int) -> int:
@@ -113,9 +134,18 @@ def _logits_only(model: ParallelizedModel) -> Iterator[None]:
             head.gather_output = gather
 
 
-def _pipeline_logits(model: ParallelizedModel, ids: torch.Tensor, configured: int) -> torch.Tensor | None:
+def _pipeline_logits(
+    model: ParallelizedModel,
+    configured: int,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     model.pipeline.num_microbatches = _microbatches(ids.shape[0], configured)
-    _, outputs = model.pipeline.run_eval(return_outputs=True, input_ids=ids, labels=ids)
+    inputs = {"input_ids": ids, "labels": ids}
+    inputs |= {"attention_mask": mask} if mask is not None else {}
+    inputs |= {"position_ids": positions} if positions is not None else {}
+    _, outputs = model.pipeline.run_eval(return_outputs=True, **inputs)
     return torch.cat(outputs) if outputs else None
 
 
@@ -123,7 +153,6 @@ def pipelined_generate(model: ParallelizedModel, input_ids: torch.Tensor | None 
     """``generate`` at pp > 1; returns the driver's sequences on every rank of the replica."""
     if input_ids is None:
         raise ValueError("generate() with pipeline_parallel_size > 1 needs input_ids (the prompts)")
-    _refuse_padding(kwargs.get("attention_mask"))
     if kwargs.get("use_cache"):
         raise ValueError("generate() with pipeline_parallel_size > 1 runs without a KV cache; drop use_cache=True")
     with stop_all_ranks_on_error("generate"):  # the followers wait in a broadcast: never leave them there
@@ -135,17 +164,20 @@ def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[st
     configured = model.pipeline.num_microbatches
     with torch.no_grad(), _logits_only(model):
         if replica.driver:
+            takes_mask, takes_positions = _model_inputs(model)
 
-            def logits(ids: torch.Tensor) -> torch.Tensor:
-                replica.exchange(_RUN, ids)
-                return _pipeline_logits(model, ids, configured)
+            def logits(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
+                mask = mask if takes_mask and mask is not None and not bool(mask.all()) else None
+                positions = positions if takes_positions and mask is not None else None  # else arange: the default
+                replica.exchange(_RUN, ids, mask, positions)
+                return _pipeline_logits(model, configured, ids, mask, positions)
 
             stand_in = _PipelineAsModel(model.hf_config, logits, replica.device)
             result = stand_in.generate(input_ids.to(replica.device), use_cache=False, **kwargs)
             sequences = result if torch.is_tensor(result) else result.sequences
-            return replica.exchange(_RESULT, sequences.long())[1]
+            return replica.exchange(_RESULT, sequences.long())[1][0]
         while True:
-            flag, ids = replica.exchange()
+            flag, (ids, mask, positions) = replica.exchange()
             if flag == _RESULT:
                 return ids
-            _pipeline_logits(model, ids, configured)
+            _pipeline_logits(model, configured, ids, mask, positions)

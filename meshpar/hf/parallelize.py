@@ -241,7 +241,8 @@ class ParallelizedModel(nn.Module):
             keep_modules=layout.keep,
             stage_transform=lambda stage: self._shard(install(stage)),
             dp_mode=self.dp_mode,
-            stage_kwargs=("attention_mask", "input_ids"),  # every stage runs the model's forward on the ids
+            # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
+            stage_kwargs=("attention_mask", "input_ids", "position_ids"),
             stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
             average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             schedule=config.pipeline_schedule,

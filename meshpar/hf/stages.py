@@ -579,6 +579,7 @@ def _run_stage(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     sequence_shards: int = 1,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every stage runs the model's forward on the microbatch's ids (masks, positions and rotary tables are the
     model's own, for the full sequence); a non-first stage's layers take the tensors ``received`` from the previous
@@ -586,6 +587,7 @@ def _run_stage(
     last stage's final norm gathers them)."""
     boundary = _Boundary(layout, sorted(owned), received, sequence_shards)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
     with _stage_view(model, layout, owned, boundary, last, input_ids.device):
         try:
             if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
@@ -607,9 +609,11 @@ def decoder_stage_forward(
     x: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One stage of a causal LM split by :func:`pipeline_layout`: token ids (first stage) or the received tensor
-    in, with the microbatch's ``input_ids`` on every stage; what the next stage needs or (last stage) logits out."""
+    in, with the microbatch's ``input_ids`` (and mask and positions, where given) on every stage; what the next
+    stage needs or (last stage) logits out."""
     layout: PipelineLayout = self.meshpar_layout
     layers = self.get_submodule(layout.container)
     owned = {int(key): layer for key, layer in layers._modules.items()}
@@ -619,7 +623,8 @@ def decoder_stage_forward(
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
     received = None if first else x
     shards = self.meshpar_sequence_shards
-    return _run_stage(self, layout, owned, self.meshpar_last_stage, received, ids, attention_mask, shards)
+    last = self.meshpar_last_stage
+    return _run_stage(self, layout, owned, last, received, ids, attention_mask, shards, position_ids)
 
 
 def check_stage_composition(

@@ -282,9 +282,31 @@ def generation_case(family: str, tp: int = 2, pp: int = 1) -> bool:
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     prompt = batch(family, rows=2, seq=5)["input_ids"]
     if pp > 1:
-        prompt = prompt.clamp_min(3)  # generation across stages takes prompts without padding
+        prompt = prompt.clamp_min(3)  # no pad token inside (the padded case is below)
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     return torch.equal(model.generate(prompt, **kwargs), dense.generate(prompt, **kwargs))
+
+
+def padded_generation_case(family: str) -> bool:
+    """Left-padded prompts of different lengths at pp=2: HF's loop masks the padding and counts positions from each
+    row's first real token; both must reach every stage (the case first checks that each changes the dense tokens)."""
+    setup_parallel(pp=2)
+    dense = build(family, layers=4)
+    with torch.no_grad():  # sharper learned positions, so that shifted positions change the greedy tokens
+        for name, param in dense.named_parameters():
+            if name.endswith(("wpe.weight", "embed_positions.weight")):
+                param.mul_(10.0)
+    config = {"pipeline_parallel_size": 2, "num_microbatches": 4}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    prompt = torch.randint(3, 64, (4, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = mask[3, :1] = 0
+    prompt = prompt.masked_fill(mask == 0, 0)  # 0: the pad token
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    want = dense.generate(prompt, **kwargs)
+    assert not torch.equal(want, dense.generate(prompt, **(kwargs | {"attention_mask": torch.ones_like(mask)})))
+    assert not torch.equal(want, dense.generate(prompt, position_ids=torch.arange(5).expand(4, 5), **kwargs))
+    return torch.equal(model.generate(prompt, **kwargs), want)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "xlm_roberta"])  # XLM-R: head at lm_head.decoder
@@ -297,6 +319,11 @@ def test_greedy_generation_across_pipeline_stages_matches_dense(family: str) -> 
     """Every stage runs the model's own forward on the prompt's ids (DeepSeek-V4: residual streams between
     stages, routing by token ids on every stage)."""
     assert run_distributed(generation_case, 2, family, 1, 2) == [True, True]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])  # learned absolute positions: they must follow the padding
+def test_generation_across_pipeline_stages_from_left_padded_prompts_matches_dense(family: str) -> None:
+    assert run_distributed(padded_generation_case, 2, family) == [True, True]
 
 
 def reshard_case(directory: str, family: str) -> str:
