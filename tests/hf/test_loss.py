@@ -1,13 +1,18 @@
-"""meshpar.hf.loss.TokenLoss on one process: HF's causal / masked LM losses, and the global-batch normaliser."""
+"""meshpar.hf.loss.TokenLoss: HF's causal / masked LM losses, the global-batch normaliser, bad labels refused."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import meshpar
 from meshpar.hf.loss import TokenLoss
 from meshpar.parallel_dims import ParallelDims
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import batch, build
 
 VOCAB = 11
 
@@ -51,3 +56,22 @@ def test_microbatch_losses_sum_to_the_global_mean() -> None:
 def test_unknown_task_is_refused() -> None:
     with pytest.raises(ValueError, match="no token loss"):
         TokenLoss("sequence_classification", 0)
+
+
+def out_of_vocabulary_label_case(pp: int) -> None:
+    setup_parallel(tp=2 // pp, pp=pp)
+    config = {"tensor_parallel_size": 2 // pp, "pipeline_parallel_size": pp, "num_microbatches": 2}
+    model = meshpar.parallelize(build("qwen3", layers=2), config)
+    data = batch("qwen3")
+    data["labels"][0, 3] = 64  # the vocabulary is 64: a token id no rank's shard holds
+    model.train_step(**data)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_label_outside_the_vocabulary_stops_train_step_on_every_rank(pp: int) -> None:
+    """tp=2: both ranks refuse it; pp=2: the last stage refuses it and the first stops with its reason."""
+    with pytest.raises(AssertionError) as error:
+        run_distributed(out_of_vocabulary_label_case, 2, pp)
+    message = str(error.value)
+    reason = r"every label must be in \[0, 64\) or ignore_index=-100"
+    assert re.search(rf"(?s)rank 0:.*{reason}.*rank 1:.*{reason}", message), message
