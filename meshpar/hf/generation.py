@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from meshpar.hf.parallelize import ParallelizedModel
 
 _RUN, _RESULT = 1, 2
+_MAX_ROWS = 3  # tensors one exchange carries: the ids, a mask, positions
 
 
 class _PipelineAsModel(PreTrainedModel, GenerationMixin):
@@ -92,16 +93,16 @@ class _Replica:
         every other rank calls it without them and receives them all (``None`` where the driver sent ``None``)."""
         present = [r is not None for r in rows]
         shape = next((r.shape for r in rows if r is not None), (0, 0))
-        header = torch.zeros(6, dtype=torch.long)
+        header = torch.zeros(3 + _MAX_ROWS, dtype=torch.long)  # flag, batch, seq, which tensors follow
         if self.driver:
             header[:3] = torch.tensor([flag, *shape])
             header[3 : 3 + len(present)] = torch.tensor(present, dtype=torch.long)
         header = header.to(self.device)
         self._broadcast(header)
         flag, batch, seq, *sent = header.tolist()
-        # HF's beam search returns views (a beam dimension sliced away): a broadcast sends contiguous memory
+        # one contiguous message (HF's beam search returns views, a beam dimension sliced away: stack copies them)
         stacked = (
-            torch.stack([r.long() for r in rows if r is not None]).contiguous()
+            torch.stack([r.long() for r in rows if r is not None])
             if self.driver
             else torch.empty(sum(sent), batch, seq, dtype=torch.long, device=self.device)
         )

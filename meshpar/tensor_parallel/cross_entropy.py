@@ -111,8 +111,6 @@ def parallel_cross_entropy(
     are exactly those of the unsharded vocabulary. Returns a replicated ``[...]`` tensor; the gradient w.r.t. the
     logits stays sharded.
     """
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if isinstance(parallel_logits, DTensor):
         mesh = parallel_logits.device_mesh
         if len(parallel_logits.placements) != 1 or parallel_logits.placements[0] not in (
@@ -138,7 +136,7 @@ def parallel_cross_entropy(
             f"logits shard of width {vocab_local} on tp rank {mesh.get_local_rank()} does not match vocab_size "
             f"{vocab_size} split over tp={mesh.size()} (expected {expected_local})"
         )
-    return _token_losses(local, labels, mesh, vocab_start, vocab_size, label_smoothing, ignore_index)
+    return _checked_per_token_loss(local, labels, mesh, vocab_start, vocab_size, label_smoothing, ignore_index)
 
 
 def token_cross_entropy(
@@ -148,14 +146,12 @@ def token_cross_entropy(
     reduction="none")`` computes it, with meshpar's kernels: nothing of the logits' size is saved or allocated in
     forward (aten saves a log-softmax) and one pass writes the grad in backward (aten zero-fills, scatters, then
     reads both). The loss of models whose head is not vocab-sharded (tp=1, a head kept whole)."""
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
-    return _token_losses(logits, labels, None, 0, logits.shape[-1], label_smoothing, ignore_index)
+    return _checked_per_token_loss(logits, labels, None, 0, logits.shape[-1], label_smoothing, ignore_index)
 
 
-def _token_losses(
+def _checked_per_token_loss(
     local: torch.Tensor,
     labels: torch.Tensor,
     mesh: DeviceMesh | None,
@@ -164,6 +160,10 @@ def _token_losses(
     label_smoothing: float,
     ignore_index: int,
 ) -> torch.Tensor:
+    """Both entry points' shared tail: the label smoothing and labels checked, the autograd function applied to the
+    flattened tokens, the loss back in the labels' shape."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     check_labels(labels, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(
         local.reshape(-1, local.shape[-1]),

@@ -140,3 +140,9 @@ def out_of_vocabulary_label_case(label: int) -> None:
 def test_parallel_cross_entropy_refuses_a_label_outside_the_vocabulary_on_every_rank() -> None:
     with pytest.raises(AssertionError, match=r"(?s)rank 0.*every label must be in \[0, 10\).*rank 1.*every label"):
         run_distributed(out_of_vocabulary_label_case, 2, 10)
+
+
+@pytest.mark.parametrize("smoothing", [-0.1, 1.5])
+def test_label_smoothing_outside_0_1_is_refused(smoothing: float) -> None:
+    with pytest.raises(ValueError, match=rf"label_smoothing must be in \[0, 1\], got {smoothing}"):
+        token_cross_entropy(torch.randn(3, 10), torch.tensor([1, 2, 3]), label_smoothing=smoothing)
