@@ -30,7 +30,7 @@ import shutil
 import signal
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from meshpar._compat import DTensor, local_tensor
 from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
 from meshpar._stored_layout import Layout, stored_as, stored_shape
-from meshpar.failure import first_failure_on_any_rank, stop_all_ranks_on_error
+from meshpar.failure import collective_phase, first_failure_on_any_rank, shared_refusal
 from meshpar.optim import DistributedOptimizer
 from meshpar.random import get_rng_tracker
 
@@ -63,7 +63,25 @@ def _run_dcp(operation: Any, state: dict[str, Any], path: Path) -> None:
     try:
         operation(state, checkpoint_id=str(path))
     except CheckpointException as error:
-        raise CheckpointError(f"DCP {operation.__name__} of {path} failed: {error}") from error
+        # DCP gathers every rank's failure and raises CheckpointException on all ranks: the job stays usable
+        raise shared_refusal(CheckpointError(f"DCP {operation.__name__} of {path} failed: {error}")) from error
+
+
+def _on_rank0(action: Callable[[], Any]) -> Any:
+    """Run ``action`` on rank 0 and hand every rank its result; if it raised, every rank raises it as a
+    :class:`CheckpointError` (file operations fail on the rank that does them; the others must not go on alone)."""
+    outcome: tuple[Any, str | None] = (None, None)
+    if _rank() == 0:
+        try:
+            outcome = (action(), None)
+        except CheckpointError as error:
+            outcome = (None, str(error))
+        except Exception as error:
+            outcome = (None, f"{type(error).__name__}: {error}")
+    result, problem = _broadcast(outcome)
+    if problem is not None:
+        raise shared_refusal(CheckpointError(problem))
+    return result
 
 
 def model_state_dict(
@@ -271,7 +289,37 @@ def _fsync_files(directory: Path) -> None:
     _fsync_dir(directory)
 
 
-@stop_all_ranks_on_error("checkpoint.save")
+def _check_path(value: Any, what: str) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}")
+
+
+def _check_modules(model: Any) -> None:
+    modules = [model] if isinstance(model, nn.Module) else model
+    if not isinstance(modules, Sequence) or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(
+            f"model must be an nn.Module or a sequence of them (a parallel model's local_modules()), got "
+            f"{type(model).__name__}; pass the module itself, not its state_dict()"
+        )
+
+
+def _check_save_arguments(
+    directory: Any, model: Any, optimizer: Any, step: Any, extra: Any, scheduler: Any, tied: Any
+) -> None:
+    """What ``save`` refuses before anything collective happens (on every rank alike, see ``collective_phase``)."""
+    _check_path(directory, "directory")
+    _check_modules(model)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TypeError(f"step must be a non-negative int, got {step!r}")
+    if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
+        raise TypeError(f"optimizer must be a meshpar.DistributedOptimizer or None, got {type(optimizer).__name__}")
+    try:
+        json.dumps(extra or {})
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"extra must be JSON-serialisable: {error}") from error
+
+
+@collective_phase("checkpoint.save", validate=_check_save_arguments)
 def save(
     directory: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
@@ -287,39 +335,48 @@ def save(
     Crash-safe at every instruction, a re-save of the same step included: the new copy is written and fsynced in a
     temporary directory, placed beside any older copy of the step (``step_<step>.<id>``), ``latest`` flips to it,
     and only then are older copies of the step removed; leftovers of a crashed save are removed by the next one.
-    ``extra`` must be JSON-serialisable (data-loader position, config, ...).
+    ``extra`` must be JSON-serialisable (data-loader position, config, ...). Wrong arguments and a file operation
+    that fails on rank 0 are refused on every rank alike, and the job stays usable.
     """
     root = Path(directory)
-    tmp_name, final_name = _broadcast(_new_names(root, step) if _rank() == 0 else None)
+    tmp_name, final_name = _on_rank0(lambda: _start_save(root, step))
     tmp, final = root / tmp_name, root / final_name
-    if _rank() == 0:
-        for leftover in root.glob(".tmp-step_*"):  # an earlier save that crashed before placing its copy
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-    _barrier()
     state = _full_state(model, optimizer, scheduler, tied_of(model, tied))
     # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
     state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
     _run_dcp(dcp.save, in_model_shapes(state, model, for_load=False), tmp)
     _barrier()
-    if _rank() == 0:
-        _crash_point("written")
-        _fsync_files(tmp)
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        _crash_point("manifest")
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _crash_point("placed")
-        _write_atomic(root / LATEST, final.name)
-        _crash_point("pointed")
-        for older in _versions(root, step):
-            if older != final:
-                shutil.rmtree(older, ignore_errors=True)
-        _crash_point("retired")
-    _barrier()
+    _on_rank0(lambda: _place(root, tmp, final, step))  # every rank returns once the copy is in place
     return final
+
+
+def _start_save(root: Path, step: int) -> tuple[str, str]:
+    """Rank 0: clear what crashed saves left and create this save's temporary directory; its (temporary, final)
+    names."""
+    for leftover in root.glob(".tmp-step_*"):  # an earlier save that crashed before placing its copy
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp_name, final_name = _new_names(root, step)
+    (root / tmp_name).mkdir(parents=True)
+    return tmp_name, final_name
+
+
+def _place(root: Path, tmp: Path, final: Path, step: int) -> None:
+    """Rank 0, once every rank has written: manifest, rename into place, flip ``latest``, retire older copies."""
+    _crash_point("written")
+    _fsync_files(tmp)
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
+    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    _crash_point("manifest")
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _crash_point("placed")
+    _write_atomic(root / LATEST, final.name)
+    _crash_point("pointed")
+    for older in _versions(root, step):
+        if older != final:
+            shutil.rmtree(older, ignore_errors=True)
+    _crash_point("retired")
 
 
 def _new_names(root: Path, step: int) -> tuple[str, str]:
@@ -431,10 +488,30 @@ def _check_keys(
     failed = first_failure_on_any_rank("; ".join(problems) if problems else None)
     if failed is not None:
         rank, found = failed
-        raise CheckpointError(f"checkpoint {path} does not fit this model (rank {rank}): {found}")
+        raise shared_refusal(CheckpointError(f"checkpoint {path} does not fit this model (rank {rank}): {found}"))
 
 
-@stop_all_ranks_on_error("checkpoint.load")
+def _check_load_arguments(directory: Any, model: Any, optimizer: Any, step: Any, scheduler: Any, tied: Any) -> None:
+    _check_path(directory, "directory")
+    _check_modules(model)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be an int or None (latest), got {step!r}")
+    if optimizer is not None and not callable(getattr(optimizer, "load_state_dict", None)):
+        raise TypeError(f"optimizer must be a meshpar.DistributedOptimizer or None, got {type(optimizer).__name__}")
+
+
+def _verified(directory: str | os.PathLike, step: int | None) -> Path:
+    """Rank 0: the checkpoint to load, complete and intact, or the :class:`CheckpointError` saying why not."""
+    path = _resolve(directory, step)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint in {directory} (no '{LATEST}' pointer)")
+    problem = _verify_manifest(path)
+    if problem:
+        raise CheckpointError(problem)
+    return path
+
+
+@collective_phase("checkpoint.load", validate=_check_load_arguments)
 def load(
     directory: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
@@ -445,13 +522,9 @@ def load(
     tied: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint of ``step`` (default: ``latest``) into ``model`` / ``optimizer`` in any layout; returns
-    ``{"step": ..., "extra": ...}``. Collective."""
-    path = _resolve(directory, step)
-    if path is None:
-        raise CheckpointError(f"no complete checkpoint in {directory} (no '{LATEST}' pointer)")
-    problem = _broadcast(_verify_manifest(path) if _rank() == 0 else None)
-    if problem:
-        raise CheckpointError(problem)
+    ``{"step": ..., "extra": ...}``. Collective. A checkpoint that is missing, incomplete, corrupt or does not fit
+    is refused on every rank alike before DCP runs, and the job stays usable (catch the error, load another step)."""
+    path = _on_rank0(lambda: _verified(directory, step))
     tied = tied_of(model, tied)
     state = _full_state(model, None, scheduler, tied, for_load=True)
     aliases: Aliases = {}

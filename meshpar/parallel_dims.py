@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, init_device_mesh
+from meshpar.failure import require_process_groups
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +272,7 @@ def init_parallel(
     on every rank (so every rank builds the same dense weights) and the tensor-parallel RNG tracker per tp rank.
     """
     global _PARALLEL
+    require_process_groups("init_parallel")
     if _PARALLEL is not None:
         raise RuntimeError("meshpar is already initialised; call meshpar.destroy_parallel() first")
     device_type = device_type or _default_device_type()
@@ -296,6 +298,7 @@ def get_parallel() -> ParallelDims:
     """The current parallel context; raises if :func:`init_parallel` was not called."""
     if _PARALLEL is None:
         raise RuntimeError("meshpar is not initialised; call meshpar.init_parallel(tp=..., pp=..., dp=...) first")
+    require_process_groups("the parallel context")
     return _PARALLEL
 
 

@@ -25,6 +25,7 @@ from meshpar.data import move_model_to_device
 from meshpar.data_parallel import apply_activation_checkpointing, apply_fsdp
 from meshpar.materialize import is_meta, make_replicas_agree, materialize_sharded
 from meshpar.parallel_dims import ParallelDims
+from meshpar.replicas import make_replicas_equal
 from meshpar.tensor_parallel.shared_input import group_shared_inputs
 
 Fixup = Callable[[nn.Module, int], None]
@@ -51,16 +52,25 @@ def block_classes(module: nn.Module, blocks: str) -> tuple[type, ...]:
 
 
 def apply_recipe(
-    module: nn.Module, dims: ParallelDims, recipe: Recipe, *, initialised_per_rank: bool = False
+    module: nn.Module,
+    dims: ParallelDims,
+    recipe: Recipe,
+    *,
+    initialised_per_rank: bool = False,
+    replicas_equal: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place for this rank and return it (parameter FQNs unchanged, so DCP reshards).
 
     A module still on ``meta`` is allocated shard by shard and initialised with ``recipe.init_weights``;
     ``initialised_per_rank`` says its weights were already initialised independently on each rank (a meta-built
-    pipeline stage the splitter allocated) and only need the replicas to agree."""
+    pipeline stage the splitter allocated) and only need the replicas to agree. Otherwise every rank's dense copy is
+    first made equal to its tp and dp group's first rank's (:mod:`meshpar.replicas`), unless the caller says it
+    already is (``replicas_equal``)."""
     from_meta = is_meta(module)
     if from_meta and recipe.init_weights is None:
         raise ValueError("the module is on the meta device: the recipe needs init_weights to initialise its shards")
+    if not (from_meta or initialised_per_rank or replicas_equal):
+        make_replicas_equal(module, dims, over=("tp", "dp"))
     with warnings.catch_warnings():
         # plan keys for modules another pipeline stage holds
         warnings.filterwarnings("ignore", message="Parallelize plan key")

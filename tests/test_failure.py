@@ -1,12 +1,15 @@
-"""One rank's exception stops every rank within seconds (meshpar.failure), in each collective phase: parallelize,
-a pipeline schedule, a checkpoint save and a checkpoint load. Each case raises on one rank only; every rank must
-answer with an error (the failing one its own, the others PeerFailedError naming it) long before gloo's 60 s
-timeout, and the harness must not report a rank that never answered."""
+"""One rank's exception stops every rank (meshpar.failure), in each collective phase: parallelize, a pipeline
+schedule, a checkpoint save and a checkpoint load. Each case raises on one rank only; every rank must answer with an
+error (the failing one its own, the others PeerFailedError naming it), and the harness must not report a rank that
+never answered.
+
+No wall-clock bound: a loaded machine may take any time. What proves the peers were released by the failure path,
+not by gloo's timeout (60 s in the harness), is what they raise: a PeerFailedError naming the failing rank comes only
+from a peer's abort closing the connection; a timeout would surface as gloo's "Timed out" error instead."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -23,7 +26,6 @@ from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 from tests.hf._configs import batch, build
 
 WORLD = 4
-STOPPED_WITHIN_S = 30.0  # gloo's timeout in the harness is 60 s: a hang would take at least that long
 
 
 class InjectedError(RuntimeError):
@@ -110,12 +112,11 @@ def after_the_failed_save_case(directory: str) -> int:
 
 
 def _assert_every_rank_stopped(run: object, failing: int) -> None:
-    start = time.monotonic()
     with pytest.raises(AssertionError) as caught:
         run()
-    elapsed = time.monotonic() - start
     report = str(caught.value)
     assert "no answer" not in report and "process died" not in report, report
+    assert "Timed out" not in report, report  # released by gloo's timeout, not by the failure path
     per_rank = report.split("\nrank ")[1:]
     assert len(per_rank) == WORLD, report
     for text in per_rank:
@@ -124,7 +125,6 @@ def _assert_every_rank_stopped(run: object, failing: int) -> None:
             assert "InjectedError" in text and "every rank of the job was stopped" in text, text
         else:
             assert "PeerFailedError" in text and f"rank {failing} failed during" in text, text
-    assert elapsed < STOPPED_WITHIN_S, f"the ranks took {elapsed:.0f}s to stop"
 
 
 @pytest.mark.parametrize("failing", [1, 2])

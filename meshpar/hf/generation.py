@@ -26,7 +26,7 @@ import torch.distributed as dist
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from meshpar.failure import stop_all_ranks_on_error
+from meshpar.failure import agree, stop_all_ranks_on_error
 
 if TYPE_CHECKING:
     from meshpar.hf.parallelize import ParallelizedModel
@@ -152,10 +152,14 @@ def _pipeline_logits(
 
 def pipelined_generate(model: ParallelizedModel, input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """``generate`` at pp > 1; returns the driver's sequences on every rank of the replica."""
-    if input_ids is None:
-        raise ValueError("generate() with pipeline_parallel_size > 1 needs input_ids (the prompts)")
-    if kwargs.get("use_cache"):
-        raise ValueError("generate() with pipeline_parallel_size > 1 runs without a KV cache; drop use_cache=True")
+
+    def check() -> None:
+        if input_ids is None:
+            raise ValueError("generate() with pipeline_parallel_size > 1 needs input_ids (the prompts)")
+        if kwargs.get("use_cache"):
+            raise ValueError("generate() with pipeline_parallel_size > 1 runs without a KV cache; drop use_cache=True")
+
+    agree("generate", check)  # a request meshpar cannot serve is refused on every rank; the job stays usable
     with stop_all_ranks_on_error("generate"):  # the followers wait in a broadcast: never leave them there
         return _generate(model, input_ids, kwargs)
 

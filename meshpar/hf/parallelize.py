@@ -27,7 +27,7 @@ from torch import nn
 from meshpar import checkpoint
 from meshpar._compat import local_tensor
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
-from meshpar.failure import stop_all_ranks_on_error
+from meshpar.failure import agree, stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
@@ -52,16 +52,27 @@ from meshpar.pipeline.model import PipelineModel
 from meshpar.pipeline.split import plan_stages
 from meshpar.rebind import record_replacements
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
+from meshpar.replicas import make_replicas_equal
 
 _log = logging.getLogger(__name__)
 
 
+def _check_existing_mesh(config: ParallelConfig) -> None:
+    """A config that contradicts the mesh already built in this process is refused (before anything collective)."""
+    if not is_initialized():
+        return
+    dims = get_parallel()
+    wanted = (config.tensor_parallel_size, config.pipeline_parallel_size)
+    if (dims.tp, dims.pp) != wanted:
+        raise ValueError(
+            f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, which the config (tp={wanted[0]}, "
+            f"pp={wanted[1]}) contradicts; call meshpar.destroy_parallel() first to parallelize with another layout"
+        )
+
+
 def _init_mesh(config: ParallelConfig) -> ParallelDims:
     if is_initialized():
-        dims = get_parallel()
-        if (dims.tp, dims.pp) != (config.tensor_parallel_size, config.pipeline_parallel_size):
-            raise ValueError(f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, which the config contradicts")
-        return dims
+        return get_parallel()
     return init_parallel(
         tp=config.tensor_parallel_size,
         pp=config.pipeline_parallel_size,
@@ -75,11 +86,19 @@ class ParallelizedModel(nn.Module):
     def __init__(self, model: nn.Module, config: ParallelConfig, plan: dict | None = None) -> None:
         super().__init__()
         self.parallel_config = config
-        # the plan (and its head-count checks) before the mesh: a bad layout fails before any process group exists
-        self.plan: HFPlan = plan_for(model, config.tensor_parallel_size, config.sequence_parallel, plan)
-        # from here on ranks communicate: an error on one of them stops them all (meshpar.failure)
+        # the plan (and its head-count checks) before the mesh: a bad layout fails before any process group is
+        # created; where one exists, every rank refuses alike and the job stays usable (meshpar.failure.agree)
+        self.plan: HFPlan = agree("parallelize", lambda: self._checked_plan(model, config, plan))
+        # from here on ranks communicate: an error on one of them alone stops them all (meshpar.failure)
         with stop_all_ranks_on_error("parallelize"):
             self._build(model, config)
+
+    @staticmethod
+    def _checked_plan(model: nn.Module, config: ParallelConfig, plan: dict | None) -> HFPlan:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"parallelize takes a HuggingFace model (an nn.Module), got {type(model).__name__}")
+        _check_existing_mesh(config)
+        return plan_for(model, config.tensor_parallel_size, config.sequence_parallel, plan)
 
     def _build(self, model: nn.Module, config: ParallelConfig) -> None:
         self.dims = _init_mesh(config)
@@ -92,6 +111,9 @@ class ParallelizedModel(nn.Module):
             TokenLoss(self.plan.task, self.vocab_sharded, self.dims.tp_mesh) if self.plan.task in LOSS_TASKS else None
         )
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
+        # every rank built its own copy: rank 0's values everywhere (DDP's rule), so that verification and sharding
+        # see one model, and a refusal can only mean the plan
+        make_replicas_equal(model, self.dims, over=("tp", "pp", "dp"))
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()
@@ -171,12 +193,17 @@ class ParallelizedModel(nn.Module):
             for name, why in use_fused_modules(module).items():
                 _log.info("%s stays stock: %s", name, why)
         # a meta-built model's stages were allocated and initialised by the splitter, rank by rank
-        return apply_recipe(module, self.dims, self.recipe, initialised_per_rank=self._from_meta and self.dims.pp > 1)
+        return apply_recipe(
+            module,
+            self.dims,
+            self.recipe,
+            initialised_per_rank=self._from_meta and self.dims.pp > 1,
+            replicas_equal=True,  # the whole model was made equal on every rank in _build
+        )
 
-    def _split(self, model: nn.Module) -> PipelineModel:
-        """Every stage runs the model's own forward (:func:`meshpar.hf.stages.decoder_stage_forward`), from
-        transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model, proven on the dense
-        model first."""
+    def _pipeline_plan(self, model: nn.Module) -> tuple[Any, tuple[list[str], list[str]], list[str]]:
+        """The model's pipeline layout, its first and last stage's modules, proven on the dense model (no
+        collective: each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
         loss_fn = self.loss_fn
         try:
@@ -198,7 +225,13 @@ class ParallelizedModel(nn.Module):
             _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
         if inferred and layout is None:
             layout = inferred_pipeline_layout(model)
-        if layout is None or loss_fn is None:
+        if loss_fn is None:
+            raise ValueError(
+                f"pipeline parallelism runs causal and masked LM heads only; {type(model).__name__} has a "
+                f"{self.plan.task!r} head, whose loss meshpar cannot yet compute across stages; use "
+                "pipeline_parallel_size 1 (tensor and data parallelism work for it)"
+            )
+        if layout is None:
             raise ValueError(
                 "pipeline parallelism needs a causal or masked LM whose config carries transformers' pipeline plan "
                 "(base_model_pp_plan), or one meshpar has a table for, or whose base model holds one list of layers; "
@@ -224,6 +257,15 @@ class ParallelizedModel(nn.Module):
                 last_stage_modules=last,
             )
             check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+        return layout, sides, last
+
+    def _split(self, model: nn.Module) -> PipelineModel:
+        """Every stage runs the model's own forward (:func:`meshpar.hf.stages.decoder_stage_forward`), from
+        transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model, proven on the dense
+        model first."""
+        config, loss_fn = self.parallel_config, self.loss_fn
+        # refusals are decided on every rank alike (the same dense model, made equal): the job stays usable
+        layout, sides, last = agree("parallelize", lambda: self._pipeline_plan(model))
         shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
 
         def install(stage: nn.Module) -> nn.Module:

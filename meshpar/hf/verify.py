@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
-from meshpar.failure import first_failure_on_any_rank
+from meshpar.failure import first_failure_on_any_rank, shared_refusal
 from meshpar.hf.hf_plan import embedding_and_head, takes_use_cache, text_config
 from meshpar.hf.plans import HFPlan
 from meshpar.parallel_dims import ParallelDims
@@ -270,10 +270,13 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
         where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
         what = ", ".join(problems[:8])
         report = f"the plan's sharded {block} does not match the dense one at tp={dims.tp}: {what}{where}"
-    failed = first_failure_on_any_rank(report, dims.tp_mesh.get_group())  # every tp rank raises alike
+    # every rank of the job raises alike (a replica that finds nothing must not go on alone): the job stays usable
+    failed = first_failure_on_any_rank(report)
     if failed is not None:
         rank, found = failed
-        raise PlanVerificationError(
-            f"{type(model).__name__} (tp rank {rank}): {found}. The modules named compute with something sharding "
-            "changed (a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
+        raise shared_refusal(
+            PlanVerificationError(
+                f"{type(model).__name__} (rank {rank}): {found}. The modules named compute with something sharding "
+                "changed (a head count, a fused layout): pass plan={...} with styles and fix-ups for them, or use tp=1"
+            )
         )

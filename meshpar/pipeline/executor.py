@@ -284,6 +284,8 @@ def run_schedule(
         name = "zb_h1"
     else:
         name = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
+    if forward_only:
+        name = "forward_only"  # the same forward order, and any number of microbatches (one prompt at pp > 1)
     actions = build_actions(name, dims.pp, len(chunks), len(microbatches))
     prev_rank, next_rank = pipeline_neighbours(dims)
     executor = PipelineExecutor(

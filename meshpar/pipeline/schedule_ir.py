@@ -30,11 +30,13 @@ class Action(NamedTuple):
 RankActions = dict[int, list[Action]]
 
 
-def check_schedule_args(pp: int, v: int, m: int) -> None:
+def check_schedule_args(pp: int, v: int, m: int, forward_only: bool = False) -> None:
+    """Sizes a schedule can run. A training schedule needs ``m >= pp``; forward-only runs (evaluation, generation
+    of a single prompt) take any ``m``: their forwards depend on nothing later, so fewer microbatches only idle."""
     if pp < 1 or v < 1 or m < 1:
         raise ValueError(f"pp, virtual_pipeline_size and num_microbatches must be >= 1, got {pp}, {v}, {m}")
     check_virtual_pipeline_size(pp, v)
-    if pp > 1 and m < pp:
+    if pp > 1 and m < pp and not forward_only:
         raise ValueError(
             f"num_microbatches={m} is smaller than pp={pp}: every stage would idle; use at least {pp} microbatches"
         )
@@ -135,5 +137,5 @@ def build_actions(schedule: str, pp: int, v: int, m: int) -> RankActions:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
     if schedule in ("1f1b", "zb_h1") and v != 1:
         raise ValueError(f"{schedule} runs one stage per rank; use interleaved_1f1b for virtual_pipeline_size > 1")
-    check_schedule_args(pp, v, m)
+    check_schedule_args(pp, v, m, forward_only=schedule == "forward_only")
     return {rank: SCHEDULES[schedule](rank, pp, v, m) for rank in range(pp)}

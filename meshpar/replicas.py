@@ -1,0 +1,84 @@
+"""Every rank's copy of a dense module made equal before it is sharded, as torch's DDP does at construction.
+
+Each rank of a job builds the model itself, usually from a config with random initialisation. Unless every rank
+seeded its generator alike, the copies differ, and sharding them would stitch one layer together from several
+different models (a tensor-parallel weight from rank 0's model and rank 1's, say): a wrong model that trains without
+an error. :func:`make_replicas_equal` broadcasts every parameter and buffer from the first rank of each group the
+module is replicated over, so the result no longer depends on how each rank was seeded, and logs which tensors this
+rank had to take from its peer (a warning: their initial values were not what this rank built).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshpar.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+def _unique_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tensor for every parameter and buffer, each (tied ones too) once."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
+        if tensor is not None and id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor
+    return tensors
+
+
+@torch.no_grad()
+def _broadcast_coalesced(tensors: dict[str, torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> list[str]:
+    """Broadcast ``tensors`` from the group's first rank, one flat message per dtype (sent from ``device``: NCCL
+    needs the GPU, whatever device the module was built on); the names whose values changed here."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name, tensor in tensors.items():
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(name)
+    changed = []
+    for (dtype, _), names in sorted(by_kind.items(), key=lambda item: str(item[0])):
+        mine = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+        # gloo has no bool collectives: send bools as bytes
+        flat = (mine.to(torch.uint8) if dtype == torch.bool else mine).to(device, copy=True)
+        dist.broadcast(flat, group=group, group_src=0)
+        flat = flat.to(mine.device, dtype)
+        offset = 0
+        for name in names:
+            tensor = tensors[name]
+            received = flat[offset : offset + tensor.numel()].view(tensor.shape)
+            offset += tensor.numel()
+            if not torch.equal(received, tensor.detach()):
+                changed.append(name)
+                tensor.detach().copy_(received)
+    return changed
+
+
+def make_replicas_equal(module: nn.Module, dims: ParallelDims, over: Sequence[str] = ("tp", "dp")) -> None:
+    """Make this rank's dense ``module`` equal to the first rank's of each group along ``over`` (mesh dims whose
+    ranks hold the same module: ``("tp", "dp", "pp")`` for a whole model every rank built, ``("tp", "dp")`` for one
+    pipeline stage). Call it before sharding, on every rank of the job; a module on ``meta`` has nothing to make
+    equal."""
+    tensors = _unique_tensors(module)
+    if not tensors or any(t.is_meta for t in tensors.values()):
+        return
+    changed: list[str] = []
+    meshes = {"tp": (dims.tp, dims.tp_mesh), "pp": (dims.pp, dims.pp_mesh), "dp": (dims.dp, dims.dp_mesh)}
+    for dim in over:
+        size, mesh = meshes[dim]
+        if size > 1:
+            changed += _broadcast_coalesced(tensors, mesh.get_group(), dims.device)
+    if changed:
+        names = sorted(set(changed))
+        logger.warning(
+            "rank %d built %d tensor(s) with other initial values than its replicas' first rank (%s%s); that rank's "
+            "values were taken, as DDP does. Seed every rank alike (torch.manual_seed) to build equal models",
+            dist.get_rank(),
+            len(names),
+            ", ".join(names[:5]),
+            " ..." if len(names) > 5 else "",
+        )
