@@ -306,6 +306,12 @@ class ParallelizedModel(nn.Module):
     def _on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The batch on this rank's device: a data loader's CPU tensors work on CUDA ranks as they do on CPU ones."""
         device = self.dims.device
+        ids = inputs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise TypeError(
+                f"input_ids must hold integer token ids (torch.long, as tokenizers return them), got {ids.dtype}; "
+                "convert with .long(), or pass vectors as inputs_embeds"
+            )
 
         def move(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.device != device:
@@ -376,24 +382,38 @@ class ParallelizedModel(nn.Module):
         dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
         return loss / self.dims.dp
 
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Any:
+        """Evaluation without dropout (``module.eval()``), each module's own mode restored after."""
+        modes = [(m, m.training) for local in self.local_modules() for m in local.modules()]
+        for local in self.local_modules():
+            local.eval()
+        try:
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
+
     @torch.no_grad()
     @stop_all_ranks_on_error("eval_loss")
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """The mean token loss of the global batch without gradients, on every rank (pipeline: forward-only
-        schedule)."""
+        """The mean token loss of the global batch without gradients, in eval mode (no dropout; the mode is
+        restored after), on every rank (pipeline: forward-only schedule)."""
         labels, inputs = self._on_device(labels, inputs)
-        with self._per_token_loss(labels):
+        with self._per_token_loss(labels), self._eval_mode():
             if self.pipeline is None:
                 return self._mean_over_dp(self._module_forward(labels, inputs).loss)
             return self.pipeline.run_eval(labels=labels, **inputs)  # already the dp mean on every rank
 
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
-        """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``."""
-        if self.pipeline is None:
-            return self._module_forward(labels, inputs).logits
-        labels, inputs = self._on_device(labels, inputs)
-        _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
+        """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``;
+        in eval mode, as :meth:`eval_loss`."""
+        with self._eval_mode():
+            if self.pipeline is None:
+                return self._module_forward(labels, inputs).logits
+            labels, inputs = self._on_device(labels, inputs)
+            _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None
 
     @property

@@ -129,6 +129,11 @@ def split_batch(batch: Any, num_microbatches: int | None) -> list[Any]:
     if len(sizes) > 1:
         raise ValueError(f"the tensors of the batch have different sizes along dim 0: {sorted(sizes)}")
     size = sizes.pop() if sizes else 0
+    if 0 < size < m:
+        raise ValueError(
+            f"the batch has {size} row(s), fewer than num_microbatches={m}: every microbatch needs at least one; "
+            f"pass at least {m} rows (per data-parallel rank) or lower num_microbatches"
+        )
     if size % m != 0:
         raise ValueError(f"batch size {size} is not divisible into {m} microbatches")
     mbs = size // m

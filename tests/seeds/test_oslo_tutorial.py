@@ -69,7 +69,7 @@ def test_tutorial_training_matches_dense(config: dict, tmp_path) -> None:
 
 def generate_case(config: dict) -> list[list[int]]:
     """The tutorial's ``generate`` calls: greedy, beam search (num_beams=3) and sampling, against the dense model
-    (the same seed for sampling)."""
+    (the same seed for sampling), and greedy from a single prompt."""
     dense = _gpt2().eval()
     model = oslo.initialize(_gpt2().eval(), config=config)
     prompt = torch.randint(0, 63, (2, 5), generator=torch.Generator().manual_seed(3))  # 63: the pad token
@@ -79,6 +79,9 @@ def generate_case(config: dict) -> list[list[int]]:
         torch.manual_seed(7)
         got = model.generate(prompt, max_new_tokens=6, pad_token_id=63, **kwargs)
         assert torch.equal(got.cpu(), expected), (kwargs, got, expected)
+    # one prompt: fewer rows than pipeline stages (the tutorial's config sets no microbatch count)
+    single = model.generate(prompt[:1], max_new_tokens=4, pad_token_id=63)
+    assert torch.equal(single.cpu(), dense.generate(prompt[:1], max_new_tokens=4, pad_token_id=63)), single
     return got.tolist()
 
 
