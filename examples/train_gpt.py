@@ -17,6 +17,13 @@ depends only on the step number. Launched with restarts, e.g.
 a rank that dies (``kill -9``, an exception: meshpar stops the other ranks at once) makes torchrun restart every
 rank; the restarted job resumes from the ``latest`` checkpoint and ends with the same losses and parameters as a run
 that was never interrupted. ``--resume`` resumes by hand after the whole job was stopped.
+
+Learning rate: linear warm-up over ``--warmup`` steps to ``--lr``, then cosine decay to a tenth of it. A constant
+2e-3 from the first step (this example's old default) threw the loss from 3.3 up to 7.2 at step 11, in every layout
+and in one dense process alike: Adam's first steps are large (its second-moment estimate is still small), and once
+the model leaves the byte-frequency plateau such a step overshoots. With the warm-up the curve falls steadily; what
+wiggles remain (up to ~0.2 nats) are batch-to-batch differences of the random windows, at the same steps under any
+schedule. The loss plot marks the steps where checkpoints were saved.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import importlib
 import inspect
 import json
+import math
 import os
 import shutil
 import signal
@@ -68,6 +76,15 @@ def batch_at(data: torch.Tensor, batch: int, seq: int, seed: int) -> dict[str, t
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to ``args.lr`` over ``args.warmup`` steps, then cosine decay to ``args.lr / 10`` at the last
+    step; a function of the step alone, so a resumed run follows the same schedule."""
+    if step <= args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
 def resume_point(args: argparse.Namespace) -> bool:
     """Resume when asked, or when torchrun restarted the job after a failure (its restart count is above 0)."""
     return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -92,7 +109,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (then cosine decay)")
     parser.add_argument("--out", default="outputs/train_gpt")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
@@ -151,6 +169,8 @@ def main() -> None:
         optimizer.zero_grad()
         loss = model.train_step(**batch)
         meshpar.clip_grad_norm(model.parameters(), 1.0, dims=dims)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
         optimizer.step()
         losses.append(loss.item())
         if step % args.save_every == 0 or step == args.steps:
@@ -168,7 +188,8 @@ def main() -> None:
     parallel_loss = model.eval_loss(**held).item()
     model.save_parallelized(out / "merged", merge_checkpoints=True)
     if rank0:
-        plot(losses, out / "loss.png")
+        saved = [s for s in range(1, args.steps + 1) if s % args.save_every == 0 or s == args.steps]
+        plot(losses, saved, out / "loss.png")
         (out / "losses.json").write_text(json.dumps(losses))
         plain = GPT2LMHeadModel.from_pretrained(out / "merged").eval()
         with torch.no_grad():
@@ -181,7 +202,7 @@ def main() -> None:
     meshpar.destroy_parallel(destroy_process_group=True)
 
 
-def plot(losses: list[float], path: Path) -> None:
+def plot(losses: list[float], saved: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,6 +210,10 @@ def plot(losses: list[float], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses)
+    for index, step in enumerate(saved):
+        ax.axvline(step, color="tab:gray", linestyle=":", linewidth=1, label="checkpoint saved" if index == 0 else None)
+    if saved:
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte)")
     ax.set_title("GPT-2 on stdlib docstrings, meshpar")

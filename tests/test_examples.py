@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -71,3 +72,20 @@ def test_a_killed_rank_restarts_the_job_which_ends_like_an_uninterrupted_run(tmp
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_train_gpt_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    """The schedule that keeps the main job's loss from spiking (see the example's docstring): a function of the
+    step alone, so a resumed run follows it too."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_gpt import lr_at
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    args = argparse.Namespace(lr=1e-3, warmup=20, steps=60)
+    rates = [lr_at(step, args) for step in range(1, 61)]
+    assert rates[0] == pytest.approx(5e-5) and rates[19] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-4)
+    assert all(a < b for a, b in itertools.pairwise(rates[:20]))
+    assert all(a >= b for a, b in itertools.pairwise(rates[19:]))

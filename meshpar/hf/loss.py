@@ -1,5 +1,5 @@
-"""The token loss of HF language models under meshpar: vocab-parallel where the LM head is vocab-sharded, and
-normalised by the scored tokens of the whole global batch.
+"""The token loss of HF models under meshpar (language models and token classifiers): vocab-parallel where the LM
+head is vocab-sharded, and normalised by the scored tokens of the whole global batch.
 
 A step's loss is the sum of its token losses over the count of scored tokens in the global batch (every
 microbatch, every dp replica), so loss and grads equal the single-process mean however padding falls: a mean of
@@ -21,7 +21,7 @@ from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_cross_entropy
 
-TASKS = ("causal_lm", "masked_lm")
+TASKS = ("causal_lm", "masked_lm", "token_classification")
 
 
 class TokenLoss:

@@ -27,7 +27,7 @@ from torch import nn
 from meshpar import checkpoint
 from meshpar._compat import local_tensor
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
-from meshpar.failure import agree, stop_all_ranks_on_error
+from meshpar.failure import agree, shared_refusal, stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
@@ -205,7 +205,12 @@ class ParallelizedModel(nn.Module):
         """The model's pipeline layout, its first and last stage's modules, proven on the dense model (no
         collective: each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
-        loss_fn = self.loss_fn
+        if self.plan.task not in ("causal_lm", "masked_lm"):
+            raise ValueError(
+                f"pipeline parallelism runs causal and masked LM heads only; {type(model).__name__} has a "
+                f"{self.plan.task!r} head, which meshpar cannot yet split across stages; use pipeline_parallel_size "
+                "1 (tensor and data parallelism work for it)"
+            )
         try:
             layout = pipeline_layout(model)
             inferred = layout is None
@@ -225,12 +230,6 @@ class ParallelizedModel(nn.Module):
             _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
         if inferred and layout is None:
             layout = inferred_pipeline_layout(model)
-        if loss_fn is None:
-            raise ValueError(
-                f"pipeline parallelism runs causal and masked LM heads only; {type(model).__name__} has a "
-                f"{self.plan.task!r} head, whose loss meshpar cannot yet compute across stages; use "
-                "pipeline_parallel_size 1 (tensor and data parallelism work for it)"
-            )
         if layout is None:
             raise ValueError(
                 "pipeline parallelism needs a causal or masked LM whose config carries transformers' pipeline plan "
@@ -342,11 +341,34 @@ class ParallelizedModel(nn.Module):
 
     def _per_token_loss(self, labels: torch.Tensor) -> contextlib.AbstractContextManager:
         """Every microbatch's token losses on every dp rank normalised by the global batch's scored tokens
-        (:meth:`meshpar.hf.loss.TokenLoss.over_global_batch`)."""
+        (:meth:`meshpar.hf.loss.TokenLoss.over_global_batch`); a head with the model's own loss is checked by
+        :meth:`_check_rows_alike`."""
         if self.loss_fn is None:
+            self._check_rows_alike(labels)
             return contextlib.nullcontext()
         microbatches = self.parallel_config.num_microbatches if self.pipeline is not None else 1
         return self.loss_fn.over_global_batch(labels, self.dims, microbatches)
+
+    def _check_rows_alike(self, labels: torch.Tensor | None) -> None:
+        """A head that keeps the model's own loss (sequence classification, multiple choice: a mean over rows) is
+        exact across dp replicas only when every replica holds as many rows and none is unscored (label -100):
+        the mean of the replicas' means is then the global mean. Anything else is refused, on every rank alike
+        (every rank sees the same counts), never averaged per replica."""
+        if self.dims.dp == 1 or not isinstance(labels, torch.Tensor):
+            return
+        mine = torch.tensor([labels.shape[0], int((labels == -100).sum())], device=self.dims.device)
+        counts = [torch.zeros_like(mine) for _ in range(self.dims.dp)]
+        dist.all_gather(counts, mine, group=self.dims.dp_mesh.get_group())
+        rows, unscored = [int(c[0]) for c in counts], sum(int(c[1]) for c in counts)
+        if len(set(rows)) > 1 or unscored:
+            raise shared_refusal(
+                ValueError(
+                    f"{self.model_class.__name__} keeps the model's own loss, a mean over each replica's rows; at "
+                    f"dp={self.dims.dp} that equals the global batch's loss only with as many rows on every replica "
+                    f"and none unscored, but the replicas hold {rows} rows and {unscored} labels of -100. Give every "
+                    "replica the same number of scored rows, or use data_parallel_size 1"
+                )
+            )
 
     @stop_all_ranks_on_error("train_step")
     def train_step(self, labels: torch.Tensor, *, sync_dp_grads: bool = True, **inputs: Any) -> torch.Tensor:

@@ -67,7 +67,7 @@ class HFPlan:
     """What ``parallelize`` needs to know about one model family."""
 
     family: str
-    task: str  # "causal_lm", "masked_lm" or "base"
+    task: str  # "causal_lm", "masked_lm", "token_classification" or "base" (the model's own loss)
     styles: dict[str, ParallelStyle]
     fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
@@ -82,6 +82,8 @@ def task_of(model: nn.Module) -> str:
     name = type(model).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal_lm"
+    if name.endswith("ForTokenClassification"):
+        return "token_classification"  # a label per token, -100 unscored: normalised over the global batch too
     return "masked_lm" if name.endswith("ForMaskedLM") else "base"
 
 
