@@ -311,6 +311,14 @@ class ParallelizedModel(nn.Module):
                 f"input_ids must hold integer token ids (torch.long, as tokenizers return them), got {ids.dtype}; "
                 "convert with .long(), or pass vectors as inputs_embeds"
             )
+        tokens = ids if isinstance(ids, torch.Tensor) else inputs.get("inputs_embeds")
+        tp = self.dims.tp
+        if self.parallel_config.sequence_parallel and isinstance(tokens, torch.Tensor) and tokens.shape[1] % tp:
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tp={tp}, but this batch's sequence length "
+                f"{tokens.shape[1]} is not a multiple of {tp}; pad the sequences to a multiple of {tp} (tokenizers: "
+                f"pad_to_multiple_of={tp}; padded positions masked in attention_mask and labelled -100)"
+            )
 
         def move(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.device != device:

@@ -62,3 +62,20 @@ def test_unusable_inputs_get_their_own_message_on_every_rank(layout: dict, what:
     report = str(caught.value)
     for rank_report in report.split("\nrank ")[1:]:
         assert message in rank_report, report
+
+
+def indivisible_sequence_case() -> str:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    parallel = meshpar.parallelize(GPT2LMHeadModel(config), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    ids = torch.randint(0, 64, (2, 17))
+    try:
+        parallel.train_step(input_ids=ids, labels=ids)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_sequence_parallelism_refuses_an_indivisible_sequence_naming_the_remedy() -> None:
+    for message in run_distributed(indivisible_sequence_case, 2):
+        assert "sequence length 17 is not a multiple of 2" in message and "pad_to_multiple_of=2" in message, message
