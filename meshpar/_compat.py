@@ -42,6 +42,18 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+# an assertion on a tensor that raises without a host sync on accelerators (immediately on the CPU)
+assert_async = torch._assert_async
+
+
+def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An instance of the tensor subclass ``cls`` with this metadata and no storage of its own (torch's wrapper-
+    subclass constructor, for ``__torch_dispatch__`` subclasses)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
 
 # torch >= 2.13 renamed the dim-aware functional collectives; same signatures.
 all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
@@ -163,6 +175,11 @@ __all__ = [
     "plain_eager_context",
     "reduce_scatter_single",
     "run_backward_unchecked",
+    "TorchDispatchMode",
+    "assert_async",
+    "make_wrapper_subclass",
+    "tree_flatten",
+    "tree_map_only",
 ]
 
 

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from meshpar._compat import DTensor, local_box, local_tensor
+from meshpar._compat import DTensor, local_box, local_tensor, make_wrapper_subclass
 
 
 def merged_dim(logical: tuple[int, ...], stored: tuple[int, ...]) -> int:
@@ -127,7 +127,7 @@ class _StoredAs(torch.Tensor):
     def __new__(cls: type[_StoredAs], tensor: torch.Tensor, layout: Layout, *, for_load: bool) -> _StoredAs:
         local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
         shape = stored_shape(layout)
-        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype, device=local.device)
+        out = make_wrapper_subclass(cls, torch.Size(shape), local.dtype, local.device)
         offsets = local_box(tensor)[1] if isinstance(tensor, DTensor) else (0,) * tensor.dim()
         if isinstance(layout, GroupedRows):
             out._pieces = layout.pieces(local, offsets)

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
 

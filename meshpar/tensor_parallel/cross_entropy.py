@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
-from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, funcol
+from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, assert_async, funcol
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._init import shard_range
 
@@ -60,9 +60,7 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> No
     owns it, so its loss would silently be the log-partition alone. Every tp rank holds the same labels, so every rank
     raises; on accelerators the check is asynchronous (no host sync)."""
     valid = ((labels >= 0) & (labels < vocab_size)) | (labels == ignore_index)
-    torch._assert_async(
-        valid.all(), f"cross entropy: every label must be in [0, {vocab_size}) or ignore_index={ignore_index}"
-    )
+    assert_async(valid.all(), f"cross entropy: every label must be in [0, {vocab_size}) or ignore_index={ignore_index}")
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

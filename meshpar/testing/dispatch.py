@@ -8,9 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from meshpar._compat import CommDebugMode
+from meshpar._compat import CommDebugMode, TorchDispatchMode
 
 _METADATA_OPS = frozenset(
     {"view", "_unsafe_view", "t", "transpose", "permute", "unbind", "as_strided", "detach", "alias"}
