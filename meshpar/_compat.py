@@ -176,6 +176,7 @@ __all__ = [
     "reduce_scatter_single",
     "run_backward_unchecked",
     "TorchDispatchMode",
+    "add_dcp_aliases",
     "assert_async",
     "make_wrapper_subclass",
     "tree_flatten",
@@ -201,3 +202,37 @@ def abort_all_process_groups() -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group()
+
+
+def add_dcp_aliases(checkpoint_dir: str, aliases: dict[str, str]) -> list[str]:
+    """Make each ``alias`` key of a finished DCP checkpoint read the stored data of its ``source`` key (alias ->
+    source, full DCP keys such as ``model.lm_head.weight``): tied weights are written once, yet a plain ``dcp.load``
+    of a model's full ``state_dict()`` finds both names. Rewrites DCP's ``.metadata`` (its pickled format and file
+    name are DCP internals, hence here); returns the aliases added."""
+    import os
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    added = []
+    for alias, source in aliases.items():
+        if alias in metadata.state_dict_metadata or source not in metadata.state_dict_metadata:
+            continue
+        metadata.state_dict_metadata[alias] = metadata.state_dict_metadata[source]
+        if isinstance(metadata.planner_data, dict) and source in metadata.planner_data:
+            head = metadata.planner_data[source][0]
+            metadata.planner_data[alias] = (head, alias.removeprefix(f"{head}."))
+        for index, info in list((metadata.storage_data or {}).items()):
+            if index.fqn == source:
+                metadata.storage_data[MetadataIndex(alias, index.offset, index.index)] = info
+        added.append(alias)
+    if added:
+        path = os.path.join(checkpoint_dir, ".metadata")
+        with open(path + ".tmp", "wb") as handle:
+            pickle.dump(metadata, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(path + ".tmp", path)
+    return added

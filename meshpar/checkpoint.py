@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshpar._compat import DTensor, local_tensor
+from meshpar._compat import DTensor, add_dcp_aliases, local_tensor
 from meshpar._fqn import checkpoint_modules, tied_of
 from meshpar._shards import local_slice
 from meshpar._stored_layout import Layout, stored_as, stored_shape
@@ -341,12 +341,13 @@ def save(
     root = Path(directory)
     tmp_name, final_name = _on_rank0(lambda: _start_save(root, step))
     tmp, final = root / tmp_name, root / final_name
-    state = _full_state(model, optimizer, scheduler, tied_of(model, tied))
+    tied = tied_of(model, tied)
+    state = _full_state(model, optimizer, scheduler, tied)
     # extra is stored as one JSON string: DCP would flatten a dict into keys the loader cannot know in advance
     state["meta"] = {"step": step, "extra": json.dumps(extra or {}), "world_size": _world()}
     _run_dcp(dcp.save, in_model_shapes(state, model, for_load=False), tmp)
     _barrier()
-    _on_rank0(lambda: _place(root, tmp, final, step))  # every rank returns once the copy is in place
+    _on_rank0(lambda: _place(root, tmp, final, step, tied))  # every rank returns once the copy is in place
     return final
 
 
@@ -360,9 +361,11 @@ def _start_save(root: Path, step: int) -> tuple[str, str]:
     return tmp_name, final_name
 
 
-def _place(root: Path, tmp: Path, final: Path, step: int) -> None:
-    """Rank 0, once every rank has written: manifest, rename into place, flip ``latest``, retire older copies."""
+def _place(root: Path, tmp: Path, final: Path, step: int, tied: dict[str, str] | None) -> None:
+    """Rank 0, once every rank has written: tied names as aliases of their stored source (a plain ``dcp.load`` of
+    the model's full state dict finds both), manifest, rename into place, flip ``latest``, retire older copies."""
     _crash_point("written")
+    add_dcp_aliases(str(tmp), {f"model.{alias}": f"model.{source}" for alias, source in (tied or {}).items()})
     _fsync_files(tmp)
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
@@ -455,7 +458,11 @@ def _optimizer_keys(optim: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _check_keys(
-    path: Path, metadata: dict[str, Any], model: dict[str, torch.Tensor], optim: dict[str, Any] | None
+    path: Path,
+    metadata: dict[str, Any],
+    model: dict[str, torch.Tensor],
+    optim: dict[str, Any] | None,
+    tied: dict[str, str] | None = None,
 ) -> None:
     """Compare the model tensors (and optimizer state) this rank asks for, and all ranks' model keys together,
     with the checkpoint's, before DCP runs: every rank raises the same clear error instead of DCP failing inside a
@@ -471,7 +478,8 @@ def _check_keys(
     if dist.is_initialized():
         everyone = [set()] * _world()
         dist.all_gather_object(everyone, set(model))
-    unexpected = sorted(set(saved) - set().union(*everyone))
+    # tied names stored as aliases of their source (see _place) are not unexpected when the model folds them
+    unexpected = sorted(set(saved) - set().union(*everyone) - set(tied or {}))
     if unexpected:
         problems.append(f"unexpected keys {_listed(unexpected)}")
     if optim is not None:
@@ -539,7 +547,7 @@ def load(
     state["meta"] = {"step": 0, "extra": "{}", "world_size": 0}
     # packed parameters as views in the model's shapes: DCP loads in place, through them, into state's tensors
     state = in_model_shapes(state, model, for_load=True)
-    _check_keys(path, metadata, state["model"], state.get("optim"))
+    _check_keys(path, metadata, state["model"], state.get("optim"), tied)
     _run_dcp(dcp.load, state, path)
     if optimizer is not None:
         optimizer.load_state_dict(_unfold_tied_optimizer_state(unpacked_optim, aliases))

@@ -1,5 +1,6 @@
 """DCP checkpoints hold every parameter (and its optimizer state) in the HF model's own shape and names, so torch's
-standard tools read them: ``dcp_to_torch_save`` + ``load_state_dict``, and ``dcp.load`` into a plain model."""
+standard tools read them: ``dcp_to_torch_save`` + ``load_state_dict``, and ``dcp.load`` into a plain model's full
+state dict (a tied weight is stored once and readable under both names)."""
 
 from __future__ import annotations
 
@@ -78,16 +79,21 @@ def test_checkpoint_stores_hf_shapes_that_torch_tools_read(tmp_path: Path, case:
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
     plain = type(reference)(reference.config)
     weights = dict(whole["model"])
-    weights.update({alias: weights[source] for alias, source in tied.items()})  # tied: stored once
+    for alias, source in tied.items():  # tied: both names readable, the data stored once
+        assert torch.equal(weights[alias], weights[source]), alias
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        chunks = {i.fqn: info for i, info in storage.items() if i.fqn in (f"model.{alias}", f"model.{source}")}
+        assert chunks[f"model.{alias}"] == chunks[f"model.{source}"], chunks
     plain.load_state_dict(weights, strict=True)
     for name, param in plain.named_parameters():
         torch.testing.assert_close(param.detach(), expected["model"][name], rtol=0, atol=0, msg=name)
     for name, value in expected["exp_avg"].items():
         torch.testing.assert_close(whole["optim"]["state"][name]["exp_avg"], value, rtol=0, atol=0, msg=name)
 
-    # dcp.load into a plain, unsharded model's own state dict
+    # dcp.load into a plain, unsharded model's own full state dict, tied names included
     other = type(reference)(reference.config).eval()
-    state = {k: v for k, v in other.state_dict().items() if k not in tied and k in weights}
+    state = {k: v for k, v in other.state_dict().items() if k in weights}
+    assert set(tied) <= set(state)
     dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     for name, value in state.items():
         if name in expected["model"]:
