@@ -302,9 +302,13 @@ class ParallelizedModel(nn.Module):
         """The HF modules (or pipeline stages) this rank holds, with the original parameter names."""
         return [self.module] if self.module is not None else self.pipeline.local_modules()
 
-    def _on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """The batch on this rank's device: a data loader's CPU tensors work on CUDA ranks as they do on CPU ones."""
-        device = self.dims.device
+    def _checked_on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """:meth:`_check_inputs`, then :meth:`_on_device`: what every entry point does with a batch."""
+        self._check_inputs(inputs)
+        return self._on_device(labels, inputs)
+
+    def _check_inputs(self, inputs: dict[str, Any]) -> None:
+        """Inputs meshpar cannot use get their own message (not a traceback from deep inside the model)."""
         ids = inputs.get("input_ids")
         if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
             raise TypeError(
@@ -320,6 +324,10 @@ class ParallelizedModel(nn.Module):
                 f"pad_to_multiple_of={tp}; padded positions masked in attention_mask and labelled -100)"
             )
 
+    def _on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The batch on this rank's device: a data loader's CPU tensors work on CUDA ranks as they do on CPU ones."""
+        device = self.dims.device
+
         def move(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.device != device:
                 return value.to(device, non_blocking=True)
@@ -332,7 +340,7 @@ class ParallelizedModel(nn.Module):
 
     def _module_forward(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> Any:
         """The HF model's forward on this rank's shards (pp=1), with meshpar's vocab-parallel loss."""
-        labels, inputs = self._on_device(labels, inputs)
+        labels, inputs = self._checked_on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
         if torch.is_grad_enabled():
@@ -389,7 +397,7 @@ class ParallelizedModel(nn.Module):
                 "sync_dp_grads=False, but overlap_grad_reduce already all-reduces the grads during backward; build the "
                 "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
             )
-        labels, inputs = self._on_device(labels, inputs)
+        labels, inputs = self._checked_on_device(labels, inputs)
         with self._per_token_loss(labels):
             if self.pipeline is None:
                 loss = self._module_forward(labels, inputs).loss
@@ -429,7 +437,7 @@ class ParallelizedModel(nn.Module):
     def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The mean token loss of the global batch without gradients, in eval mode (no dropout; the mode is
         restored after), on every rank (pipeline: forward-only schedule)."""
-        labels, inputs = self._on_device(labels, inputs)
+        labels, inputs = self._checked_on_device(labels, inputs)
         with self._per_token_loss(labels), self._eval_mode():
             if self.pipeline is None:
                 return self._mean_over_dp(self._module_forward(labels, inputs).loss)
@@ -442,7 +450,7 @@ class ParallelizedModel(nn.Module):
         with self._eval_mode():
             if self.pipeline is None:
                 return self._module_forward(labels, inputs).logits
-            labels, inputs = self._on_device(labels, inputs)
+            labels, inputs = self._checked_on_device(labels, inputs)
             _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None
 

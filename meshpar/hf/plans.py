@@ -215,8 +215,8 @@ def plan_for(
         else:
             raise ValueError(
                 f"{type(model).__name__} (model type {model_type!r}) has neither a tensor-parallel plan in the "
-                f"installed transformers nor a meshpar table: pass plan={{module FQN pattern: style}} (README: 'A "
-                "plan for a model no table covers'), or use tp=1"
+                f"installed transformers nor a meshpar table: pass plan={{module FQN pattern: style}} "
+                "(docs/hf-models.md: 'A plan for a model no table covers'), or use tp=1"
             )
     built.head = _vocab_head(model, built.styles)
     _check_ties(model, built)
