@@ -2,7 +2,7 @@
 NPROC ?= 4
 PY := .venv/bin/python
 
-.PHONY: setup train test lint format
+.PHONY: setup train test test-fast lint format
 
 setup:
 	bash scripts/setup_env.sh
@@ -16,6 +16,10 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q $(ARGS)
+
+# the edit loop's tier (under 6 minutes on 2 cores): everything not marked slow (see tests/conftest.py)
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 format: setup
 	$(PY) -m ruff format meshpar tests examples benchmarks

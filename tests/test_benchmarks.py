@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # not in make test-fast: each runs a benchmark script in fresh processes
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -104,6 +104,7 @@ def final_params_case(tmp: str) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow  # fresh processes
 def test_resume_in_new_processes_equals_uninterrupted_training(tmp_path: Path) -> None:
     straight, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     full = run_distributed(train_case, 4, 2, 1, 0, 10, None, str(straight))[0]
@@ -187,6 +188,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # fresh processes killed at random times
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path, seed: int) -> None:
     ready = tmp_path / "ready"
@@ -258,6 +260,7 @@ def _loaded_weight(root: Path, **kwargs: int) -> float:
     return model.weight[0, 0].item()
 
 
+@pytest.mark.slow  # fresh processes killed at each step of the protocol
 @pytest.mark.parametrize("kill_at", ["written", "manifest", "placed", "pointed", "retired"])
 def test_a_kill_at_each_step_of_a_resave_keeps_a_complete_checkpoint(tmp_path: Path, kill_at: str) -> None:
     """Re-saving the same step (what save_parallelized's default step does) and dying by SIGKILL at each step of

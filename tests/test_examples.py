@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # not in make test-fast: each runs an example under torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,8 @@ from meshpar.testing import DistributedPool, RankCrashedError, run_distributed, 
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 from tests.hf._configs import batch, build
 
+pytestmark = pytest.mark.slow  # not in make test-fast: each case rebuilds the process pool after an abort
+
 WORLD = 4
 
 

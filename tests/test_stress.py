@@ -13,6 +13,8 @@ import pytest
 from meshpar.testing import run_distributed
 from meshpar.testing.stress import checkpoint_stress
 
+pytestmark = pytest.mark.slow  # not in make test-fast: many save / load iterations with delays
+
 LAYOUTS = {"tp2xpp2": {"tp": 2, "pp": 2}, "tp2xdp2": {"tp": 2, "dp": 2}}
 
 

@@ -20,6 +20,8 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
 
+pytestmark = pytest.mark.slow  # not in make test-fast: every packed layout saved and reloaded
+
 PACKED = "transformer.h.0.attn.c_attn.weight"  # meshpar keeps it [in, 3, hidden]; HF has [in, 3 * hidden]
 
 

@@ -20,6 +20,9 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import GENERIC, batch, build
 
+# not in make test-fast: every family; the fast tier keeps one per code path (tests/hf/test_parallelize.py)
+pytestmark = pytest.mark.slow
+
 # every family here has a transformers plan except OPT and GPT-J (meshpar's tables); Qwen3 has q/k norms between
 # column and row layers, Gemma2 a scaled embedding tied to the head over a vocab tp does not divide, Phi3 packed
 # projections, Mixtral experts (whole experts per tp rank)

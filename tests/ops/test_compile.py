@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from meshpar import ops
+
+pytestmark = pytest.mark.slow  # not in make test-fast: torch.compile
 
 
 class FusedBlock(nn.Module):

@@ -178,6 +178,7 @@ def wrong_shape_case(tensor_shape: tuple[int, ...]) -> None:
 
 
 # apex's [seq, batch, hidden] for this batch-first model (the same element count, another layout), too small, too big
+@pytest.mark.slow  # each case aborts the job: the pool is rebuilt
 @pytest.mark.parametrize("tensor_shape", [(SEQ, MBS, H), (MBS, SEQ - 1, H), (MBS, SEQ + 2, H)])
 def test_a_wrong_tensor_shape_is_refused_on_every_rank(tensor_shape: tuple[int, int, int]) -> None:
     """The receiving stage refuses; the sending stage stops at once with the same message (meshpar.failure)."""

@@ -13,6 +13,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import TinyTransformer, block_plan
 
+pytestmark = pytest.mark.slow  # not in make test-fast: torch.compile
+
 
 def compiled_block_case(tp: int) -> None:
     dims = setup_parallel(tp=tp)
