@@ -17,19 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshpar._compat import DTensor, local_tensor
 from meshpar.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
 
 def _unique_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """name -> tensor for every parameter and buffer, each (tied ones too) once."""
+    """name -> tensor for every parameter and buffer, each (tied ones too) once; a DTensor by its local shard."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
         if tensor is not None and id(tensor) not in seen:
             seen.add(id(tensor))
-            tensors[name] = tensor
+            tensors[name] = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
     return tensors
 
 
@@ -59,10 +60,11 @@ def _broadcast_coalesced(tensors: dict[str, torch.Tensor], group: dist.ProcessGr
 
 
 def make_replicas_equal(module: nn.Module, dims: ParallelDims, over: Sequence[str] = ("tp", "dp")) -> None:
-    """Make this rank's dense ``module`` equal to the first rank's of each group along ``over`` (mesh dims whose
-    ranks hold the same module: ``("tp", "dp", "pp")`` for a whole model every rank built, ``("tp", "dp")`` for one
-    pipeline stage). Call it before sharding, on every rank of the job; a module on ``meta`` has nothing to make
-    equal."""
+    """Make this rank's ``module`` equal to the first rank's of each group along ``over`` (mesh dims whose ranks
+    hold the same module: ``("tp", "dp", "pp")`` for a whole dense model every rank built, ``("tp", "dp")`` for one
+    dense pipeline stage, ``("dp",)`` for a tp-sharded chunk, whose dp replicas hold the same shards; sharded
+    parameters go by their local shards, so never name a dim they are sharded over). Call it on every rank of the
+    job; a module on ``meta`` has nothing to make equal."""
     tensors = _unique_tensors(module)
     if not tensors or any(t.is_meta for t in tensors.values()):
         return

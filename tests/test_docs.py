@@ -7,17 +7,15 @@ may only hold commands another test or CI runs (listed below with what runs them
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._launch import ROOT, launch
+
 pytestmark = pytest.mark.slow  # not in make test-fast: each block runs under torchrun in fresh processes
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 _TORCHRUN = re.compile(r"#\s*torchrun --nproc-per-node (\d+)")
@@ -46,20 +44,8 @@ def test_python_block_runs_as_written(where: str, code: str, tmp_path: Path) -> 
     script = tmp_path / "block.py"
     script.write_text(code)
     launcher = _TORCHRUN.match(code.splitlines()[0]) if code.strip() else None
-    command = [sys.executable, str(script)]
-    if launcher:
-        nproc = launcher.group(1)
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(script),
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    nproc = int(launcher.group(1)) if launcher else None
+    result = launch(script, nproc=nproc, cwd=tmp_path, timeout=1800)
     assert result.returncode == 0, f"{where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 

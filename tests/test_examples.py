@@ -4,35 +4,21 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # not in make test-fast: each runs an example under torchrun
+from tests._launch import ROOT, launch
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # not in make test-fast: each runs an example under torchrun
 
 
 def _torchrun(
     nproc: int, script: str, *args: str, tmp_path: Path, launcher: tuple[str, ...] = (), env: dict | None = None
 ) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    env.pop("TRITON_INTERPRET", None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *launcher,
-        script,
-        *args,
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = launch(script, *args, nproc=nproc, cwd=ROOT, launcher=launcher, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

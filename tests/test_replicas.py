@@ -111,3 +111,49 @@ def unseeded_recipe_case() -> dict:
 
 def test_apply_recipe_makes_unseeded_replicas_equal() -> None:
     assert run_distributed(unseeded_recipe_case, 4) == [{"equal": True}] * 4
+
+
+def apex_build_model_case() -> bool:
+    """apex's build_model(wrap_with_ddp=True) at tp2 x dp2 with rank-seeded providers: each dp group's replicas
+    hold dp rank 0's values afterwards (torch's DDP does the same at construction)."""
+    from meshpar.compat.apex.pipeline_parallel import build_model
+
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(dist.get_rank())
+    chunks = build_model(lambda pre_process, post_process: torch.nn.Linear(8, 8), True, None)
+    weight = chunks[0].module.weight.detach()
+    replicas = [torch.empty_like(weight) for _ in range(dims.dp)]
+    dist.all_gather(replicas, weight, group=dims.dp_mesh.get_group())
+    return all(torch.equal(r, replicas[0]) for r in replicas)
+
+
+def test_apex_build_model_makes_dp_replicas_equal() -> None:
+    assert run_distributed(apex_build_model_case, 4) == [True] * 4
+
+
+def unseeded_pipeline_case() -> dict:
+    """NxD's entry point (PipelineModel / NxDPPModel) at pp2 x dp2 on rank-seeded models: the pipeline trains the
+    first rank's model."""
+    from meshpar.pipeline import PipelineModel
+    from tests._models import PipeGPT, lm_loss
+
+    setup_parallel(pp=2)
+    torch.manual_seed(50 + dist.get_rank())
+    model = PipelineModel(
+        PipeGPT(layers=4),
+        transformer_layer_cls=Block,
+        num_microbatches=2,
+        input_names=["ids"],
+        broadcast_and_average_loss=True,
+        loss_fn=lambda logits, ids, labels: lm_loss(logits, labels),
+    )
+    torch.manual_seed(50)
+    dense = PipeGPT(layers=4)
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(9))
+    loss = model.run_train(ids=ids, labels=ids)
+    return {"loss": loss.item(), "dense": lm_loss(dense(ids), ids).item()}
+
+
+def test_pipeline_model_makes_unseeded_replicas_equal() -> None:
+    for result in run_distributed(unseeded_pipeline_case, 4):
+        assert abs(result["loss"] - result["dense"]) < 1e-5, result

@@ -112,8 +112,8 @@ class ParallelizedModel(nn.Module):
         )
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         # every rank built its own copy: rank 0's values everywhere (DDP's rule), so that verification and sharding
-        # see one model, and a refusal can only mean the plan
-        make_replicas_equal(model, self.dims, over=("tp", "pp", "dp"))
+        # see one model, and a refusal can only mean the plan; across pp and dp the pipeline does it (PipelineModel)
+        make_replicas_equal(model, self.dims, over=("tp",) if self.dims.pp > 1 else ("tp", "dp"))
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()

@@ -40,6 +40,7 @@ from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import ForwardStep, run_schedule
+from meshpar.replicas import make_replicas_equal
 
 # apex keywords meshpar accepts although they change nothing here (communication tuning of apex's p2p)
 _NO_EFFECT = {"async_comm", "sync_batch_comm", "batch_p2p_comm"}
@@ -191,7 +192,8 @@ def build_model(
 ) -> list[nn.Module]:
     """apex's ``build_model``: one ``model_provider_func(*args, pre_process=, post_process=, **kwargs)`` per virtual
     stage of this rank (``pre_process`` on the first stage, ``post_process`` on the last), moved to this rank's
-    device and, with ``wrap_with_ddp``, made data parallel. Returns the list of chunks."""
+    device and, with ``wrap_with_ddp``, made data parallel (every dp replica takes dp rank 0's values, as DDP does).
+    Returns the list of chunks."""
     if str(model_type).rsplit(".", 1)[-1] != "encoder_or_decoder":
         raise NotImplementedError(f"build_model: model_type={model_type!r}; meshpar supports encoder_or_decoder")
     dims = get_parallel()
@@ -215,6 +217,8 @@ def build_model(
     if vpp > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     if wrap_with_ddp and dims.dp > 1:
+        for chunk in chunks:  # as torch's DDP does at construction: dp rank 0's values on every replica
+            make_replicas_equal(chunk, dims, over=("dp",))
         chunks = [DataParallelChunk(chunk, dims) for chunk in chunks]
     return chunks
 

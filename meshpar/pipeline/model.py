@@ -31,6 +31,7 @@ from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
 from meshpar.pipeline.split import split_model
 from meshpar.pipeline.trace import traced_stages
+from meshpar.replicas import make_replicas_equal
 
 
 class StageChunk(nn.Module):
@@ -152,6 +153,9 @@ class PipelineModel(nn.Module):
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
         check_pipeline_schedule(schedule, virtual_pipeline_size)
+        # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule;
+        # tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
+        make_replicas_equal(module, dims, over=("pp", "dp"))
         if trace_it:
             traced, self.plan = traced_stages(
                 module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,
