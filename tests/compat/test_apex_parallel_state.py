@@ -1,0 +1,87 @@
+"""apex's ``parallel_state.initialize_model_parallel`` as apex spells it (trailing-underscore keywords, sizes clamped
+to the world, backend keywords) and its encoder-decoder split rank, at world 4."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from meshpar.compat.apex import parallel_state
+from meshpar.testing import run_distributed
+
+
+def keywords_case() -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size_=2,
+            pipeline_model_parallel_size_=2,
+            pipeline_model_parallel_split_rank_=1,
+            default_backend="nccl",
+        )
+    result = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "split": parallel_state.get_pipeline_model_parallel_split_rank(),
+        "before": parallel_state.is_pipeline_stage_before_split(),
+        "after": parallel_state.is_pipeline_stage_after_split(),
+        "at": parallel_state.is_pipeline_stage_at_split(),
+        "encoder_group": parallel_state.is_rank_in_encoder_relative_position_embedding_group(),
+        "decoder_group": parallel_state.is_rank_in_decoder_relative_position_embedding_group(),
+        "warned": [str(w.message) for w in caught if "default_backend='nccl'" in str(w.message)],
+    }
+    parallel_state.destroy_model_parallel()
+    result["split_after_destroy"] = parallel_state.get_pipeline_model_parallel_split_rank()
+    return result
+
+
+def test_apex_keywords_and_the_split_rank() -> None:
+    results = run_distributed(keywords_case, 4)
+    for rank, result in enumerate(results):
+        pp_rank = rank // 2  # tp fastest, then pp
+        assert (result["tp"], result["pp"], result["dp"], result["split"]) == (2, 2, 1, 1), result
+        assert result["before"] == (pp_rank == 0) and result["after"] == (pp_rank == 1), result
+        assert result["at"] == (pp_rank == 0), result
+        assert result["encoder_group"] == (pp_rank == 0) and result["decoder_group"] == (pp_rank == 1), result
+        assert len(result["warned"]) == 1 and "gloo" in result["warned"][0], result  # gloo's default group
+        assert result["split_after_destroy"] is None
+
+
+def clamped_case() -> tuple[int, int, int, bool, bool]:
+    parallel_state.initialize_model_parallel(8, 1)  # tp clamped to the world size, as apex does
+    sizes = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+        # without a split rank every stage runs "before" and "after" it (a one-stack model)
+        parallel_state.is_pipeline_stage_before_split(),
+        parallel_state.is_pipeline_stage_after_split(),
+    )
+    parallel_state.destroy_model_parallel()
+    return sizes
+
+
+def test_sizes_larger_than_the_world_are_clamped() -> None:
+    assert run_distributed(clamped_case, 2) == [(2, 1, 1, True, True)] * 2
+
+
+def bad_split_case() -> str:
+    try:
+        parallel_state.initialize_model_parallel(1, 2, pipeline_model_parallel_split_rank_=2)
+    except ValueError as error:
+        return str(error)
+    return f"accepted on rank {dist.get_rank()}"
+
+
+def test_a_split_rank_outside_the_pipeline_is_refused() -> None:
+    for message in run_distributed(bad_split_case, 2):
+        assert "must be a pipeline rank after the first one" in message, message
+
+
+@pytest.mark.parametrize("backend", ["mpi", "nccl2"])
+def test_an_unknown_backend_is_refused(backend: str) -> None:
+    with pytest.raises(ValueError, match="apex takes None, 'nccl' or 'ucc'"):
+        parallel_state.initialize_model_parallel(1, 1, default_backend=backend)
