@@ -67,7 +67,7 @@ class ParallelDims:
     # apex's parallel_state view only (set_virtual_pipeline_model_parallel_rank, by the user or apex's interleaved
     # schedule before each chunk's step function); meshpar's runtime keeps each action's chunk itself
     virtual_pipeline_rank: int | None = None
-    # apex's microbatch calculator (meshpar.pipeline.apex.setup_microbatch_calculator); None until set up
+    # apex's microbatch calculator (meshpar.pipeline.microbatches via setup_microbatch_calculator); None until set up
     microbatch_calculator: object | None = field(default=None, repr=False)
     # process groups that are not mesh dims, created once per mesh (see pipeline_ends_group)
     _extra_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False, compare=False)

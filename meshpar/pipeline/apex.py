@@ -40,6 +40,7 @@ from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import ForwardStep, run_schedule
+from meshpar.pipeline.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from meshpar.replicas import make_replicas_equal
 
 # apex keywords meshpar accepts although they change nothing here (communication tuning of apex's p2p)
@@ -47,19 +48,6 @@ _NO_EFFECT = {"async_comm", "sync_batch_comm", "batch_p2p_comm"}
 
 
 # -- microbatches -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MicrobatchCalculator:
-    """apex's constant microbatch calculator: ``global_batch_size = micro_batch_size * num_microbatches * dp``."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    data_parallel_size: int
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
-
-
 def setup_microbatch_calculator(
     rank: int,
     rampup_batch_size: Sequence[int] | None,
@@ -67,19 +55,14 @@ def setup_microbatch_calculator(
     micro_batch_size: int,
     data_parallel_size: int,
 ) -> None:
-    """apex's ``setup_microbatch_calculator``; batch-size ramp-up is not supported (raises)."""
-    del rank  # apex logs with it
-    if rampup_batch_size is not None:
-        raise NotImplementedError("setup_microbatch_calculator: rampup_batch_size is not supported by meshpar")
-    if global_batch_size % (micro_batch_size * data_parallel_size) != 0:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={micro_batch_size} x "
-            f"data_parallel_size={data_parallel_size}"
-        )
-    get_parallel().microbatch_calculator = MicrobatchCalculator(global_batch_size, micro_batch_size, data_parallel_size)
+    """apex's ``setup_microbatch_calculator``: a constant count, or Megatron's batch-size ramp-up
+    (``rampup_batch_size=[start, increment, samples]``, moved on by :func:`update_num_microbatches`)."""
+    get_parallel().microbatch_calculator = build_num_microbatches_calculator(
+        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size
+    )
 
 
-def _calculator() -> MicrobatchCalculator:
+def _calculator() -> NumMicroBatchesCalculator:
     calculator = get_parallel().microbatch_calculator
     if calculator is None:
         raise RuntimeError(
@@ -90,7 +73,7 @@ def _calculator() -> MicrobatchCalculator:
 
 
 def get_num_microbatches() -> int:
-    return _calculator().num_microbatches
+    return _calculator().get()
 
 
 def get_micro_batch_size() -> int:
@@ -98,7 +81,12 @@ def get_micro_batch_size() -> int:
 
 
 def get_current_global_batch_size() -> int:
-    return _calculator().global_batch_size
+    return _calculator().get_current_global_batch_size()
+
+
+def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
+    """apex: move a ramp-up on to ``consumed_samples`` (a constant count stays)."""
+    _calculator().update(consumed_samples, consistency_check)
 
 
 def get_kth_microbatch(batch: Any, k: int, micro_batch_size: int | None = None) -> Any:

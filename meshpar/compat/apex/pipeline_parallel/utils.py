@@ -8,6 +8,7 @@ from meshpar.pipeline.apex import (
     get_micro_batch_size,
     get_num_microbatches,
     setup_microbatch_calculator,
+    update_num_microbatches,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "get_micro_batch_size",
     "get_num_microbatches",
     "setup_microbatch_calculator",
+    "update_num_microbatches",
 ]
