@@ -58,7 +58,9 @@ def unseeded_parallelize_case(layout: dict) -> dict:
     "layout",
     [
         {"tensor_parallel_size": 2},
-        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2},
+        pytest.param(
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2}, marks=pytest.mark.slow
+        ),
         {"tensor_parallel_size": 1, "data_parallel_size": 2},
     ],
 )
@@ -154,6 +156,7 @@ def unseeded_pipeline_case() -> dict:
     return {"loss": loss.item(), "dense": lm_loss(dense(ids), ids).item()}
 
 
+@pytest.mark.slow  # world 4, a pipeline
 def test_pipeline_model_makes_unseeded_replicas_equal() -> None:
     for result in run_distributed(unseeded_pipeline_case, 4):
         assert abs(result["loss"] - result["dense"]) < 1e-5, result

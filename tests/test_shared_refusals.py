@@ -165,7 +165,13 @@ def corrupt_then_previous_case(directory: str, layout: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "data_parallel_size": 2}])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tensor_parallel_size": 2},
+        pytest.param({"tensor_parallel_size": 2, "data_parallel_size": 2}, marks=pytest.mark.slow),
+    ],
+)
 def test_a_corrupt_step_is_refused_then_the_previous_step_loads_and_trains_as_dense(
     tmp_path: Path, layout: dict
 ) -> None:
