@@ -57,11 +57,6 @@ class ProcessGroupsAbortedError(RuntimeError):
     """A meshpar call that needs the job's process groups, after a failure aborted them: restart the job."""
 
 
-def _mark_shared(error: BaseException) -> BaseException:
-    error._meshpar_shared_refusal = True
-    return error
-
-
 def is_shared_refusal(error: BaseException) -> bool:
     """Whether every rank of the job raised ``error`` together (the process groups are still usable)."""
     return bool(getattr(error, "_meshpar_shared_refusal", False))
@@ -92,7 +87,8 @@ def first_failure_on_any_rank(problem: str | None, group: dist.ProcessGroup | No
 def shared_refusal(error: BaseException) -> BaseException:
     """Mark ``error`` as raised on every rank of the job alike (after an agreement over the whole job), so that
     :func:`stop_all_ranks_on_error` lets it through without aborting the process groups."""
-    return _mark_shared(error)
+    error._meshpar_shared_refusal = True
+    return error
 
 
 def agree(phase: str, check: Callable[[], _T]) -> _T:
@@ -109,9 +105,9 @@ def agree(phase: str, check: Callable[[], _T]) -> _T:
     if failed is None:
         return result
     if own is not None:
-        raise _mark_shared(own)
+        raise shared_refusal(own)
     rank, problem = failed
-    raise _mark_shared(PeerRefusedError(f"{phase} was refused on rank {rank}: {problem}"))
+    raise shared_refusal(PeerRefusedError(f"{phase} was refused on rank {rank}: {problem}"))
 
 
 def collective_phase(phase: str, validate: Callable[..., None] | None = None) -> Callable[[_T], _T]:
