@@ -198,7 +198,7 @@ class ParallelizedModel(nn.Module):
             self.dims,
             self.recipe,
             initialised_per_rank=self._from_meta and self.dims.pp > 1,
-            replicas_equal=True,  # the whole model was made equal on every rank in _build
+            replicas_equal=True,  # made equal before sharding: over tp in _build, over pp and dp by the pipeline
         )
 
     def _pipeline_plan(self, model: nn.Module) -> tuple[Any, tuple[list[str], list[str]], list[str]]:
@@ -263,7 +263,7 @@ class ParallelizedModel(nn.Module):
         transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model, proven on the dense
         model first."""
         config, loss_fn = self.parallel_config, self.loss_fn
-        # refusals are decided on every rank alike (the same dense model, made equal): the job stays usable
+        # a refusal is agreed on by every rank (one collective), so it leaves the job usable
         layout, sides, last = agree("parallelize", lambda: self._pipeline_plan(model))
         shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
 
