@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
@@ -266,13 +265,6 @@ def _unfold_tied_optimizer_state(state: dict[str, Any], aliases: Aliases) -> dic
     return state
 
 
-def _crash_point(name: str) -> None:
-    """Fault injection for tests: ``MESHPAR_CHECKPOINT_KILL_AT=<name>`` kills this process (SIGKILL, no cleanup)
-    at that step of the save protocol, so a test can crash a save at every instruction that matters."""
-    if os.environ.get("MESHPAR_CHECKPOINT_KILL_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _versions(root: Path, step: int) -> list[Path]:
     """Every directory holding a save of ``step``: re-saving a step writes a new version beside the old one."""
     name = _step_name(step)
@@ -364,22 +356,17 @@ def _start_save(root: Path, step: int) -> tuple[str, str]:
 def _place(root: Path, tmp: Path, final: Path, step: int, tied: dict[str, str] | None) -> None:
     """Rank 0, once every rank has written: tied names as aliases of their stored source (a plain ``dcp.load`` of
     the model's full state dict finds both), manifest, rename into place, flip ``latest``, retire older copies."""
-    _crash_point("written")
     add_dcp_aliases(str(tmp), {f"model.{alias}": f"model.{source}" for alias, source in (tied or {}).items()})
     _fsync_files(tmp)
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest = {"step": step, "files": {p.name: {"size": p.stat().st_size, "crc32": _crc(p)} for p in files}}
     _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    _crash_point("manifest")
     os.rename(tmp, final)
     _fsync_dir(root)
-    _crash_point("placed")
     _write_atomic(root / LATEST, final.name)
-    _crash_point("pointed")
     for older in _versions(root, step):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
-    _crash_point("retired")
 
 
 def _new_names(root: Path, step: int) -> tuple[str, str]:

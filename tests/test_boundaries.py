@@ -1,5 +1,5 @@
 """Where things may live: private torch only in meshpar/_compat.py (a torch upgrade touches one file), and the
-compatibility views at the edge (no core module imports meshpar.compat)."""
+compatibility views at the edge (no core module imports meshpar.compat), fault injection only in meshpar.testing."""
 
 from __future__ import annotations
 
@@ -70,3 +70,15 @@ def test_no_core_module_imports_the_compat_views() -> None:
             if module == "meshpar" and "compat" in names:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not offenders, f"core modules importing meshpar.compat: {offenders}"
+
+
+def test_fault_injection_lives_in_the_testing_package_only() -> None:
+    """Production modules never kill their own process (crash points are patched in by meshpar.testing.faults)."""
+    offenders = []
+    for path in _modules():
+        if (PACKAGE / "testing") in path.parents:
+            continue
+        text = path.read_text()
+        if "os.kill(" in text or "SIGKILL" in text or "KILL_AT" in text:
+            offenders.append(str(path.relative_to(PACKAGE)))
+    assert not offenders, f"fault injection in production code: {offenders}"

@@ -21,6 +21,8 @@ from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import get_parallel
 from meshpar.pipeline import PipelineModel
 from meshpar.testing import DistributedPool, run_distributed, setup_parallel
+from meshpar.testing.faults import KILL_POINTS
+from meshpar.testing.faults import kill_at as kill_at_point
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 
 GLOBAL_BATCH, SEQ, LAYERS = 8, 8, 4
@@ -246,11 +248,11 @@ def test_export_merged_safetensors_loads_into_dense_and_sharded_models(tmp_path:
 
 
 def _resave_and_die(root: str, value: float, kill_at: str) -> None:
-    os.environ["MESHPAR_CHECKPOINT_KILL_AT"] = kill_at
     torch.set_num_threads(1)
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, value)
-    checkpoint.save(root, model, step=0)
+    with kill_at_point(kill_at):
+        checkpoint.save(root, model, step=0)
 
 
 def _loaded_weight(root: Path, **kwargs: int) -> float:
@@ -261,7 +263,7 @@ def _loaded_weight(root: Path, **kwargs: int) -> float:
 
 
 @pytest.mark.slow  # fresh processes killed at each step of the protocol
-@pytest.mark.parametrize("kill_at", ["written", "manifest", "placed", "pointed", "retired"])
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
 def test_a_kill_at_each_step_of_a_resave_keeps_a_complete_checkpoint(tmp_path: Path, kill_at: str) -> None:
     """Re-saving the same step (what save_parallelized's default step does) and dying by SIGKILL at each step of
     the protocol: ``latest`` always names a complete copy, the old one until the flip and the new one after it; the
