@@ -64,11 +64,6 @@ class ParallelDims:
     virtual_pipeline_size: int | None = None
     seed: int = 1234
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    # apex's parallel_state view only (set_virtual_pipeline_model_parallel_rank, by the user or apex's interleaved
-    # schedule before each chunk's step function); meshpar's runtime keeps each action's chunk itself
-    virtual_pipeline_rank: int | None = None
-    # apex's microbatch calculator (meshpar.pipeline.microbatches via setup_microbatch_calculator); None until set up
-    microbatch_calculator: object | None = field(default=None, repr=False)
     # process groups that are not mesh dims, created once per mesh (see pipeline_ends_group)
     _extra_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -92,8 +87,6 @@ class ParallelDims:
         if self.virtual_pipeline_size is not None:
             _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
             check_virtual_pipeline_size(self.pp, self.virtual_pipeline_size)
-            if self.virtual_pipeline_rank is None:
-                self.virtual_pipeline_rank = 0
 
     # -- mesh ---------------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:

@@ -105,30 +105,14 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     return get_parallel().virtual_pipeline_size
 
 
-def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    return get_parallel().virtual_pipeline_rank
+def is_pipeline_first_stage() -> bool:
+    """This rank holds the first pipeline stage (apex's view adds its virtual-chunk rule on top)."""
+    return get_parallel().pp_rank == 0
 
 
-def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+def is_pipeline_last_stage() -> bool:
+    """This rank holds the last pipeline stage."""
     dims = get_parallel()
-    vpp = dims.virtual_pipeline_size or 1
-    if not 0 <= rank < vpp:
-        raise ValueError(f"virtual pipeline rank {rank} is out of range for virtual_pipeline_size={vpp}")
-    dims.virtual_pipeline_rank = rank
-
-
-def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
-    dims = get_parallel()
-    if not ignore_virtual and (dims.virtual_pipeline_size or 1) > 1 and dims.virtual_pipeline_rank != 0:
-        return False
-    return dims.pp_rank == 0
-
-
-def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
-    dims = get_parallel()
-    vpp = dims.virtual_pipeline_size or 1
-    if not ignore_virtual and vpp > 1 and dims.virtual_pipeline_rank != vpp - 1:
-        return False
     return dims.pp_rank == dims.pp - 1
 
 

@@ -1,12 +1,7 @@
 """Pipeline parallelism: FQN-preserving splitting (by structure or by tracing), schedules as data, meshpar's
-executor (the one runtime; torch's runs the same action lists as a cross-check in :mod:`meshpar.testing`)."""
+executor (the one runtime; torch's runs the same action lists as a cross-check in :mod:`meshpar.testing`). apex's
+schedule API is a view over it in :mod:`meshpar.compat.apex.pipeline_parallel`."""
 
-from meshpar.pipeline.apex import (
-    forward_backward_no_pipelining,
-    forward_backward_pipelining_with_interleaving,
-    forward_backward_pipelining_without_interleaving,
-    get_forward_backward_func,
-)
 from meshpar.pipeline.inspector import ScheduleDeadlockError, Timeline, inspect_schedule, simulate
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.schedule_ir import Action, build_actions
@@ -22,10 +17,6 @@ __all__ = [
     "Timeline",
     "build_actions",
     "build_stage",
-    "forward_backward_no_pipelining",
-    "forward_backward_pipelining_with_interleaving",
-    "forward_backward_pipelining_without_interleaving",
-    "get_forward_backward_func",
     "inspect_schedule",
     "plan_stages",
     "simulate",

@@ -3,13 +3,17 @@
 ``global batch = micro_batch_size * num_microbatches * data_parallel_size``. With a ramp-up the global batch starts
 at ``start`` rows and grows by ``increment`` rows each time another ``ramp_samples / ((global - start) /
 increment)`` samples have been consumed, until it reaches ``global_batch_size`` after ``ramp_samples`` samples;
-``update(consumed_samples)`` moves it on. apex's and Megatron's pipelines read the count through
-:func:`meshpar.pipeline.apex.get_num_microbatches`; errors name the sizes instead of asserting.
+``update(consumed_samples)`` moves it on (apex's view keeps one and reads the count through its
+``get_num_microbatches``); errors name the sizes instead of asserting. :func:`split_microbatches` cuts a batch into
+the microbatches a pipeline step runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 
 def _per_step(micro_batch_size: int, data_parallel_size: int) -> int:
@@ -127,3 +131,34 @@ def build_num_microbatches_calculator(
     return RampupBatchsizeNumMicroBatches(
         start, increment, samples, global_batch_size, micro_batch_size, data_parallel_size
     )
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """``num_microbatches`` equal row slices of every tensor of a list / tuple / dict batch (other values repeated in
+    each); any other object (``None``, an iterator a step function draws from) is handed to every microbatch as it
+    is. Refuses a batch with fewer rows than microbatches, rows that do not divide, or tensors of unequal rows."""
+    m = num_microbatches
+    if m < 1:
+        raise ValueError(f"num_microbatches={m} must be >= 1")
+    if batch is None or not isinstance(batch, (list, tuple, dict)):
+        return [batch] * m
+    values = list(batch.values() if isinstance(batch, dict) else batch)
+    sizes = {x.shape[0] for x in values if torch.is_tensor(x)}
+    if len(sizes) > 1:
+        raise ValueError(f"the tensors of the batch have different sizes along dim 0: {sorted(sizes)}")
+    size = sizes.pop() if sizes else 0
+    if 0 < size < m:
+        raise ValueError(
+            f"the batch has {size} row(s), fewer than num_microbatches={m}: every microbatch needs at least one; "
+            f"pass at least {m} rows (per data-parallel rank) or lower num_microbatches"
+        )
+    if size % m != 0:
+        raise ValueError(f"batch size {size} is not divisible into {m} microbatches")
+    rows = size // m
+
+    def part(x: Any, k: int) -> Any:
+        return x[k * rows : (k + 1) * rows] if torch.is_tensor(x) else x
+
+    if isinstance(batch, dict):
+        return [{name: part(x, k) for name, x in batch.items()} for k in range(m)]
+    return [[part(x, k) for x in batch] for k in range(m)]

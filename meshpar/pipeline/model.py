@@ -27,8 +27,8 @@ from torch import nn
 from meshpar.data_parallel import DataParallelGrads
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
-from meshpar.pipeline.apex import split_batch
 from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
+from meshpar.pipeline.microbatches import split_microbatches
 from meshpar.pipeline.split import split_model
 from meshpar.pipeline.trace import traced_stages
 from meshpar.replicas import make_replicas_equal
@@ -259,7 +259,7 @@ class PipelineModel(nn.Module):
         executor = run_schedule(
             dims,
             list(self.chunks),
-            split_batch(inputs, self.num_microbatches),
+            split_microbatches(inputs, self.num_microbatches),
             self._forward_step,
             forward_only,
             schedule=self.schedule,

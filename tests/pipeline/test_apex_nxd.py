@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import parallelize_module
 
-from meshpar import parallel_state
+from meshpar.compat.apex import parallel_state as apex_state
+from meshpar.compat.apex.pipeline_parallel import get_forward_backward_func
 from meshpar.data_parallel import apply_fsdp
 from meshpar.parallel_dims import get_parallel
-from meshpar.pipeline import PipelineModel, StageChunk, get_forward_backward_func, split_model
+from meshpar.pipeline import PipelineModel, StageChunk, split_model
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 
@@ -60,7 +61,8 @@ def forward_step(microbatch, model: StageChunk):
 def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool, deallocate: bool) -> None:
     dims = setup_parallel(tp=tp, pp=pp)
     if v > 1:
-        dims.virtual_pipeline_size, dims.virtual_pipeline_rank = v, 0
+        dims.virtual_pipeline_size = v
+        apex_state.set_virtual_pipeline_model_parallel_rank(0)
     microbatches = (
         [_batch(1, seq=4 + 2 * (i % 3)) for i in range(m)]
         if variable_seq
@@ -83,7 +85,7 @@ def apex_case(pp: int, tp: int, v: int, m: int, layers: int, variable_seq: bool,
     losses = fn(
         forward_step, batch, model, forward_only=False, deallocate_pipeline_outputs=deallocate, num_microbatches=m
     )
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if apex_state.is_pipeline_last_stage(ignore_virtual=True):
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected), atol=1e-5, rtol=1e-5)
     else:
         assert losses == []
@@ -113,7 +115,8 @@ def changing_shape_case(v: int) -> None:
     the sending stage (only the step's first activation per stage carries a header), and every rank stops."""
     dims = setup_parallel(pp=2)
     if v > 1:
-        dims.virtual_pipeline_size, dims.virtual_pipeline_rank = v, 0
+        dims.virtual_pipeline_size = v
+        apex_state.set_virtual_pipeline_model_parallel_rank(0)
     microbatches = [_batch(1, seq=4 + 2 * (i % 2)) for i in range(4)]
     stages, _ = split_model(PipeGPT(layers=4), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=v)
     chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]

@@ -2,8 +2,9 @@
 
 Every getter is meshpar's (:mod:`meshpar.parallel_state`); what apex adds lives here, in the view: its
 ``initialize_model_parallel`` signature (trailing-underscore keywords, sizes clamped to the world size, the backend
-keywords) and the encoder-decoder split rank (``pipeline_model_parallel_split_rank_``) with its stage predicates and
-relative-position-embedding groups. meshpar's native API carries none of this state.
+keywords), the virtual pipeline rank (the chunk apex's interleaved schedule and ``build_model`` are working on, which
+the stage predicates read) and the encoder-decoder split rank (``pipeline_model_parallel_split_rank_``) with its
+stage predicates and relative-position-embedding groups. meshpar's native API carries none of this state.
 """
 
 from __future__ import annotations
@@ -13,15 +14,25 @@ import warnings
 
 import torch.distributed as dist
 
+from meshpar.parallel_dims import get_parallel
 from meshpar.parallel_state import *  # noqa: F403 - apex's module holds every getter
 from meshpar.parallel_state import destroy_model_parallel as _destroy_mesh
-from meshpar.parallel_state import get_pipeline_model_parallel_rank, get_pipeline_model_parallel_world_size
+from meshpar.parallel_state import (
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_virtual_pipeline_model_parallel_world_size,
+)
 from meshpar.parallel_state import initialize_model_parallel as _initialize_mesh
+from meshpar.parallel_state import is_pipeline_first_stage as _is_first_pipeline_rank
+from meshpar.parallel_state import is_pipeline_last_stage as _is_last_pipeline_rank
 
 logger = logging.getLogger(__name__)
 
 # apex's encoder-decoder split rank: the first pipeline rank that runs the decoder (None: a one-stack model)
 _split_rank: int | None = None
+# the model chunk (virtual stage) this rank is working on, kept with the parallel context it was set in (a new
+# context starts at chunk 0, as apex's initialize_model_parallel sets it)
+_virtual: tuple[object, int | None] | None = None
 
 _BACKENDS = (None, "nccl", "ucc", "gloo")
 
@@ -61,9 +72,44 @@ def initialize_model_parallel(
 
 
 def destroy_model_parallel() -> None:
-    global _split_rank
-    _split_rank = None
+    global _split_rank, _virtual
+    from meshpar.compat.apex.pipeline_parallel.utils import _drop_microbatch_calculator
+
+    _split_rank = _virtual = None
+    _drop_microbatch_calculator()
     _destroy_mesh()
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """The chunk this rank works on: 0 in a fresh parallel context with virtual stages, ``None`` without them."""
+    if _virtual is not None and _virtual[0] is get_parallel():
+        return _virtual[1]
+    return 0 if get_virtual_pipeline_model_parallel_world_size() is not None else None
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """The chunk this rank works on next (apex's interleaved schedule and ``build_model`` set it per chunk)."""
+    global _virtual
+    vpp = get_virtual_pipeline_model_parallel_world_size() or 1
+    if rank is not None and not 0 <= rank < vpp:
+        raise ValueError(f"virtual pipeline rank {rank} is out of range for virtual_pipeline_size={vpp}")
+    _virtual = (get_parallel(), rank)
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """The first pipeline rank, and (unless ``ignore_virtual``) working on its first chunk."""
+    vpp = get_virtual_pipeline_model_parallel_world_size() or 1
+    if not ignore_virtual and vpp > 1 and (get_virtual_pipeline_model_parallel_rank() or 0) != 0:
+        return False
+    return _is_first_pipeline_rank()
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """The last pipeline rank, and (unless ``ignore_virtual``) working on its last chunk."""
+    vpp = get_virtual_pipeline_model_parallel_world_size() or 1
+    if not ignore_virtual and vpp > 1 and (get_virtual_pipeline_model_parallel_rank() or 0) != vpp - 1:
+        return False
+    return _is_last_pipeline_rank()
 
 
 def get_pipeline_model_parallel_split_rank() -> int | None:
