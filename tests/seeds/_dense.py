@@ -12,6 +12,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def apex_shard(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This tp rank's part of ``value`` for a parameter of apex's layers (a plain local shard carrying apex's
+    ``tensor_model_parallel`` / ``partition_dim`` attributes); ``value`` itself for any other parameter."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return value
+    from meshpar.compat.apex import parallel_state
+
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    return value.chunk(tp, param.partition_dim)[rank]
+
+
 @torch.no_grad()
 def copy_dense_into(module: nn.Module, dense: dict[str, torch.Tensor], rename=lambda name: name) -> None:
     """Every parameter of ``module`` takes its (sharded) value from the dense state dict."""
@@ -20,9 +31,12 @@ def copy_dense_into(module: nn.Module, dense: dict[str, torch.Tensor], rename=la
         if isinstance(param, DTensor):
             param.to_local().copy_(distribute_tensor(value, param.device_mesh, param.placements).to_local())
         else:
-            param.copy_(value)
+            param.copy_(apex_shard(param, value))
 
 
 def assert_params_match(module: nn.Module, dense: dict[str, torch.Tensor], rename=lambda name: name) -> None:
     for name, param in module.named_parameters():
-        torch.testing.assert_close(full(param.detach()), dense[rename(name)], atol=1e-5, rtol=1e-4, msg=name)
+        value = dense[rename(name)]
+        if not isinstance(param, DTensor):
+            value = apex_shard(param, value)
+        torch.testing.assert_close(full(param.detach()), value, atol=1e-5, rtol=1e-4, msg=name)

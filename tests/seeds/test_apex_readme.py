@@ -75,8 +75,10 @@ class Model(nn.Module):
             input = self.embed(x)
         else:
             input = self.input_tensor
-        for fc1, fc2 in zip(self.fc1, self.fc2, strict=True):
-            input = input + fc2(F.gelu(fc1(input)))
+        for fc1, fc2 in zip(self.fc1, self.fc2, strict=True):  # apex's layers return (output, bias)
+            hidden, _ = fc1(input)
+            out, _ = fc2(F.gelu(hidden))
+            input = input + out
         return self.head(input) if self.head is not None else input
 
     def dense_name(self, name: str) -> str:
