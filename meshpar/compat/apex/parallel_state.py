@@ -18,9 +18,12 @@ from meshpar.parallel_dims import get_parallel
 from meshpar.parallel_state import *  # noqa: F403 - apex's module holds every getter
 from meshpar.parallel_state import destroy_model_parallel as _destroy_mesh
 from meshpar.parallel_state import (
+    get_data_parallel_rank,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
+    get_tensor_model_parallel_rank,
     get_virtual_pipeline_model_parallel_world_size,
+    model_parallel_is_initialized,
 )
 from meshpar.parallel_state import initialize_model_parallel as _initialize_mesh
 from meshpar.parallel_state import is_pipeline_first_stage as _is_first_pipeline_rank
@@ -69,6 +72,7 @@ def initialize_model_parallel(
         )
     _initialize_mesh(tp, pp, virtual_pipeline_model_parallel_size_)
     _split_rank = pipeline_model_parallel_split_rank_
+    _build_groups()
 
 
 def destroy_model_parallel() -> None:
@@ -77,7 +81,13 @@ def destroy_model_parallel() -> None:
 
     _split_rank = _virtual = None
     _drop_microbatch_calculator()
+    _drop_groups()
     _destroy_mesh()
+
+
+def _drop_groups() -> None:
+    global _groups
+    _groups = None
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
@@ -157,3 +167,160 @@ def is_rank_in_decoder_relative_position_embedding_group() -> bool:
         return True
     rank = get_pipeline_model_parallel_rank()
     return rank >= _split_rank if _split_rank is not None else rank == 0
+
+
+class ExperimentalWarning(Warning):
+    """apex's warning category for experimental code paths."""
+
+
+# apex's extra groups, built by initialize_model_parallel (every rank takes part in every new_group, in one order),
+# kept with the parallel context they were built for: kind -> (this rank's group, its global ranks)
+_groups: tuple[object, dict[str, tuple[dist.ProcessGroup, list[int]]]] | None = None
+
+
+def _members(kind: str) -> list[list[int]]:
+    """Every group of ``kind``, as lists of global ranks."""
+    dims = get_parallel()
+    grid = dims.mesh.mesh  # [dp, pp, tp] global ranks
+    pipelines = dims.group_ranks("pp")
+    split = _split_rank
+    if kind == "model":  # tp x pp of one data-parallel replica
+        return [grid[d].flatten().tolist() for d in range(dims.dp)]
+    if kind == "amax":  # tp x dp of one pipeline stage (apex's fp8 amax reduction)
+        return [grid[:, p, :].flatten().tolist() for p in range(dims.pp)]
+    groups = []
+    for ranks in pipelines:
+        if kind == "embedding":
+            picked = [ranks[0], ranks[-1]] + ([ranks[split]] if split is not None else [])
+        elif kind == "position_embedding":
+            picked = [ranks[0]] + ([ranks[split]] if split is not None else [])
+        elif kind == "encoder_relative_position_embedding":
+            picked = ranks[:split] if split is not None else [ranks[0]]
+        else:  # decoder_relative_position_embedding
+            picked = ranks[split:] if split is not None else [ranks[0]]
+        groups.append(sorted(set(picked)))
+    return groups
+
+
+_KINDS = (
+    "model",
+    "amax",
+    "embedding",
+    "position_embedding",
+    "encoder_relative_position_embedding",
+    "decoder_relative_position_embedding",
+)
+
+
+def _build_groups() -> None:
+    global _groups
+    me, mine = dist.get_rank(), {}
+    for kind in _KINDS:
+        for ranks in _members(kind):
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine[kind] = (group, ranks)
+    _groups = (get_parallel(), mine)
+
+
+def _group_of(kind: str) -> tuple[dist.ProcessGroup | None, list[int]]:
+    if _groups is None or _groups[0] is not get_parallel():
+        raise RuntimeError(
+            f"apex's {kind.replace('_', ' ')} group exists after apex's initialize_model_parallel "
+            "(meshpar.compat.apex.parallel_state); this parallel state was set up another way"
+        )
+    return _groups[1].get(kind, (None, []))
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return _group_of("model")[0]
+
+
+def get_amax_reduction_group() -> dist.ProcessGroup:
+    return _group_of("amax")[0]
+
+
+def get_embedding_group() -> dist.ProcessGroup | None:
+    return _group_of("embedding")[0]
+
+
+def get_position_embedding_group() -> dist.ProcessGroup | None:
+    return _group_of("position_embedding")[0]
+
+
+def get_encoder_relative_position_embedding_group() -> dist.ProcessGroup | None:
+    return _group_of("encoder_relative_position_embedding")[0]
+
+
+def get_decoder_relative_position_embedding_group() -> dist.ProcessGroup | None:
+    return _group_of("decoder_relative_position_embedding")[0]
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """This rank holds an embedding copy: the first or last pipeline stage (the split rank's too); unless
+    ``ignore_virtual``, only while working on the first / last chunk there."""
+    rank = dist.get_rank()
+    _, ranks = _group_of("embedding")
+    if rank not in ranks:
+        return False
+    if ignore_virtual:
+        return True
+    pipeline = dist.get_process_group_ranks(get_parallel().pp_mesh.get_group())
+    if rank == pipeline[0]:
+        return is_pipeline_first_stage()
+    if rank == pipeline[-1]:
+        return is_pipeline_last_stage()
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return dist.get_rank() in _group_of("position_embedding")[1]
+
+
+def is_unitialized() -> bool:  # apex's spelling
+    """Whether no parallel state is set up (apex's name keeps its typo)."""
+    return not model_parallel_is_initialized()
+
+
+def get_rank_info() -> tuple[int, int, int | None, int]:
+    """``(tp rank, pp rank, virtual pp rank, dp rank)``; zeros before initialisation."""
+    if not model_parallel_is_initialized():
+        return (0, 0, 0, 0)
+    return (
+        get_tensor_model_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_virtual_pipeline_model_parallel_rank(),
+        get_data_parallel_rank(),
+    )
+
+
+def get_data_parallel_src_rank() -> int:
+    """Global rank of dp rank 0 in this rank's data-parallel group."""
+    return dist.get_process_group_ranks(get_parallel().dp_mesh.get_group())[0]
+
+
+def _pipeline_ranks() -> list[int]:
+    return dist.get_process_group_ranks(get_parallel().pp_mesh.get_group())
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _pipeline_ranks()[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _pipeline_ranks()[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _pipeline_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _pipeline_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def new_process_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (a collective call on every rank, as ``torch.distributed.new_group``)."""
+    return dist.new_group(ranks, backend=backend)

@@ -212,6 +212,30 @@ def average_losses_across_data_parallel_group(losses: Sequence[torch.Tensor]) ->
     return averaged / dims.dp
 
 
+def get_autoresume() -> None:
+    """apex never sets an autoresume handle: always ``None``."""
+    return None
+
+
+def print_params_min_max_norm(optimizer: Any, iteration: int) -> None:
+    """Per parameter (of ``optimizer.optimizer``, apex's wrapped optimizer, or ``optimizer``): min, max and norm of
+    this rank's values."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm"]
+    index = 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            index += 1
+            data = param.detach()
+            parallel = int(getattr(param, "tensor_model_parallel", False))
+            lines.append(
+                f"{iteration:7d}, {rank:4d}, {index:4d}, {parallel:2d}, {data.min().item():.6E}, "
+                f"{data.max().item():.6E}, {torch.linalg.norm(data).item():.6E}"
+            )
+    print("\n".join(lines), flush=True)
+
+
 def report_memory(name: str) -> None:
     """Allocated / reserved accelerator memory in MB, printed by dp rank 0 (zeros on CPU)."""
     mb = 1024.0 * 1024.0
@@ -255,6 +279,7 @@ def get_ltor_masks_and_position_ids(
 __all__ = [
     "average_losses_across_data_parallel_group",
     "calc_params_l2_norm",
+    "get_autoresume",
     "get_current_global_batch_size",
     "get_kth_microbatch",
     "get_ltor_masks_and_position_ids",
@@ -264,6 +289,7 @@ __all__ = [
     "is_last_rank",
     "listify_model",
     "param_is_not_shared",
+    "print_params_min_max_norm",
     "print_rank_0",
     "print_rank_last",
     "report_memory",

@@ -69,7 +69,17 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     return activation_checkpoint(function, *args)
 
 
+class CheckpointFunction:
+    """apex's autograd function, as ``CheckpointFunction.apply(run_function, distribute_saved_activations, *args)``
+    (see :func:`checkpoint`)."""
+
+    @staticmethod
+    def apply(run_function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+        return checkpoint(run_function, distribute_saved_activations, *args)
+
+
 __all__ = [
+    "CheckpointFunction",
     "CudaRNGStatesTracker",
     "checkpoint",
     "get_cuda_rng_tracker",

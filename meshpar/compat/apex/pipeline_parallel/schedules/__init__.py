@@ -15,6 +15,7 @@ from meshpar.compat.apex.pipeline_parallel.schedules.fwd_bwd_pipelining_with_int
 from meshpar.compat.apex.pipeline_parallel.schedules.fwd_bwd_pipelining_without_interleaving import (
     forward_backward_pipelining_without_interleaving,
 )
+from meshpar.compat.apex.pipeline_parallel.utils import get_num_microbatches
 from meshpar.parallel_dims import check_virtual_pipeline_size
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
+    "get_num_microbatches",
 ]
 
 

@@ -1,0 +1,10 @@
+"""``apex.transformer.functional``: the fused scale-mask-softmax module on meshpar's softmax ops, and the rotary
+position embedding functions."""
+
+from meshpar.compat.apex.functional.fused_rope import (
+    fused_apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb_cached,
+)
+from meshpar.compat.apex.functional.fused_softmax import FusedScaleMaskSoftmax
+
+__all__ = ["FusedScaleMaskSoftmax", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_cached"]
