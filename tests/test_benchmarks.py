@@ -1,11 +1,16 @@
 """Smoke runs of the benchmark scripts at toy sizes: they must keep working as the library changes. Timings here
-mean nothing (and are not checked); the scripts' own printed tables are checked for the rows they promise."""
+mean nothing (and are not checked); the scripts' own printed tables are checked for the rows they promise.
+
+Every script runs once, all of them in one fresh process (``benchmarks/_smoke.py``: imports and worker pools are
+paid once, not per script); each test reads its script's section of that output."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -15,17 +20,49 @@ pytestmark = pytest.mark.slow  # not in make test-fast: each runs a benchmark sc
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _run(script: str, *args: str) -> str:
+_GPU_STEP = "--device cpu --layers 1 --hidden 32 --heads 2 --seq 16 --batch 1 --rounds 1 --passes 1"
+
+# every smoke run, by name: the script and its command line; the tests below read their sections
+RUNS = {
+    "tp": "bench_tp.py --no-compile --rounds 1 --layers 1 --hidden 32 --seq 16 --batch 1",
+    "gpu_step": f"bench_gpu_step.py {_GPU_STEP} --cprofile meshpar:eager",
+    # the isolated run's fresh processes time the eager variants only (compiling in each costs CI ~40 s)
+    "gpu_step_isolated": f"bench_gpu_step.py {_GPU_STEP} --isolate --variants dense:eager meshpar:eager",
+    "launch": "bench_launch.py --no-compile --rounds 1 --calls 2",
+    "sp": "bench_sp.py --rounds 1 --layers 1 --hidden 32 --seq 16 --batch 2",
+    "dp": "bench_dp.py --rounds 2 --layers 1 --hidden 32 --seq 16 --vocab 64 --bucket-mb 25 0.01",
+    "zero": "bench_zero.py --rounds 1 --layers 1 --hidden 32 --seq 16 --vocab 64",
+    "checkpoint": "bench_checkpoint.py --rounds 1 --layers 2 --hidden 32 --seq 16 --batch 2 --vocab 64",
+    "coverage": "hf_coverage.py --types qwen3,hrm_text --layouts tp2,pp2 --markdown",
+    "pipeline_runtime": "bench_pipeline_runtime.py --rounds 1 --batch 8 --seq 8",
+    "peers": "bench_peers.py --layers 2 --hidden 64 --heads 2 --seq 16 --batch 2 --vocab 128 --rounds 1",
+}
+
+
+@cache
+def _sections() -> dict[str, str]:
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+        [sys.executable, str(BENCHMARKS / "_smoke.py"), json.dumps([line.split() for line in RUNS.values()])],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    by_line = {}
+    for chunk in done.stdout.split("=== ")[1:]:
+        header, _, body = chunk.partition("\n")
+        by_line[header.strip()] = body
+    assert by_line, done.stderr[-3000:]
+    return {name: by_line.get(" ".join(line.split()), "") for name, line in RUNS.items()}
+
+
+def _run(name: str) -> str:
+    """The output of the smoke run ``name`` (see :data:`RUNS`)."""
+    out = _sections()[name]
+    assert out, f"no output for {RUNS[name]}"
+    assert "!!! FAILED" not in out, out[-3000:]
+    return out
 
 
 def test_bench_tp_prints_every_variant_and_the_collective_ratios() -> None:
-    out = _run("bench_tp.py", "--no-compile", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16",
-               "--batch", "1")  # fmt: skip
+    out = _run("tp")
     for variant in ("dense", "meshpar", "torch DTensor", "Megatron-style"):
         assert f"{variant} " in out
     assert "(ratio to minimum 1.00 | 1.00)" in out
@@ -36,11 +73,7 @@ def test_bench_tp_prints_every_variant_and_the_collective_ratios() -> None:
 
 @pytest.mark.parametrize("isolate", [False, True])
 def test_bench_gpu_step_runs_on_cpu(isolate: bool) -> None:
-    args = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1",
-            "--rounds", "1", "--passes", "1"]  # fmt: skip
-    # the isolated run's fresh processes time the eager variants only (compiling in each costs CI ~40 s)
-    extra = ["--isolate", "--variants", "dense:eager", "meshpar:eager"] if isolate else ["--cprofile", "meshpar:eager"]
-    out = _run("bench_gpu_step.py", *args, *extra)
+    out = _run("gpu_step_isolated" if isolate else "gpu_step")
     assert out.count("compile ") == (0 if isolate else 2) and out.count("eager ") >= 2
     if not isolate:
         assert "host syncs" in out
@@ -48,20 +81,19 @@ def test_bench_gpu_step_runs_on_cpu(isolate: bool) -> None:
 
 
 def test_bench_launch_compares_the_dispatched_op_and_the_fast_path() -> None:
-    out = _run("bench_launch.py", "--no-compile", "--rounds", "1", "--calls", "2")
+    out = _run("launch")
     for row in ("meshpar::rms_norm_fwd op, fwd+bwd", "meshpar.ops.rms_norm (eager fast path), fwd+bwd"):
         assert row in out
 
 
 def test_bench_sp_moves_the_same_bytes_as_tp() -> None:
-    out = _run("bench_sp.py", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16", "--batch", "2")
+    out = _run("sp")
     assert out.count("(ratio 1.00 | 1.00)") == 2  # TP and SP both at the Megatron minimum
     assert "SP: {'all_gather_into_tensor': 2.0, 'reduce_scatter_tensor': 2.0}" in out
 
 
 def test_bench_dp_prints_every_variant() -> None:
-    out = _run("bench_dp.py", "--rounds", "2", "--layers", "1", "--hidden", "32", "--seq", "16", "--vocab", "64",
-               "--bucket-mb", "25", "0.01")  # fmt: skip
+    out = _run("dp")
     for variant in ("no sync", "after backward", "overlapped 25 MiB", "overlapped 0.01 MiB", "torch DDP"):
         assert f"{variant} " in out
     buckets = re.search(r"^overlapped 0\.01 MiB\s+(\d+)", out, re.MULTILINE).group(1)
@@ -69,7 +101,7 @@ def test_bench_dp_prints_every_variant() -> None:
 
 
 def test_bench_zero_reduce_scatter_moves_the_minimum_bytes() -> None:
-    out = _run("bench_zero.py", "--rounds", "1", "--layers", "1", "--hidden", "32", "--seq", "16", "--vocab", "64")
+    out = _run("zero")
     ratios = {
         name: float(re.search(rf"^{name}\s+[\d.]+\s+([\d.]+)x", out, re.MULTILINE).group(1))
         for name in ("replicated", "ZeRO-1 all-reduce", "ZeRO-1 reduce-scatter")
@@ -80,8 +112,7 @@ def test_bench_zero_reduce_scatter_moves_the_minimum_bytes() -> None:
 
 
 def test_bench_checkpoint_compiles_checkpointed_blocks_and_drops_activations() -> None:
-    out = _run("bench_checkpoint.py", "--rounds", "1", "--layers", "2", "--hidden", "32", "--seq", "16",
-               "--batch", "2", "--vocab", "64")  # fmt: skip
+    out = _run("checkpoint")
     row = re.compile(
         r"^(eager|compile|eager \+ checkpointing|compile \+ checkpointing)\s+(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$"
     )
@@ -97,7 +128,7 @@ def test_bench_checkpoint_compiles_checkpointed_blocks_and_drops_activations() -
 
 
 def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
-    out = _run("hf_coverage.py", "--types", "qwen3,hrm_text", "--layouts", "tp2,pp2", "--markdown")
+    out = _run("coverage")
     assert re.search(r"^qwen3\s+OK\s+OK\s*$", out, re.MULTILINE), out
     # HRM's recurrent modules are not the layer list its transformers pipeline plan names: refused, reason listed
     assert re.search(r"^hrm_text\s+OK\s+refused \[1\]\s*$", out, re.MULTILINE), out
@@ -108,7 +139,7 @@ def test_hf_coverage_prints_the_verdicts_and_counts() -> None:
 def test_bench_pipeline_runtime_receives_as_many_messages_as_torchs_runtime() -> None:
     """One extra receive per stage per step (the first activation's shape header), no more: the count is what makes
     the executor level with torch's runtime."""
-    out = _run("bench_pipeline_runtime.py", "--rounds", "1", "--batch", "8", "--seq", "8")
+    out = _run("pipeline_runtime")
     counts = dict(re.findall(r"^\s*(\d+ \w+\s+\w+)\s.*x (\S+)$", out, re.MULTILINE))
     counts = {" ".join(key.split()): value for key, value in counts.items()}
     assert counts == {
@@ -127,8 +158,7 @@ def test_bench_peers_runs_every_row_and_counts_megatron_collectives() -> None:
     """A tiny 2-layer Llama: meshpar's tp=2 step issues Megatron's count (2 all-reduces forward + 2 backward per layer,
     plus the vocab-parallel embedding's and the loss's, and the loss's one small all-gather), fewer than torch-native
     TP; GPT-2 has no torch-native or HF row, and the report says why."""
-    args = ("--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "128")
-    out = _run("bench_peers.py", *args, "--rounds", "1")
+    out = _run("peers")
     llama_tp2 = out.split("llama, tp=2")[1].split("gpt2, tp=1")[0]
     meshpar_line = next(line for line in llama_tp2.splitlines() if line.strip().startswith("meshpar "))
     native_line = next(line for line in llama_tp2.splitlines() if line.strip().startswith("torch-native "))
