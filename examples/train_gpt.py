@@ -35,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -88,14 +87,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 def resume_point(args: argparse.Namespace) -> bool:
     """Resume when asked, or when torchrun restarted the job after a failure (its restart count is above 0)."""
     return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
-def die_if_asked(step: int) -> None:
-    """Fault injection for tests: ``TRAIN_GPT_KILL=<rank>:<step>`` SIGKILLs that rank after that step, in the first
-    attempt only (a restarted attempt runs through)."""
-    rank, _, at = os.environ.get("TRAIN_GPT_KILL", "").partition(":")
-    if at and int(at) == step and int(rank) == dist.get_rank() and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -175,7 +166,6 @@ def main() -> None:
         losses.append(loss.item())
         if step % args.save_every == 0 or step == args.steps:
             checkpoint.save(saves, model, optimizer, step=step, extra={"losses": losses})
-        die_if_asked(step)
         if progress is not None:
             tokens_per_s = (step - done) * args.batch * args.seq / (time.perf_counter() - start)
             progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s:,.0f}")

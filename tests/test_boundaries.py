@@ -73,12 +73,13 @@ def test_no_core_module_imports_the_compat_views() -> None:
 
 
 def test_fault_injection_lives_in_the_testing_package_only() -> None:
-    """Production modules never kill their own process (crash points are patched in by meshpar.testing.faults)."""
+    """Production modules and the examples never kill their own process (crash points are patched in by
+    meshpar.testing.faults and tests/_kill_after.py)."""
     offenders = []
-    for path in _modules():
+    for path in [*_modules(), *sorted((PACKAGE.parent / "examples").rglob("*.py"))]:
         if (PACKAGE / "testing") in path.parents:
             continue
         text = path.read_text()
         if "os.kill(" in text or "SIGKILL" in text or "KILL_AT" in text:
-            offenders.append(str(path.relative_to(PACKAGE)))
+            offenders.append(str(path.relative_to(PACKAGE.parent)))
     assert not offenders, f"fault injection in production code: {offenders}"

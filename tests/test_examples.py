@@ -48,8 +48,8 @@ def test_a_killed_rank_restarts_the_job_which_ends_like_an_uninterrupted_run(tmp
              "--seq", "32", "--batch", "8", "--microbatches", "2"]  # fmt: skip
     _torchrun(2, "examples/train_gpt.py", *small, "--out", str(tmp_path / "straight"), tmp_path=tmp_path)
     out = _torchrun(
-        2, "examples/train_gpt.py", *small, "--out", str(tmp_path / "killed"), tmp_path=tmp_path,
-        launcher=("--max-restarts=1",), env={"TRAIN_GPT_KILL": "1:5"},
+        2, "tests/_kill_after.py", "1:5", "examples/train_gpt.py", *small, "--out", str(tmp_path / "killed"),
+        tmp_path=tmp_path, launcher=("--max-restarts=1",),
     )  # fmt: skip
     assert "after step 4" in out, out[-2000:]
     straight = json.loads((tmp_path / "straight" / "losses.json").read_text())
