@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar import checkpoint
+from meshpar.compat.nxd.pipeline import NxDPPModel
 from meshpar.data_parallel import allreduce_gradients
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import get_parallel
-from meshpar.pipeline import PipelineModel
 from meshpar.testing import DistributedPool, run_distributed, setup_parallel
 from meshpar.testing.faults import KILL_POINTS
 from meshpar.testing.faults import kill_at as kill_at_point
@@ -36,10 +36,10 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _build(tp: int, pp: int, zero1: bool) -> tuple[PipelineModel, DistributedOptimizer]:
+def _build(tp: int, pp: int, zero1: bool) -> tuple[NxDPPModel, DistributedOptimizer]:
     dims = setup_parallel(tp=tp, pp=pp)
     torch.manual_seed(0)
-    model = PipelineModel(
+    model = NxDPPModel(
         PipeGPT(layers=LAYERS),
         transformer_layer_cls=Block,
         num_microbatches=2,
@@ -56,7 +56,7 @@ def _build(tp: int, pp: int, zero1: bool) -> tuple[PipelineModel, DistributedOpt
     return model, optimizer
 
 
-def _train(model: PipelineModel, optimizer: DistributedOptimizer, steps: range) -> list[float]:
+def _train(model: NxDPPModel, optimizer: DistributedOptimizer, steps: range) -> list[float]:
     dims = get_parallel()
     losses = []
     for step in steps:

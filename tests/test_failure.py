@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import meshpar
 from meshpar import checkpoint
-from meshpar.pipeline import PipelineModel
+from meshpar.compat.nxd.pipeline import NxDPPModel
 from meshpar.testing import DistributedPool, RankCrashedError, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 from tests.hf._configs import batch, build
@@ -57,7 +57,7 @@ def schedule_case(failing: int) -> None:
     """tp2 x pp2 pipeline whose stage raises in its third microbatch on one rank (NxD's failing stage)."""
     dims = setup_parallel(tp=2, pp=2)
     torch.manual_seed(0)
-    model = PipelineModel(
+    model = NxDPPModel(
         PipeGPT(layers=4),
         transformer_layer_cls=Block,
         num_microbatches=4,

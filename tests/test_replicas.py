@@ -134,14 +134,14 @@ def test_apex_build_model_makes_dp_replicas_equal() -> None:
 
 
 def unseeded_pipeline_case() -> dict:
-    """NxD's entry point (PipelineModel / NxDPPModel) at pp2 x dp2 on rank-seeded models: the pipeline trains the
+    """NxD's entry point (NxDPPModel) at pp2 x dp2 on rank-seeded models: the pipeline trains the
     first rank's model."""
-    from meshpar.pipeline import PipelineModel
+    from meshpar.compat.nxd.pipeline import NxDPPModel
     from tests._models import PipeGPT, lm_loss
 
     setup_parallel(pp=2)
     torch.manual_seed(50 + dist.get_rank())
-    model = PipelineModel(
+    model = NxDPPModel(
         PipeGPT(layers=4),
         transformer_layer_cls=Block,
         num_microbatches=2,

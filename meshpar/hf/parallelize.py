@@ -39,6 +39,7 @@ from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.loss import TokenLoss
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
+    PipelineLayout,
     block_lists,
     check_stage_composition,
     inferred_pipeline_layout,
@@ -48,8 +49,8 @@ from meshpar.hf.stages import (
 from meshpar.hf.verify import verify_plan
 from meshpar.materialize import is_meta
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
-from meshpar.pipeline.model import PipelineModel
-from meshpar.pipeline.split import plan_stages
+from meshpar.pipeline.model import PipelineModel, StageChunk
+from meshpar.pipeline.split import StagePlan, build_stages, plan_stages
 from meshpar.rebind import record_replacements
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.replicas import make_replicas_equal
@@ -83,7 +84,7 @@ def _init_mesh(config: ParallelConfig) -> ParallelDims:
 
 
 class ParallelizedModel(nn.Module):
-    def __init__(self, model: nn.Module, config: ParallelConfig, plan: dict | None = None) -> None:
+    def __init__(self, model: nn.Module, config: ParallelConfig, plan: dict | HFPlan | None = None) -> None:
         super().__init__()
         self.parallel_config = config
         # the plan (and its head-count checks) before the mesh: a bad layout fails before any process group is
@@ -94,11 +95,13 @@ class ParallelizedModel(nn.Module):
             self._build(model, config)
 
     @staticmethod
-    def _checked_plan(model: nn.Module, config: ParallelConfig, plan: dict | None) -> HFPlan:
+    def _checked_plan(model: nn.Module, config: ParallelConfig, plan: dict | HFPlan | None) -> HFPlan:
         if not isinstance(model, nn.Module):
             raise TypeError(f"parallelize takes a HuggingFace model (an nn.Module), got {type(model).__name__}")
         _check_existing_mesh(config)
-        return plan_for(model, config.tensor_parallel_size, config.sequence_parallel, plan)
+        built = plan_for(model, config, plan=plan)
+        _log.info("%s", built)  # the plan that runs (meshpar.hf.plan_for returns it, to print, edit and pass back)
+        return built
 
     def _build(self, model: nn.Module, config: ParallelConfig) -> None:
         self.dims = _init_mesh(config)
@@ -201,9 +204,9 @@ class ParallelizedModel(nn.Module):
             replicas_equal=True,  # made equal before sharding: over tp in _build, over pp and dp by the pipeline
         )
 
-    def _pipeline_plan(self, model: nn.Module) -> tuple[Any, tuple[list[str], list[str]], list[str]]:
-        """The model's pipeline layout, its first and last stage's modules, proven on the dense model (no
-        collective: each rank decides alike)."""
+    def _pipeline_plan(self, model: nn.Module) -> tuple[PipelineLayout, StagePlan]:
+        """The model's pipeline layout and the stage plan that is built, proven on the dense model (no collective:
+        each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
         if self.plan.task not in ("causal_lm", "masked_lm"):
             raise ValueError(
@@ -244,52 +247,54 @@ class ParallelizedModel(nn.Module):
                 "it on the dense model, which a model built on meta cannot run; build it on cpu, or use "
                 "pipeline_parallel_size 1"
             )
-        if self._from_meta:
-            _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
-        else:
-            stages = plan_stages(
-                model,
-                self.dims.pp * config.virtual_pipeline_size,
-                transformer_layer_cls=self._layer_cls,
-                auto_partition=config.auto_partition,
-                first_stage_modules=sides[0],
-                last_stage_modules=last,
-            )
-            check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
-        return layout, sides, last
-
-    def _split(self, model: nn.Module) -> PipelineModel:
-        """Every stage runs the model's own forward (:func:`meshpar.hf.stages.decoder_stage_forward`), from
-        transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model, proven on the dense
-        model first."""
-        config, loss_fn = self.parallel_config, self.loss_fn
-        # a refusal is agreed on by every rank (one collective), so it leaves the job usable
-        layout, sides, last = agree("parallelize", lambda: self._pipeline_plan(model))
-        shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
-
-        def install(stage: nn.Module) -> nn.Module:
-            return install_decoder_stage(stage, layout, shards)
-
-        return PipelineModel(
+        stages = plan_stages(
             model,
+            self.dims.pp * config.virtual_pipeline_size,
             transformer_layer_cls=self._layer_cls,
-            num_microbatches=config.num_microbatches,
-            virtual_pipeline_size=config.virtual_pipeline_size,
             auto_partition=config.auto_partition,
-            input_names=["input_ids"],
-            broadcast_and_average_loss=True,
-            loss_fn=loss_fn.pipeline_loss if loss_fn is not None else None,
-            keep_modules=layout.keep,
-            stage_transform=lambda stage: self._shard(install(stage)),
-            dp_mode=self.dp_mode,
-            # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
-            stage_kwargs=("attention_mask", "input_ids", "position_ids"),
-            stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
-            average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
-            schedule=config.pipeline_schedule,
-            dims=self.dims,
             first_stage_modules=sides[0],
             last_stage_modules=last,
+        )
+        if self._from_meta:
+            _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
+        else:  # the plan proven here is the plan built below
+            check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+        return layout, stages
+
+    def _split(self, model: nn.Module) -> PipelineModel:
+        """The pipeline, decided once and proven on the dense model (:meth:`_pipeline_plan`); this rank's stages
+        built once from that plan, each given the model's own forward (:func:`meshpar.hf.stages.install_decoder_stage`:
+        transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model) and sharded, then run
+        by meshpar's pipeline runtime."""
+        config, loss_fn = self.parallel_config, self.loss_fn
+        # a refusal is agreed on by every rank (one collective), so it leaves the job usable
+        layout, plan = agree("parallelize", lambda: self._pipeline_plan(model))
+        if loss_fn is None:  # _pipeline_plan refuses heads meshpar has no loss for; this guards that invariant
+            raise ValueError(f"{type(model).__name__}: pipeline stages need meshpar's loss for the model's head")
+        shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
+        # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule)
+        make_replicas_equal(model, self.dims, over=("pp", "dp"))
+        stages = build_stages(
+            model, plan, self.dims.pp_rank, self.dims.pp, keep_modules=layout.keep,
+            stage_init_fn=init_hf_weights,  # used only for a model built on "meta"
+            device=self.dims.device,
+        )  # fmt: skip
+        # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
+        calls = ("attention_mask", "input_ids", "position_ids")
+        chunks = [
+            StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
+            for index, stage in stages
+        ]
+        return PipelineModel(
+            chunks,
+            plan,
+            self.dims,
+            num_microbatches=config.num_microbatches,
+            loss_fn=loss_fn.pipeline_loss,
+            schedule=config.pipeline_schedule,
+            dp_mode=self.dp_mode,
+            average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
+            broadcast_loss=True,
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -558,11 +563,13 @@ class ParallelizedModel(nn.Module):
 
 
 def parallelize(
-    model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | None = None
+    model: nn.Module, config: ParallelConfig | dict | str | None = None, *, plan: dict | HFPlan | None = None
 ) -> ParallelizedModel:
     """Shard a HuggingFace model by the plan the installed transformers ships for its family (or meshpar's table in
     the same format where it ships none: GPT-2, BERT, OPT, ...), verified on one block, or by a user ``plan`` that
-    replaces it. An error on any rank once the mesh exists stops every rank (:mod:`meshpar.failure`)."""
+    replaces it: a dict ``FQN pattern -> style``, or the complete plan :func:`meshpar.hf.plan_for` returns (printed,
+    edited, passed back: applied unchanged). The plan that runs is logged. An error on any rank once the mesh exists
+    stops every rank (:mod:`meshpar.failure`)."""
     return ParallelizedModel(model, load_config(config), plan)
 
 

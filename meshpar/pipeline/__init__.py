@@ -5,7 +5,7 @@ schedule API is a view over it in :mod:`meshpar.compat.apex.pipeline_parallel`."
 from meshpar.pipeline.inspector import ScheduleDeadlockError, Timeline, inspect_schedule, simulate
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.schedule_ir import Action, build_actions
-from meshpar.pipeline.split import PipelineLayers, StagePlan, build_stage, plan_stages, split_model
+from meshpar.pipeline.split import PipelineLayers, StagePlan, build_stage, build_stages, plan_stages, split_model
 
 __all__ = [
     "Action",
@@ -17,6 +17,7 @@ __all__ = [
     "Timeline",
     "build_actions",
     "build_stage",
+    "build_stages",
     "inspect_schedule",
     "plan_stages",
     "simulate",

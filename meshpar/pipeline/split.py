@@ -236,6 +236,40 @@ def _materialize(
                 sub.reset_parameters()
 
 
+def build_stages(
+    model: nn.Module,
+    plan: StagePlan,
+    pp_rank: int,
+    pp: int,
+    *,
+    keep_modules: Sequence[str] = (),
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    stage_init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+) -> list[tuple[int, nn.Module]]:
+    """The stages of ``plan`` that pipeline rank ``pp_rank`` runs (``pp_rank + k * pp``), each built once:
+    ``[(stage_index, module), ...]``.
+
+    A model built on ``meta`` is materialised stage by stage on ``device`` (``stage_init_fn(stage)``, NxD's
+    ``param_init_fn`` per module, or every submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank
+    only ever allocates its own stages.
+    """
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank {pp_rank} is out of range for pp={pp}")
+    if plan.num_stages % pp != 0:
+        raise ValueError(f"{plan.num_stages} stages cannot be dealt out evenly to pp={pp} ranks")
+    is_meta = any(p.is_meta for p in model.parameters())
+    stages = []
+    for stage in range(pp_rank, plan.num_stages, pp):
+        module = build_stage(model, plan, stage, keep_modules)
+        if is_meta:
+            _materialize(module, torch.device(device or "cpu"), param_init_fn, stage_init_fn)
+        elif device is not None:
+            module.to(device)
+        stages.append((stage, module))
+    return stages
+
+
 def split_model(
     model: nn.Module,
     pp_rank: int,
@@ -252,12 +286,8 @@ def split_model(
     first_stage_modules: Sequence[str] = (),
     last_stage_modules: Sequence[str] = (),
 ) -> tuple[list[tuple[int, nn.Module]], StagePlan]:
-    """The stages of pipeline rank ``pp_rank``: ``[(stage_index, module), ...]`` for stages ``pp_rank + k * pp``.
-
-    A model built on ``meta`` is materialised stage by stage on ``device`` (``stage_init_fn(stage)``, NxD's
-    ``param_init_fn`` per module, or every submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank
-    only ever allocates its own stages.
-    """
+    """:func:`plan_stages` for ``pp * virtual_pipeline_size`` stages, then :func:`build_stages` for ``pp_rank``:
+    ``([(stage_index, module), ...], plan)``."""
     check_virtual_pipeline_size(pp, virtual_pipeline_size)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} is out of range for pp={pp}")
@@ -270,13 +300,8 @@ def split_model(
         first_stage_modules=first_stage_modules,
         last_stage_modules=last_stage_modules,
     )
-    is_meta = any(p.is_meta for p in model.parameters())
-    stages = []
-    for stage in range(pp_rank, plan.num_stages, pp):
-        module = build_stage(model, plan, stage, keep_modules)
-        if is_meta:
-            _materialize(module, torch.device(device or "cpu"), param_init_fn, stage_init_fn)
-        elif device is not None:
-            module.to(device)
-        stages.append((stage, module))
+    stages = build_stages(
+        model, plan, pp_rank, pp, keep_modules=keep_modules, param_init_fn=param_init_fn,
+        stage_init_fn=stage_init_fn, device=device,
+    )  # fmt: skip
     return stages, plan

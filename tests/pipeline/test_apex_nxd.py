@@ -1,4 +1,4 @@
-"""apex get_forward_backward_func and NxD PipelineModel on meshpar's executor vs the dense model."""
+"""apex get_forward_backward_func and NxD NxDPPModel on meshpar's executor vs the dense model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar.compat.apex import parallel_state as apex_state
 from meshpar.compat.apex.pipeline_parallel import get_forward_backward_func
+from meshpar.compat.nxd.pipeline import NxDPPModel
 from meshpar.data_parallel import apply_fsdp
 from meshpar.parallel_dims import get_parallel
-from meshpar.pipeline import PipelineModel, StageChunk, split_model
+from meshpar.pipeline import StageChunk, split_model
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import Block, PipeGPT, lm_loss, pipe_gpt_plan
 
@@ -161,7 +162,7 @@ def nxd_case(pp: int, v: int, m: int, broadcast: bool) -> None:
     microbatches = [{k: t.chunk(m)[i] for k, t in batch.items()} for i in range(m)]
     dense, expected = _dense(5, microbatches)
     torch.manual_seed(0)
-    model = PipelineModel(
+    model = NxDPPModel(
         PipeGPT(layers=5),
         transformer_layer_cls=Block,
         num_microbatches=m,
@@ -191,12 +192,12 @@ def bad_inputs_case(kind: str) -> None:
     model = PipeGPT(layers=2)
     loss = {"loss_fn": lambda out, **_: out.sum()}  # the structural split (without a loss_fn NxDPPModel traces)
     if kind == "few_microbatches":
-        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=1, **loss)
+        NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=1, **loss)
     elif kind == "indivisible_batch":
-        pm = PipelineModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"], **loss)
+        pm = NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"], **loss)
         pm.run_train(ids=torch.zeros(4, 8, dtype=torch.long), labels=torch.zeros(4, 8, dtype=torch.long))
     elif kind == "too_many_stages":
-        PipelineModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2, **loss)
+        NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=4, virtual_pipeline_size=2, **loss)
     elif kind == "chunks_vs_virtual_size":
         get_parallel().virtual_pipeline_size = 2
         stages, _ = split_model(PipeGPT(layers=6), get_parallel().pp_rank, 2, transformer_layer_cls=Block,
@@ -236,7 +237,7 @@ def pp_x_dp_case(v: int, sync: str) -> int:
     dense, _ = _dense(4, everything)
     mine = {k: t.chunk(2)[dims.dp_rank] for k, t in batch.items()}
     torch.manual_seed(0)
-    model = PipelineModel(
+    model = NxDPPModel(
         PipeGPT(layers=4),
         transformer_layer_cls=Block,
         num_microbatches=m,
