@@ -301,16 +301,31 @@ def hf_tp_plan(model: nn.Module) -> dict[str, object]:
     return {**plan, **_under_base_model(model, AMENDMENTS.get(model_type, {}))} if plan else {}
 
 
-def fixup_on(pattern: str, fn: Callable[[nn.Module, int], None]) -> Callable[[nn.Module, int], None]:
+def _name_of(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+@dataclass(frozen=True)
+class PatternFixup:
     """Run ``fn(module, tp)`` on every module matching ``pattern`` of the module it is given (the whole model, a
     pipeline stage, or the block :mod:`meshpar.hf.verify` checks)."""
 
-    def fix(model: nn.Module, tp: int) -> None:
-        for name, module in model.named_modules():
-            if fqn_matches(pattern, name):
-                fn(module, tp)
+    pattern: str
+    fn: Callable[[nn.Module, int], None]
 
-    return fix
+    def __call__(self, model: nn.Module, tp: int) -> None:
+        for name, module in model.named_modules():
+            if fqn_matches(self.pattern, name):
+                self.fn(module, tp)
+
+    def __str__(self) -> str:
+        shown = repr(self.fn) if isinstance(self.fn, divide_attribute) else _name_of(self.fn)
+        return f"{self.pattern}: {shown}"
+
+
+def fixup_on(pattern: str, fn: Callable[[nn.Module, int], None]) -> PatternFixup:
+    """``fn(module, tp)`` on every module matching ``pattern`` (see :class:`PatternFixup`)."""
+    return PatternFixup(pattern, fn)
 
 
 def attention_heads(config: object) -> tuple[int | None, int | None]:
@@ -506,16 +521,24 @@ def embedding_and_head(model: nn.Module) -> tuple[str | None, str | None, bool]:
     return embedding_name, head_name, tied
 
 
-def kv_group_fixup(heads: int) -> Callable[[nn.Module, int], None]:
+@dataclass(frozen=True)
+class KeyValueGroups:
     """With replicated key/value heads each rank holds one of them for all its query heads: attention modules that
     repeat key/value heads (``num_key_value_groups``) repeat it for ``heads / tp`` query heads."""
 
-    def fix(model: nn.Module, tp: int) -> None:
+    heads: int
+
+    def __call__(self, model: nn.Module, tp: int) -> None:
         for module in model.modules():
             if hasattr(module, "num_key_value_groups") and any(hasattr(module, n) for n in _KEY_VALUE):
-                module.num_key_value_groups = heads // tp
+                module.num_key_value_groups = self.heads // tp
 
-    return fix
+    def __str__(self) -> str:
+        return f"attention num_key_value_groups = {self.heads} // tp (key/value heads replicated)"
+
+
+def kv_group_fixup(heads: int) -> KeyValueGroups:
+    return KeyValueGroups(heads)
 
 
 def layer_container(model: nn.Module) -> str:

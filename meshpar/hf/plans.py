@@ -35,6 +35,7 @@ from meshpar.tensor_parallel import (
     gather_from_tp,
     scatter_to_sp,
 )
+from meshpar.tensor_parallel.style import describe_style
 
 
 class ScatterSequenceInput(ParallelStyle):
@@ -75,6 +76,19 @@ class HFPlan:
     verify: bool = False  # prove the plan against the dense model at parallelize time (plans not meshpar's own)
     sequence_parallel: bool = False  # blocks take and return sequence shards (the verification splits their input)
     head: str = ""  # FQN of the LM head when it emits vocab-sharded logits (the loss is then vocab-parallel)
+
+    def __str__(self) -> str:
+        """The plan as it runs: every FQN pattern with its style and arguments, the fix-ups, ties and the rest; what
+        ``parallelize`` logs, and what a user reads before editing it and passing it back as ``plan=``."""
+        lines = [f"{self.family} ({self.task}) tensor-parallel plan:"]
+        lines += [f"  {pattern}: {describe_style(style)}" for pattern, style in self.styles.items()] or ["  (nothing)"]
+        if self.fixups:
+            lines += ["fix-ups after sharding:", *(f"  {fixup}" for fixup in self.fixups)]
+        if self.ties:
+            lines += ["tied (one parameter, saved once):", *(f"  {target} = {source}" for target, source in self.ties)]
+        lines.append(f"layers: {self.layers or '-'}; vocab-parallel head: {self.head or '-'}")
+        lines.append(f"sequence parallel: {self.sequence_parallel}; verified against dense: {self.verify}")
+        return "\n".join(lines)
 
 
 def task_of(model: nn.Module) -> str:
@@ -197,12 +211,38 @@ def user_plan(model: nn.Module, plan: dict[str, object], tp: int) -> HFPlan:
     return HFPlan(model_type, task_of(model), styles, fixups, _head_ties(model), layer_container(model), verify=True)
 
 
+def _sizes(layout: object, sequence_parallel: bool) -> tuple[int, bool]:
+    """(tp, sequence parallelism) from a tp size, a ``parallelize`` config (dict or ``ParallelConfig``) or a
+    ``ParallelDims``."""
+    if isinstance(layout, int):
+        return layout, sequence_parallel
+    if isinstance(layout, dict):
+        return int(layout.get("tensor_parallel_size", 1)), bool(layout.get("sequence_parallel", sequence_parallel))
+    if hasattr(layout, "tensor_parallel_size"):
+        return layout.tensor_parallel_size, bool(getattr(layout, "sequence_parallel", sequence_parallel))
+    if hasattr(layout, "tp"):
+        return layout.tp, sequence_parallel
+    raise TypeError(f"plan_for takes a tp size, a parallelize config or a ParallelDims, got {type(layout).__name__}")
+
+
 def plan_for(
-    model: nn.Module, tp: int, sequence_parallel: bool = False, plan: dict[str, object] | None = None
+    model: nn.Module,
+    layout: int | dict | object,
+    sequence_parallel: bool = False,
+    plan: dict[str, object] | HFPlan | None = None,
 ) -> HFPlan:
-    """The plan ``parallelize`` applies: the user's ``plan`` if given; else the plan the family ships (transformers'
-    own, or meshpar's table in the same format: GPT-2, BERT, OPT, GPT-J); at tp=1 nothing needs sharding. A model
-    with none of these is refused: meshpar does not guess from module names."""
+    """The complete plan ``parallelize`` applies to ``model`` for ``layout`` (a tp size, the config dict given to
+    ``parallelize``, or a ``ParallelDims``): every module's style with its arguments, the fix-ups, ties and sequence
+    parallel regions. ``print`` it to read it; pass it (or an edited copy) back as ``parallelize(..., plan=...)``
+    and it is applied unchanged.
+
+    It is the user's ``plan`` if given (a dict, or an ``HFPlan`` as returned here); else the plan the family ships
+    (transformers' own, or meshpar's table in the same format: GPT-2, BERT, OPT, GPT-J); at tp=1 nothing needs
+    sharding. A model with none of these is refused: meshpar does not guess from module names."""
+    tp, sequence_parallel = _sizes(layout, sequence_parallel)
+    if isinstance(plan, HFPlan):
+        _check_ties(model, plan)
+        return plan
     if plan is not None:
         built = user_plan(model, plan, tp)
     else:

@@ -38,6 +38,20 @@ from meshpar.tensor_parallel.layers import (
 from meshpar.tensor_parallel.packed import PackedColumnParallelLinear
 
 
+def describe_style(style: object) -> str:
+    """A style as one readable line: its class and the arguments it holds (``ColumnParallel(gather_output=False,
+    ...)``); nested styles described alike. What :class:`meshpar.hf.plans.HFPlan` prints."""
+    if not isinstance(style, ParallelStyle):
+        return repr(style)
+    fields = []
+    for name, value in vars(style).items():
+        if name.startswith("_"):
+            continue
+        shown = describe_style(value) if isinstance(value, ParallelStyle) else repr(value)
+        fields.append(f"{name}={shown}")
+    return f"{type(style).__name__}({', '.join(fields)})"
+
+
 def _require(module: nn.Module, cls: type, style: str) -> None:
     if type(module) is not cls:
         raise TypeError(f"{style} applies to {cls.__name__} modules, got {type(module).__name__}")

@@ -184,3 +184,75 @@ def test_what_stages_carry_is_read_off_the_layer_calls() -> None:
         before_the_layers,
         (Carried(0, True), Carried(1, False), Carried("stack", True)),
     )
+
+
+def plan_round_trip_case(family: str) -> dict:
+    """The plan meshpar applies, printed, passed back unchanged and edited: the unchanged one runs exactly as the
+    automatic one (same loss and grads), the edited one leaves the modules it no longer names unsharded."""
+    import dataclasses
+    import logging
+
+    from meshpar._compat import DTensor
+
+    setup_parallel(tp=2)
+    config = {"tensor_parallel_size": 2}
+    torch.manual_seed(0)
+    dense = build(family)
+    plan = plan_for(copy.deepcopy(dense), config)
+    text = str(plan)
+    data = batch(family)
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("meshpar.hf.parallelize")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        automatic = meshpar.parallelize(copy.deepcopy(dense), config)
+        passed_back = meshpar.parallelize(copy.deepcopy(dense), config, plan=plan)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    losses = [model.train_step(**data) for model in (automatic, passed_back)]
+    grads = [
+        {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in m.module.named_parameters()}
+        for m in (automatic, passed_back)
+    ]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+    edited = dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items() if "mlp" not in k})
+    partial = meshpar.parallelize(copy.deepcopy(dense), config, plan=edited)
+    kinds = {n: isinstance(p, DTensor) and p.to_local().shape != p.shape for n, p in partial.module.named_parameters()}
+    return {
+        "text": text,
+        "logged": [m for m in logged if m == text],
+        "losses": [float(loss) for loss in losses],
+        "dense_loss": float(dense(**data).loss.detach()),
+        "mlp_sharded": [n for n, sharded in kinds.items() if "mlp" in n and sharded],
+        "attention_sharded": [n for n, sharded in kinds.items() if "attn" in n and sharded],
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        (
+            "llama",
+            ["model.layers.*.self_attn.q_proj: ColumnParallel(", "lm_head: ColumnParallel(", "layers: model.layers"],
+        ),
+        # GPT-2: its fused attention's split_size is divided after sharding, its head tied to the embedding
+        ("gpt2", ["transformer.h.*.attn.c_attn: ", "fix-ups after sharding:", "tied (one parameter, saved once):"]),
+    ],
+)
+def test_the_printed_plan_is_the_one_that_runs_and_round_trips(family: str, expected: list[str]) -> None:
+    result = run_distributed(plan_round_trip_case, 2, family)[0]
+    text = result["text"]
+    for line in expected:
+        assert line in text, text
+    assert result["logged"] == [text] * 2  # parallelize logs the plan it applies, automatic or passed back
+    automatic, passed_back = result["losses"]
+    assert automatic == passed_back and abs(automatic - result["dense_loss"]) < 1e-5
+    assert result["mlp_sharded"] == [] and result["attention_sharded"], result

@@ -3,7 +3,8 @@
 The fused path runs meshpar's softmax ops (:mod:`meshpar.ops.softmax`, a Triton kernel where available, computing in
 float32 and returning the input's dtype) where apex would run its CUDA kernel: fusion asked for, half-precision input,
 a padding or causal mask. meshpar's kernels have none of apex's size limits, so they run for every such shape.
-Everything else takes apex's torch path (``mask_func``, softmax in float32 when asked) unchanged.
+Everything else takes apex's torch path (``mask_func``, softmax in float32 when asked) unchanged. Under autocast the
+fused functions take their inputs in the autocast dtype, as apex's do.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ __all__ = [
 ]
 
 
+def _autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would compute in here: apex's fused softmax takes its inputs in the autocast dtype (of
+    CUDA, as apex checks, or of the input's own device)."""
+    for device_type in dict.fromkeys(("cuda", tensor.device.type)):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _under_autocast(fn: object, inputs: torch.Tensor, *rest: object) -> torch.Tensor:
+    """Run ``fn`` on ``inputs`` cast to the autocast dtype (when autocast is on), with autocast off inside."""
+    dtype = _autocast_dtype(inputs)
+    if dtype is None:
+        return fn(inputs, *rest)
+    with torch.autocast(inputs.device.type, enabled=False):
+        return fn(inputs.to(dtype) if inputs.is_floating_point() else inputs, *rest)
+
+
 def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask if mask is None or mask.dtype == torch.bool else mask.bool()
 
@@ -37,20 +56,20 @@ def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 def scaled_upper_triang_masked_softmax(inputs: torch.Tensor, _: object, scale: float) -> torch.Tensor:
     """Causal: ``inputs`` ``[b, np, sq, sk]`` (apex's 3-D ``[b*np, sq, sk]`` too)."""
     if inputs.dim() == 3:
-        return _causal(inputs.unsqueeze(1), scale).squeeze(1)
-    return _causal(inputs, scale)
+        return _under_autocast(lambda x: _causal(x.unsqueeze(1), scale).squeeze(1), inputs)
+    return _under_autocast(lambda x: _causal(x, scale), inputs)
 
 
 def scaled_masked_softmax(inputs: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``mask`` is ``True`` (or 1) where a score is masked out."""
-    return _masked(inputs, _bool_mask(mask), scale)
+    return _under_autocast(lambda x: _masked(x, _bool_mask(mask), scale), inputs)
 
 
 generic_scaled_masked_softmax = scaled_masked_softmax
 
 
 def scaled_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
-    return _masked(inputs, None, scale)
+    return _under_autocast(lambda x: _masked(x, None, scale), inputs)
 
 
 class ScaledUpperTriangMaskedSoftmax:
