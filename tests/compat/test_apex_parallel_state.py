@@ -78,7 +78,33 @@ def bad_split_case() -> str:
 
 def test_a_split_rank_outside_the_pipeline_is_refused() -> None:
     for message in run_distributed(bad_split_case, 2):
-        assert "must be a pipeline rank after the first one" in message, message
+        assert "must be a pipeline rank (0 .. 1)" in message, message
+
+
+def decoder_only_case() -> list:
+    """apex's decoder-only form: split rank 0 (every stage after the split) at pp=2, then at pp=1; the relative
+    position groups are the ones built at initialisation (setting another split rank later moves no group)."""
+    rank = dist.get_rank()
+    parallel_state.initialize_model_parallel(1, 2, pipeline_model_parallel_split_rank_=0)
+    at_pp2 = (
+        parallel_state.is_pipeline_stage_before_split(),
+        parallel_state.is_pipeline_stage_after_split(),
+        parallel_state.is_rank_in_encoder_relative_position_embedding_group(),
+        parallel_state.is_rank_in_decoder_relative_position_embedding_group(),
+    )
+    parallel_state.set_pipeline_model_parallel_split_rank(77)
+    moved = parallel_state.is_rank_in_decoder_relative_position_embedding_group()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(2, 1, pipeline_model_parallel_split_rank_=0)
+    at_pp1 = parallel_state.is_rank_in_encoder_relative_position_embedding_group()
+    parallel_state.destroy_model_parallel()
+    return [rank, at_pp2, moved, at_pp1]
+
+
+def test_split_rank_zero_is_a_decoder_only_model() -> None:
+    for rank, at_pp2, moved, at_pp1 in run_distributed(decoder_only_case, 2):
+        assert at_pp2 == (False, True, False, True), (rank, at_pp2)
+        assert moved and at_pp1
 
 
 @pytest.mark.parametrize("backend", ["mpi", "nccl2"])

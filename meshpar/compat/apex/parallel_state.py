@@ -65,10 +65,11 @@ def initialize_model_parallel(
             )
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp = min(tensor_model_parallel_size_, world), min(pipeline_model_parallel_size_, world)
-    if pipeline_model_parallel_split_rank_ is not None and not 0 < pipeline_model_parallel_split_rank_ < pp:
+    split = pipeline_model_parallel_split_rank_
+    if split is not None and not 0 <= split < pp:
         raise ValueError(
-            f"pipeline_model_parallel_split_rank_={pipeline_model_parallel_split_rank_} must be a pipeline rank "
-            f"after the first one (1 .. {pp - 1}): the encoder runs on the ranks before it, the decoder from it on"
+            f"pipeline_model_parallel_split_rank_={split} must be a pipeline rank (0 .. {pp - 1}): the encoder runs "
+            "on the ranks before it, the decoder from it on (0: a decoder-only model)"
         )
     _initialize_mesh(tp, pp, virtual_pipeline_model_parallel_size_)
     _split_rank = pipeline_model_parallel_split_rank_
@@ -154,19 +155,15 @@ def is_pipeline_stage_at_split() -> bool:
 
 
 def is_rank_in_encoder_relative_position_embedding_group() -> bool:
-    """apex's groups: every stage at pp=1; the encoder stages with a split rank; else the first stage."""
-    if get_pipeline_model_parallel_world_size() == 1:
-        return True
-    rank = get_pipeline_model_parallel_rank()
-    return rank < _split_rank if _split_rank is not None else rank == 0
+    """This rank is in the encoder's relative-position-embedding group as initialised (every rank at pp=1; the
+    ranks before the split rank with one; else the first stage)."""
+    return dist.get_rank() in _group_of("encoder_relative_position_embedding")[1]
 
 
 def is_rank_in_decoder_relative_position_embedding_group() -> bool:
-    """apex's groups: every stage at pp=1; the decoder stages with a split rank; else the first stage."""
-    if get_pipeline_model_parallel_world_size() == 1:
-        return True
-    rank = get_pipeline_model_parallel_rank()
-    return rank >= _split_rank if _split_rank is not None else rank == 0
+    """This rank is in the decoder's relative-position-embedding group as initialised (every rank at pp=1; the
+    split rank and after with one; else the first stage)."""
+    return dist.get_rank() in _group_of("decoder_relative_position_embedding")[1]
 
 
 class ExperimentalWarning(Warning):
@@ -179,17 +176,19 @@ _groups: tuple[object, dict[str, tuple[dist.ProcessGroup, list[int]]]] | None = 
 
 
 def _members(kind: str) -> list[list[int]]:
-    """Every group of ``kind``, as lists of global ranks."""
+    """Every group of ``kind``, as lists of global ranks (apex's rules; an empty one is not created)."""
     dims = get_parallel()
     grid = dims.mesh.mesh  # [dp, pp, tp] global ranks
-    pipelines = dims.group_ranks("pp")
     split = _split_rank
     if kind == "model":  # tp x pp of one data-parallel replica
         return [grid[d].flatten().tolist() for d in range(dims.dp)]
     if kind == "amax":  # tp x dp of one pipeline stage (apex's fp8 amax reduction)
         return [grid[:, p, :].flatten().tolist() for p in range(dims.pp)]
     groups = []
-    for ranks in pipelines:
+    for ranks in dims.group_ranks("pp"):
+        if len(ranks) == 1:  # no pipeline: every group is the one rank
+            groups.append(list(ranks))
+            continue
         if kind == "embedding":
             picked = [ranks[0], ranks[-1]] + ([ranks[split]] if split is not None else [])
         elif kind == "position_embedding":
@@ -198,7 +197,8 @@ def _members(kind: str) -> list[list[int]]:
             picked = ranks[:split] if split is not None else [ranks[0]]
         else:  # decoder_relative_position_embedding
             picked = ranks[split:] if split is not None else [ranks[0]]
-        groups.append(sorted(set(picked)))
+        if picked:
+            groups.append(sorted(set(picked)))
     return groups
 
 
