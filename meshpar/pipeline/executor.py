@@ -81,6 +81,9 @@ class PipelineExecutor:
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
     # one per chunk: dp all-reduces start during each chunk's last backward, earlier backwards only accumulate
     grad_syncs: Sequence[OverlappedGradSync] | None = None
+    # a context around each of this rank's stages' last backward of the step, given the stage index (apex's
+    # custom_sync_context_handler re-enables grad reduction there)
+    last_backward_context: Callable[[int], contextlib.AbstractContextManager] | None = None
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
@@ -219,7 +222,12 @@ class PipelineExecutor:
                 if loss is not None:
                     losses[action.microbatch] = loss
             elif not forward_only:
-                with self._grad_sync_context(action.stage, last=i == last_backward.get(action.stage)):
+                last = i == last_backward.get(action.stage)
+                around = self.last_backward_context if last and self.last_backward_context else None
+                with (
+                    around(action.stage) if around else contextlib.nullcontext(),
+                    self._grad_sync_context(action.stage, last=last),
+                ):
                     self.backward(action)
         self.p2p.wait_all()
         self.losses = [losses[i] for i in sorted(losses)]

@@ -204,18 +204,11 @@ def bad_inputs_case(kind: str) -> None:
                                 virtual_pipeline_size=3)  # fmt: skip
         chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
         get_forward_backward_func(2, 2)(forward_step, _batch(4), chunks, forward_only=True, tensor_shape=None)
-    elif kind == "sync_handler_under_pp":
-        stages, _ = split_model(PipeGPT(layers=2), get_parallel().pp_rank, 2, transformer_layer_cls=Block)
-        chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
-        get_forward_backward_func(None, 2)(
-            forward_step, _batch(4), chunks, forward_only=False, custom_sync_context_handler=contextlib.nullcontext
-        )
 
 
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("sync_handler_under_pp", "custom_sync_context_handler: meshpar's pipelined schedules"),
         ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
         ("indivisible_batch", "batch size 4 is not divisible into 3 microbatches"),
         ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
@@ -291,3 +284,69 @@ def no_pipelining_sync_case() -> list[str]:
 def test_no_pipelining_runs_all_but_the_last_microbatch_inside_the_sync_context() -> None:
     events = run_distributed(no_pipelining_sync_case, 1)[0]
     assert events == ["enter", "forward", "exit", "enter", "forward", "exit", "forward"]
+
+
+def user_sync_case() -> dict:
+    """apex's custom_sync_context_handler under 1F1B at pp2: the context is entered as the step starts and left where
+    apex leaves it: on the first stage right before its last backward (so that backward's grads are the ones kept),
+    elsewhere after the schedule, where custom_grad_sync_func then runs. The handler takes the dp reduction over."""
+    dims = setup_parallel(pp=2)
+    stages, _ = split_model(PipeGPT(layers=2), dims.pp_rank, 2, transformer_layer_cls=Block)
+    (chunk,) = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def handler():
+        events.append("enter")
+        yield
+        events.append("exit")
+        for param in chunk.parameters():
+            param.grad = None
+
+    get_forward_backward_func(None, 2)(
+        forward_step, _batch(4), chunk, forward_only=False, num_microbatches=4,
+        custom_sync_context_handler=handler, custom_grad_sync_func=lambda: events.append("grad sync"),
+    )  # fmt: skip
+    grads = [p.grad is not None for p in chunk.parameters()]
+    return {"events": events, "all_grads": all(grads), "any_grads": any(grads)}
+
+
+def test_a_custom_sync_context_is_left_where_apex_leaves_it() -> None:
+    first, last = run_distributed(user_sync_case, 2)
+    assert first == {"events": ["enter", "exit"], "all_grads": True, "any_grads": True}
+    assert last == {"events": ["enter", "exit", "grad sync"], "all_grads": False, "any_grads": False}
+
+
+def interleaved_user_sync_case(with_sync_func: bool) -> dict:
+    """Interleaved (pp2, two chunks per rank): the context is left around (or, with custom_grad_sync_func, after)
+    each chunk's last backward and entered again, then left once more after the schedule; the function gets each
+    chunk's parameters once."""
+    dims = setup_parallel(pp=2)
+    dims.virtual_pipeline_size = 2
+    apex_state.set_virtual_pipeline_model_parallel_rank(0)
+    stages, _ = split_model(PipeGPT(layers=4), dims.pp_rank, 2, transformer_layer_cls=Block, virtual_pipeline_size=2)
+    chunks = [StageChunk(stage, i, ["ids"]) for i, stage in stages]
+    counts = {"enter": 0, "exit": 0, "synced": []}
+
+    @contextlib.contextmanager
+    def handler():
+        counts["enter"] += 1
+        yield
+        counts["exit"] += 1
+
+    def sync_func(params) -> None:
+        counts["synced"].append(sum(p.numel() for p in params))
+
+    get_forward_backward_func(2, 2)(
+        forward_step, _batch(4), chunks, forward_only=False, num_microbatches=4, custom_sync_context_handler=handler,
+        custom_grad_sync_func=sync_func if with_sync_func else None,
+    )  # fmt: skip
+    counts["chunk_sizes"] = [sum(p.numel() for p in c.parameters()) for c in chunks]
+    return counts
+
+
+@pytest.mark.parametrize("with_sync_func", [False, True])
+def test_interleaved_schedules_leave_the_custom_context_once_per_chunk_and_at_the_end(with_sync_func: bool) -> None:
+    for counts in run_distributed(interleaved_user_sync_case, 2, with_sync_func):
+        assert counts["enter"] == counts["exit"] == 3, counts  # two chunks + the end
+        assert sorted(counts["synced"]) == (sorted(counts["chunk_sizes"]) if with_sync_func else []), counts

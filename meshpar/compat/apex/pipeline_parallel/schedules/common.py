@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -252,6 +252,7 @@ class _StepOptions:
     sequence_parallel_enabled: bool = False
     num_microbatches: int | None = None
     custom_sync_context_handler: Callable[[], contextlib.AbstractContextManager] | None = None
+    custom_grad_sync_func: Callable[[], None] | None = None
 
     def forward_context(self, dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager]:
         if self.disable_autocast or self.dtype not in (torch.float16, torch.bfloat16):
@@ -313,29 +314,93 @@ def _pipelined(
             f"virtual_pipeline_model_parallel_size={dims.virtual_pipeline_size}: pass one chunk per virtual stage "
             "(the stage getters of parallel_state count chunks by it)"
         )
-    if options.custom_sync_context_handler is not None:
-        raise NotImplementedError(
-            "custom_sync_context_handler: meshpar's pipelined schedules reduce the dp grads of "
-            "build_model(wrap_with_ddp=True) chunks themselves (all-reduces started in each chunk's last backward) "
-            "and take no other sync context; it is honoured by forward_backward_no_pipelining (pp = 1)"
-        )
     microbatches = _split_batch(batch, options.num_microbatches)
-    syncs = _grad_syncs(chunks)
-    executor = run_schedule(
-        dims,
-        chunks,
-        microbatches,
-        forward_step_func,
-        options.forward_only,
-        tensor_shape=options.received_shape(dims),
-        deallocate_pipeline_outputs=options.deallocate_pipeline_outputs,
-        loss_scale=1.0 / len(microbatches),
-        set_virtual_rank=parallel_state.set_virtual_pipeline_model_parallel_rank if len(chunks) > 1 else None,
-        forward_context=options.forward_context(dims),
-        scale_loss=options.grad_scaler.scale if options.grad_scaler is not None else None,
-        grad_syncs=syncs,
-    )
+    user = _UserGradSync(options.custom_sync_context_handler, options.custom_grad_sync_func)
+    chunk_syncs = _grad_syncs(chunks)
+    # a user's sync context takes the dp grad reduction over (Megatron's DDP no_sync with its grad sync function):
+    # build_model's own reduction then stays off for the whole step
+    syncs = None if user.active else chunk_syncs
+    first_rank = dims.pp_rank == 0
+    with contextlib.ExitStack() as held:
+        for sync in chunk_syncs or () if user.active else ():
+            held.enter_context(sync.no_sync())
+        user.disable()
+        try:
+            executor = run_schedule(
+                dims,
+                chunks,
+                microbatches,
+                forward_step_func,
+                options.forward_only,
+                tensor_shape=options.received_shape(dims),
+                deallocate_pipeline_outputs=options.deallocate_pipeline_outputs,
+                loss_scale=1.0 / len(microbatches),
+                set_virtual_rank=parallel_state.set_virtual_pipeline_model_parallel_rank if len(chunks) > 1 else None,
+                forward_context=options.forward_context(dims),
+                scale_loss=options.grad_scaler.scale if options.grad_scaler is not None else None,
+                grad_syncs=syncs,
+                last_backward_context=user.around_last_backward(chunks, dims.pp, first_rank)
+                if user.active and not options.forward_only
+                else None,
+            )
+        finally:
+            user.enable()  # the other stages reduce in the bubble after the schedule
+    if len(chunks) == 1 and not first_rank and options.custom_grad_sync_func is not None and not options.forward_only:
+        options.custom_grad_sync_func()
     if syncs and not options.forward_only:
         for sync in syncs:
             sync.finish()
     return _results(executor.losses, executor.reported)
+
+
+class _UserGradSync:
+    """apex's ``custom_sync_context_handler``: a context that disables grad reduction, entered when the step starts
+    and left where apex leaves it. 1F1B: before the first stage's last backward, after the schedule elsewhere (where
+    ``custom_grad_sync_func()`` then runs). Interleaved: around each chunk's last backward on every rank (left, then
+    entered again), and after the schedule; ``custom_grad_sync_func(chunk parameters)`` runs after each chunk's last
+    backward (apex staggers that call across ranks; the grads it sees are the same)."""
+
+    def __init__(
+        self,
+        handler: Callable[[], contextlib.AbstractContextManager] | None,
+        grad_sync_func: Callable[..., None] | None = None,
+    ) -> None:
+        self.handler, self.context, self.grad_sync_func = handler, None, grad_sync_func
+
+    def around_last_backward(
+        self, chunks: Sequence[nn.Module], pp: int, first_rank: bool
+    ) -> Callable[[int], contextlib.AbstractContextManager]:
+        """The executor's context around each chunk's last backward (see the class docstring)."""
+        interleaved = len(chunks) > 1
+
+        @contextlib.contextmanager
+        def around(stage: int) -> Iterator[None]:
+            if not interleaved:
+                if first_rank and stage == 0:
+                    self.enable()
+                yield
+                return
+            if self.grad_sync_func is None:
+                self.enable()
+                yield
+            else:
+                yield
+                self.enable()
+                self.grad_sync_func(chunks[stage // pp].parameters())
+            self.disable()
+
+        return around
+
+    @property
+    def active(self) -> bool:
+        return self.handler is not None
+
+    def disable(self) -> None:
+        if self.handler is not None and self.context is None:
+            self.context = self.handler()
+            self.context.__enter__()
+
+    def enable(self) -> None:
+        if self.context is not None:
+            context, self.context = self.context, None
+            context.__exit__(None, None, None)
