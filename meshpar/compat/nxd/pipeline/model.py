@@ -1,4 +1,4 @@
-"""``neuronx_distributed.pipeline``: ``NxDPPModel(module, ...)`` with NxD's arguments, translated to meshpar's
+"""``neuronx_distributed.pipeline.model``: ``NxDPPModel(module, ...)`` with NxD's arguments, translated to meshpar's
 pipeline (:mod:`meshpar.pipeline.model`): the split decided once, this rank's stages built once, run by meshpar's
 executor with ``run_train`` / ``run_eval``.
 

@@ -1,0 +1,161 @@
+"""``neuronx_distributed.parallel_layers.parallel_state``: NxD's ``initialize_model_parallel`` signature and getters
+over meshpar's one mesh (every getter of :mod:`meshpar.parallel_state`, plus NxD's replica-group lists, world group,
+context / expert sizes and rank messages).
+
+Context and expert parallelism do not exist in meshpar yet: ``context_parallel_size`` and
+``expert_model_parallel_size`` are accepted at 1 (NxD's examples pass them) and refused above it, naming the
+missing feature, as are NxD's Neuron-only options (``lnc_size`` > 1, ``mesh_only``). Rank layout: meshpar's mesh
+is Megatron's (tp fastest, then pp, then dp); NxD orders dp before pp, so which global ranks share a dp or pp group
+differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups and results do not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from meshpar.parallel_dims import get_parallel
+from meshpar.parallel_state import *  # noqa: F403 - NxD's module holds every getter
+from meshpar.parallel_state import destroy_model_parallel, model_parallel_is_initialized
+from meshpar.parallel_state import initialize_model_parallel as _initialize_mesh
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    skip_collective_init: bool = False,
+    lnc_size: int = 1,
+    mesh_only: bool = False,
+) -> None:
+    """NxD's entry point: data parallelism takes the rest of the world."""
+    for name, value in (("context_parallel_size", context_parallel_size),
+                        ("expert_model_parallel_size", expert_model_parallel_size)):  # fmt: skip
+        if value != 1:
+            raise NotImplementedError(
+                f"initialize_model_parallel({name}={value}): meshpar has no "
+                f"{'context' if name.startswith('context') else 'expert'} parallelism yet; use 1"
+            )
+    if lnc_size != 1 or mesh_only or skip_collective_init:
+        raise NotImplementedError(
+            "initialize_model_parallel: lnc_size, mesh_only and skip_collective_init are Neuron-runtime options "
+            "meshpar does not have (use their defaults)"
+        )
+    _initialize_mesh(tensor_model_parallel_size, pipeline_model_parallel_size)
+
+
+def _replica_groups(dim: str) -> list[list[int]]:
+    return get_parallel().group_ranks(dim)
+
+
+def get_tensor_model_parallel_replica_groups() -> list[list[int]]:
+    return _replica_groups("tp")
+
+
+def get_pipeline_model_parallel_replica_groups() -> list[list[int]]:
+    return _replica_groups("pp")
+
+
+def get_data_parallel_replica_groups() -> list[list[int]]:
+    return _replica_groups("dp")
+
+
+def get_world_group(as_list: bool = False) -> Any:
+    return [list(range(dist.get_world_size()))] if as_list else dist.group.WORLD
+
+
+def get_data_parallel_src_rank() -> int:
+    """Global rank of dp rank 0 in this rank's data-parallel group."""
+    return dist.get_process_group_ranks(get_parallel().dp_mesh.get_group())[0]
+
+
+def _pipeline_ranks() -> list[int]:
+    return dist.get_process_group_ranks(get_parallel().pp_mesh.get_group())
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    dims = get_parallel()
+    return _pipeline_ranks()[(dims.pp_rank + 1) % dims.pp]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    dims = get_parallel()
+    return _pipeline_ranks()[(dims.pp_rank - 1) % dims.pp]
+
+
+def get_context_model_parallel_size() -> int:
+    return 1
+
+
+def get_context_model_parallel_rank() -> int:
+    return 0
+
+
+def get_expert_model_parallel_size() -> int:
+    return 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return 0
+
+
+def get_expert_data_parallel_size() -> int:
+    """Without expert parallelism the experts' data-parallel group is the data-parallel group."""
+    return get_parallel().dp
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel().dp_rank
+
+
+def get_expert_data_parallel_group(as_list: bool = False) -> Any:
+    dims = get_parallel()
+    return dims.group_ranks("dp") if as_list else dims.dp_mesh.get_group()
+
+
+def is_global_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def gather_python_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` in ``group``, in group-rank order."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def get_rank_info_str() -> str:
+    dims = get_parallel()
+    return f"[rank_{dist.get_rank()}_pp{dims.pp_rank}_tp{dims.tp_rank}_dp{dims.dp_rank}]"
+
+
+def rmsg(msg: str) -> str:
+    """``msg`` prefixed with this rank's place in the mesh (NxD's log helper)."""
+    return f"{get_rank_info_str()} {msg}" if model_parallel_is_initialized() else msg
+
+
+__all__ = [
+    "destroy_model_parallel",
+    "gather_python_object",
+    "get_context_model_parallel_rank",
+    "get_context_model_parallel_size",
+    "get_data_parallel_replica_groups",
+    "get_data_parallel_src_rank",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_size",
+    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_size",
+    "get_pipeline_model_parallel_next_rank",
+    "get_pipeline_model_parallel_prev_rank",
+    "get_pipeline_model_parallel_replica_groups",
+    "get_rank_info_str",
+    "get_tensor_model_parallel_replica_groups",
+    "get_world_group",
+    "initialize_model_parallel",
+    "is_global_rank_zero",
+    "model_parallel_is_initialized",
+    "rmsg",
+]

@@ -1,0 +1,18 @@
+"""``neuronx_distributed.parallel_layers.random``: the tensor-parallel RNG tracker under NxD's names (meshpar's
+tracker forks the generator of the process's device)."""
+
+from __future__ import annotations
+
+from meshpar.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
+
+
+def get_xla_rng_tracker() -> RNGStatesTracker:
+    return get_rng_tracker()
+
+
+def model_parallel_xla_manual_seed(seed: int) -> None:
+    """The default generator seeded with ``seed`` on every rank, the tp generator with ``seed + 2718 + tp_rank``."""
+    model_parallel_manual_seed(seed)
+
+
+__all__ = ["get_xla_rng_tracker", "model_parallel_xla_manual_seed"]

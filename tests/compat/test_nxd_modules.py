@@ -1,0 +1,97 @@
+"""NxD's module paths under meshpar.compat.nxd are real modules, and what they add over meshpar's core behaves as
+NxD's does: initialize_model_parallel's signature (context / expert sizes accepted at 1, refused above it), the
+replica-group getters, the tracing leaf lists, the logger and cumsum."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from meshpar.testing import run_distributed
+
+MODULES = [
+    "parallel_layers",
+    "parallel_layers.layers",
+    "parallel_layers.parallel_state",
+    "parallel_layers.mappings",
+    "parallel_layers.random",
+    "parallel_layers.grads",
+    "parallel_layers.loss_functions",
+    "parallel_layers.pad",
+    "parallel_layers.utils",
+    "parallel_layers.checkpointing",
+    "pipeline",
+    "pipeline.model",
+    "pipeline.trace",
+    "utils",
+    "utils.logger",
+    "utils.tensor_utils",
+]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_nxd_module_paths_are_modules(module: str) -> None:
+    imported = importlib.import_module(f"meshpar.compat.nxd.{module}")
+    assert imported.__name__ == f"meshpar.compat.nxd.{module}"
+
+
+def state_case() -> dict:
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    refused = []
+    for kwargs in ({"context_parallel_size": 2}, {"expert_model_parallel_size": 2}, {"lnc_size": 2}):
+        try:
+            parallel_state.initialize_model_parallel(2, 1, **kwargs)
+        except NotImplementedError as error:
+            refused.append(str(error))
+    parallel_state.initialize_model_parallel(2, 1, context_parallel_size=1, expert_model_parallel_size=1)
+    result = {
+        "refused": refused,
+        "tp": parallel_state.get_tensor_model_parallel_replica_groups(),
+        "dp": parallel_state.get_data_parallel_replica_groups(),
+        "cp": (parallel_state.get_context_model_parallel_size(), parallel_state.get_context_model_parallel_rank()),
+        "ep": (parallel_state.get_expert_model_parallel_size(), parallel_state.get_expert_data_parallel_size()),
+        "message": parallel_state.rmsg("hello"),
+        "objects": parallel_state.gather_python_object(dist.get_rank() * 10, parallel_state.get_world_group()),
+    }
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def test_nxd_parallel_state_signature_and_getters() -> None:
+    results = run_distributed(state_case, 4)
+    for rank, result in enumerate(results):
+        assert len(result["refused"]) == 3 and "context parallelism" in result["refused"][0], result["refused"]
+        assert "expert parallelism" in result["refused"][1] and "lnc_size" in result["refused"][2]
+        assert result["tp"] == [[0, 1], [2, 3]] and result["dp"] == [[0, 2], [1, 3]]
+        assert result["cp"] == (1, 0) and result["ep"] == (1, 2)
+        assert result["message"].endswith(" hello") and f"rank_{rank}" in result["message"]
+        assert result["objects"] == [0, 10, 20, 30]
+
+
+def test_tracing_leaves_name_meshpars_parallel_modules_and_functions() -> None:
+    from meshpar.compat.nxd import parallel_layers
+    from meshpar.compat.nxd.parallel_layers.loss_functions import parallel_cross_entropy
+
+    assert parallel_layers.ColumnParallelLinear in parallel_layers.PARALLEL_MODULES
+    assert parallel_cross_entropy in parallel_layers.PARALLEL_FUNCTIONS
+
+
+def test_cumsum_and_logger_behave_as_nxds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshpar.compat.nxd.utils import logger, tensor_utils
+
+    x = torch.randint(0, 5, (7, 3))
+    torch.testing.assert_close(tensor_utils.cumsum(x), x.cumsum(0))
+    with pytest.raises(NotImplementedError, match="dimension-0"):
+        tensor_utils.cumsum(x, dim=1)
+    monkeypatch.setenv("NXD_LOG_LEVEL", "warning")
+    log = logger.get_logger("meshpar-nxd-test")
+    assert log.level == logging.WARNING and log.name == "meshpar-nxd-test[0]"
+    monkeypatch.setenv("NXD_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="NXD_LOG_LEVEL"):
+        logger.get_log_level()
