@@ -258,7 +258,7 @@ class ParallelizedModel(nn.Module):
         if self._from_meta:
             _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
         else:  # the plan proven here is the plan built below
-            check_stage_composition(model, layout, stages.stage_layers, stages.first_stage_modules)
+            check_stage_composition(model, layout, stages)
         return layout, stages
 
     def _split(self, model: nn.Module) -> PipelineModel:

@@ -3,20 +3,23 @@
 Every causal or masked LM whose config carries transformers' ``base_model_pp_plan`` (or, without one or with one that
 does not describe the model, whose base model, or the one module it wraps, holds a layer list: the plan is then read
 from its children in the order the dense forward calls them) runs the model's *own* forward on each stage
-(:func:`decoder_stage_forward`), on the microbatch's token ids. The layer list is swapped for a view of the full
-depth in which the stage's layers sit at their global indices and every other index is a pass-through, so per-layer
-data the forward reads by index or from each layer (``config.layer_types[i]``, ``layer.attention_type``) stays right.
-The steps before the layers run on every stage, the first stage's modules holding parameters replaced by shape-only
-stand-ins elsewhere, so masks, positions, rotary tables and token-id routing are the model's own, built with the
-user's attention implementation. What a stage's layers are handed that the stage cannot compute itself
-(:class:`Carried`, read off one dense forward with grads) crosses from the stage before: the hidden states (any
-shape: DeepSeek-V4's residual streams, Gemma-3n's altup stack) and other loop state into a stage's first layer, and
-per-layer inputs computed before the layers (Gemma's) from the first stage to their layer's. A non-first stage writes
-them into its own tensors, so loop code between layers that reads them (Inkling2 stacks the hidden states it handed a
-layer) sees them too. A non-last stage stops where the forward reaches the model's last layer; the last stage runs
-the model class's own forward to the logits. :func:`check_stage_composition` proves, on the dense model before it is
-split, that the stages composed reproduce its forward; what it cannot prove (layers that share state outside their
-arguments) is refused.
+(:func:`decoder_stage_forward`), on the microbatch's token ids. Each stage is built once from the pipeline's plan
+(:func:`meshpar.pipeline.split.build_stage`: the layers and modules it owns, original FQNs) and set up once for that
+forward (:class:`_StageRuntime`): its layer list is seen at the model's full depth, its own layers at their global
+indices and a parameter-free pass-through at every other, so per-layer data the forward reads by index or from each
+layer (``config.layer_types[i]``, ``layer.attention_type``) stays right; a later stage gets shape-only stand-ins for
+the first stage's modules that hold parameters, so masks, positions, rotary tables and token-id routing are the
+model's own, built with the user's attention implementation; an earlier stage gets identities for the last stage's.
+What a stage's layers are handed that the stage cannot compute itself (:class:`Carried`, read off one dense forward
+with grads) crosses from the stage before: the hidden states (any shape: DeepSeek-V4's residual streams, Gemma-3n's
+altup stack) and other loop state into a stage's first layer, and per-layer inputs computed before the layers
+(Gemma's) from the first stage to their layer's; one pre-hook per owned layer, installed once, hands them over. A
+non-first stage writes them into its own tensors, so loop code between layers that reads them (Inkling2 stacks the
+hidden states it handed a layer) sees them too. Per call only the boundary changes (what was received, what is sent);
+a non-last stage stops where the forward reaches the model's last layer; the last stage runs the model class's own
+forward to the logits. :func:`check_stage_composition` builds the planned stages exactly so, one at a time, and
+proves on the dense model that run one after another they reproduce its forward; what it cannot prove (layers that
+share state outside their arguments) is refused.
 
 GPT-2 and BERT ship no pipeline plan: meshpar's tables (:data:`PIPELINE_TABLES`) give theirs in transformers' format.
 Under sequence parallelism the hidden states cross stages as this rank's sequence shard (the first layer's style
@@ -38,6 +41,7 @@ from torch import nn
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
 from meshpar.hf.hf_plan import base_model_name
+from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
 # each with what it takes and gives), for families whose config ships none: GPT-2, and BERT and RoBERTa, whose layer
@@ -505,102 +509,112 @@ class _Boundary:
 
 
 class _PassThrough(nn.Module):
-    """Stands in for a layer another stage owns: hands its hidden states on unchanged, tells the stage's boundary
-    it was called, and carries that layer's plain attributes (a forward may read ``layer.attention_type`` of every
-    layer to pick its mask)."""
+    """Stands in for a layer another stage owns: hands its hidden states on unchanged, tells this call's boundary it
+    was called, and carries that layer's plain attributes (a forward may read ``layer.attention_type`` of every
+    layer to pick its mask). Built once per stage; holds no parameters."""
 
-    def __init__(self, index: int, boundary: _Boundary, attributes: tuple[tuple[str, object], ...], returns: int):
+    def __init__(self, index: int, runtime: _StageRuntime, attributes: tuple[tuple[str, object], ...], returns: int):
         super().__init__()
         for name, value in attributes:
             setattr(self, name, value)
-        self._index, self._boundary, self._returns = index, boundary, returns
+        self._index, self._returns = index, returns
+        object.__setattr__(self, "_runtime", runtime)  # not a submodule
 
     def forward(self, *args: object, **kwargs: object) -> object:
-        self._boundary.passed(self._index, args, kwargs)
+        self._runtime.boundary.passed(self._index, args, kwargs)
         hidden = _argument(args, kwargs, 0 if args else "hidden_states")
         return (hidden, *(None,) * (self._returns - 1)) if self._returns else hidden
 
 
-@contextlib.contextmanager
-def _stage_view(
-    model: nn.Module,
-    layout: PipelineLayout,
-    owned: dict[int, nn.Module],
-    boundary: _Boundary,
-    last: bool,
-    device: torch.device,
-) -> Iterator[None]:
-    """Temporarily make ``model`` (a stage, or the dense model in the composition check) compute one stage: the
-    pieces before the layers it lacks become shape-only stand-ins, the layers of other stages pass-throughs, its own
-    layers take what they are handed from the boundary."""
-    saved, handles = [], []
+class _FullDepthLayers:
+    """Mixed into a stage's layer container (:class:`meshpar.pipeline.split.PipelineLayers`, which registers only
+    the stage's own layers, under their global indices): iterating, indexing and ``len`` see the model's full depth,
+    the stage's layers at their indices and a :class:`_PassThrough` at every other, so the model's own forward loops
+    over every layer index as in the dense model. State dict, parameters and submodules stay the stage's own."""
 
-    def swap(fqn: str, new: nn.Module) -> None:
-        parent, _, name = fqn.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        saved.append((owner, name, owner._modules[name]))
-        owner._modules[name] = new
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._meshpar_depth)
 
-    if boundary.flat is not None:
-        for fqn, stand_in in layout.stand_ins.items():
-            for shape_only in stand_in.modules():
-                if isinstance(shape_only, _ShapeOnly):
-                    shape_only.on = device
-            swap(fqn, stand_in)
-    for fqn in () if last else layout.after:
-        swap(fqn, nn.Identity())
-    stand_ins = [
-        owned.get(i) or _PassThrough(i, boundary, layout.layer_attributes[i], layout.layer_returns)
-        for i in range(layout.num_layers)
-    ]
-    swap(layout.container, nn.ModuleList(stand_ins))
-    for index, layer in owned.items():
-        # first among the pre-hooks: FSDP's may cast the inputs it is handed
-        handles.append(
+    def __len__(self) -> int:
+        return len(self._meshpar_depth)
+
+    def __getitem__(self, index: object) -> object:
+        if isinstance(index, slice):
+            return list(self._meshpar_depth[index])
+        if isinstance(index, int):
+            return self._meshpar_depth[index]
+        return super().__getitem__(index)  # type: ignore[misc]
+
+
+class _StageRuntime:
+    """What a built stage needs to run the model's own forward, set up once (at its first call: after the recipe
+    sharded, wrapped or compiled its modules): shape-only stand-ins where a later stage lacks the first stage's
+    modules, identities where an earlier stage lacks the last stage's, the layer list seen at full depth, and one
+    pre-hook per owned layer that hands it what was received. Per call only :attr:`boundary` changes: what this call
+    received and sends."""
+
+    def __init__(self, stage: nn.Module, layout: PipelineLayout, last: bool, device: torch.device) -> None:
+        self.boundary: _Boundary | None = None
+        container = stage.get_submodule(layout.container)
+        self.owned = {int(key): layer for key, layer in container._modules.items()}
+        self.first = all(_present(stage, name) for name in layout.before)
+        if not self.first:
+            for fqn, stand_in in layout.stand_ins.items():
+                for shape_only in stand_in.modules():
+                    if isinstance(shape_only, _ShapeOnly):
+                        shape_only.on = device
+                _set_module(stage, fqn, stand_in)
+        if not last:
+            for fqn in layout.after:
+                _set_module(stage, fqn, nn.Identity())
+        depth = [
+            self.owned.get(i) or _PassThrough(i, self, layout.layer_attributes[i], layout.layer_returns)
+            for i in range(layout.num_layers)
+        ]
+        object.__setattr__(container, "_meshpar_depth", depth)
+        mix_into(container, _FullDepthLayers, "FullDepth")
+        for index, layer in self.owned.items():
+            # first among the pre-hooks: FSDP's may cast the inputs it is handed
             layer.register_forward_pre_hook(
-                lambda _m, a, k, i=index: boundary.feed(i, a, k), with_kwargs=True, prepend=True
+                lambda _m, a, k, i=index: self.boundary.feed(i, a, k), with_kwargs=True, prepend=True
             )
-        )
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for owner, name, module in reversed(saved):
-            owner._modules[name] = module
+
+
+def _set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent, _, name = fqn.rpartition(".")
+    (model.get_submodule(parent) if parent else model)._modules[name] = module
 
 
 def _run_stage(
-    model: nn.Module,
+    stage: nn.Module,
+    runtime: _StageRuntime,
     layout: PipelineLayout,
-    owned: dict[int, nn.Module],
     last: bool,
     received: torch.Tensor | None,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    sequence_shards: int = 1,
-    position_ids: torch.Tensor | None = None,
+    inputs: dict[str, object],
+    sequence_shards: int,
 ) -> torch.Tensor:
-    """Every stage runs the model's forward on the microbatch's ids (masks, positions and rotary tables are the
-    model's own, for the full sequence); a non-first stage's layers take the tensors ``received`` from the previous
-    stage (under sequence parallelism the hidden states' sequence shard: the first layer's style split them, the
-    last stage's final norm gathers them)."""
-    boundary = _Boundary(layout, sorted(owned), received, sequence_shards)
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-    inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
-    with _stage_view(model, layout, owned, boundary, last, input_ids.device):
-        try:
-            if last:  # the model class's own forward: final norm, head and whatever it applies to the logits
-                own = super(_DecoderStage, model).forward if isinstance(model, _DecoderStage) else model.forward
-                logits = own(**inputs).logits
-                boundary.check_used()
-                return logits
-            model.get_submodule(layout.base)(**inputs)
-        except _StageDone:
-            return boundary.output()
+    """One call of a built stage: the model's own forward on the microbatch's ids (masks, positions and rotary
+    tables are the model's own, for the full sequence); a non-first stage's layers take the tensors ``received``
+    from the previous stage (under sequence parallelism the hidden states' sequence shard: the first layer's style
+    split them, the last stage's final norm gathers them). The last stage runs the model class's own forward to the
+    logits; the others stop where the forward reaches the model's last layer (:class:`_StageDone`, raised by the
+    pass-through after the stage's layers) and send what the next stage needs."""
+    runtime.boundary = _Boundary(layout, sorted(runtime.owned), received, sequence_shards)
+    try:
+        if last:
+            own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
+            logits = own(**inputs).logits
+            runtime.boundary.check_used()
+            return logits
+        stage.get_submodule(layout.base)(**inputs)
+    except _StageDone:
+        return runtime.boundary.output()
+    finally:
+        boundary, runtime.boundary = runtime.boundary, None
     raise RuntimeError(
-        f"{type(model).__name__}: its forward returned before calling layer {layout.num_layers - 1}, so this "
-        "pipeline stage has nothing to send"
+        f"{type(stage).__name__}: its forward returned before calling layer {layout.num_layers - 1}, so this "
+        f"pipeline stage has nothing to send (received {boundary is not None})"
     )
 
 
@@ -615,26 +629,27 @@ def decoder_stage_forward(
     in, with the microbatch's ``input_ids`` (and mask and positions, where given) on every stage; what the next
     stage needs or (last stage) logits out."""
     layout: PipelineLayout = self.meshpar_layout
-    layers = self.get_submodule(layout.container)
-    owned = {int(key): layer for key, layer in layers._modules.items()}
-    first = all(_present(self, name) for name in layout.before)
-    ids = x if first else input_ids
+    runtime = self.__dict__.get("_meshpar_runtime")
+    if runtime is None:  # once, at the first call: after the recipe sharded, wrapped or compiled the stage
+        device = x.device if torch.is_tensor(x) else input_ids.device
+        runtime = _StageRuntime(self, layout, self.meshpar_last_stage, device)
+        object.__setattr__(self, "_meshpar_runtime", runtime)
+    ids = x if runtime.first else input_ids
     if ids is None:
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
-    received = None if first else x
-    shards = self.meshpar_sequence_shards
-    last = self.meshpar_last_stage
-    return _run_stage(self, layout, owned, last, received, ids, attention_mask, shards, position_ids)
+    inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
+    inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
+    received = None if runtime.first else x
+    return _run_stage(self, runtime, layout, self.meshpar_last_stage, received, inputs, self.meshpar_sequence_shards)
 
 
-def check_stage_composition(
-    model: nn.Module, layout: PipelineLayout, stage_layers: Sequence[Sequence[str]], first_modules: Sequence[str]
-) -> None:
-    """Raise unless the stages, run one after another on the dense model with :func:`decoder_stage_forward`'s
-    logic, give the dense model's logits on a small padded batch: a forward step that transformers' pipeline plan
-    does not describe (state handed between layers outside their arguments, say) would otherwise be repeated or
-    lost on some stage, silently."""
-    misplaced = [n for n in layout.before if n not in first_modules and n not in layout.keep]
+def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: StagePlan) -> None:
+    """Raise unless the stages of ``plan``, each built as the pipeline builds it (:func:`build_stage`,
+    :func:`install_decoder_stage`) and run one after another, give the dense model's logits on a small padded batch:
+    a forward step that transformers' pipeline plan does not describe (state handed between layers outside their
+    arguments, say) would otherwise be repeated or lost on some stage, silently. Stages are built one at a time, so
+    at most one stage's copy exists besides the model."""
+    misplaced = [n for n in layout.before if n not in plan.first_stage_modules and n not in layout.keep]
     if misplaced:
         raise ValueError(
             f"{type(model).__name__}: {misplaced} run before the layers in transformers' pipeline plan but are "
@@ -648,14 +663,14 @@ def check_stage_composition(
     ids, mask = ids.to(device), mask.to(device)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    container = model.get_submodule(layout.container)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            x = None
-            for stage, keys in enumerate(stage_layers):
-                owned = {int(k): container[int(k)] for k in keys}
-                x = _run_stage(model, layout, owned, stage == len(stage_layers) - 1, x, ids, mask)
+            x = ids
+            for index in range(plan.num_stages):
+                stage = install_decoder_stage(build_stage(model, plan, index, layout.keep), layout)
+                x = stage(x, attention_mask=mask, input_ids=ids)
+                del stage
     except Exception as error:  # the forward needs something a stage does not have
         raise ValueError(
             f"{type(model).__name__}: its forward cannot run stage by stage ({type(error).__name__}: {error}); use "
