@@ -343,8 +343,11 @@ class ParallelizedModel(nn.Module):
     def forward(self, labels: torch.Tensor | None = None, **inputs: Any) -> Any:
         return self._module_forward(labels, inputs)
 
-    def _module_forward(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> Any:
-        """The HF model's forward on this rank's shards (pp=1), with meshpar's vocab-parallel loss."""
+    def _module_forward(
+        self, labels: torch.Tensor | None, inputs: dict[str, Any], normalizer: torch.Tensor | None = None
+    ) -> Any:
+        """The HF model's forward on this rank's shards (pp=1), with meshpar's vocab-parallel loss (over
+        ``normalizer``, the global batch's scored tokens, when given)."""
         labels, inputs = self._checked_on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
@@ -357,18 +360,24 @@ class ParallelizedModel(nn.Module):
         if labels is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
         out = self.module(**inputs)
-        out["loss"] = self.loss_fn(out.logits, labels)
+        out["loss"] = self.loss_fn(out.logits, labels, normalizer)
         return out
 
-    def _per_token_loss(self, labels: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Every microbatch's token losses on every dp rank normalised by the global batch's scored tokens
-        (:meth:`meshpar.hf.loss.TokenLoss.over_global_batch`); a head with the model's own loss is checked by
-        :meth:`_check_rows_alike`."""
+    def _loss_normalizer(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """What every microbatch's token losses on every dp rank are divided by: the global batch's scored tokens
+        (:meth:`meshpar.hf.loss.TokenLoss.global_normalizer`); ``None`` for a head with the model's own loss,
+        checked by :meth:`_check_rows_alike` instead."""
         if self.loss_fn is None:
             self._check_rows_alike(labels)
-            return contextlib.nullcontext()
+            return None
         microbatches = self.parallel_config.num_microbatches if self.pipeline is not None else 1
-        return self.loss_fn.over_global_batch(labels, self.dims, microbatches)
+        return self.loss_fn.global_normalizer(labels, self.dims, microbatches)
+
+    @staticmethod
+    def _with_normalizer(inputs: dict[str, Any], normalizer: torch.Tensor | None) -> dict[str, Any]:
+        """The pipeline's inputs with the step's loss normaliser (a 0-d tensor each microbatch gets whole: the last
+        stage's loss_fn receives it)."""
+        return inputs if normalizer is None else {**inputs, "loss_normalizer": normalizer}
 
     def _check_rows_alike(self, labels: torch.Tensor | None) -> None:
         """A head that keeps the model's own loss (sequence classification, multiple choice: a mean over rows) is
@@ -403,17 +412,17 @@ class ParallelizedModel(nn.Module):
                 "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
             )
         labels, inputs = self._checked_on_device(labels, inputs)
-        with self._per_token_loss(labels):
-            if self.pipeline is None:
-                loss = self._module_forward(labels, inputs).loss
-                loss.backward()
-                loss = loss.detach()
-            else:
-                loss = self.pipeline.run_train(labels=labels, **inputs)
-            if sync_dp_grads:
-                self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
-            if self.pipeline is not None:
-                self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
+        normalizer = self._loss_normalizer(labels)
+        if self.pipeline is None:
+            loss = self._module_forward(labels, inputs, normalizer).loss
+            loss.backward()
+            loss = loss.detach()
+        else:
+            loss = self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
+        if sync_dp_grads:
+            self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
+        if self.pipeline is not None:
+            self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
         # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
         return self._mean_over_dp(loss) if self.pipeline is None else loss
 
@@ -443,10 +452,12 @@ class ParallelizedModel(nn.Module):
         """The mean token loss of the global batch without gradients, in eval mode (no dropout; the mode is
         restored after), on every rank (pipeline: forward-only schedule)."""
         labels, inputs = self._checked_on_device(labels, inputs)
-        with self._per_token_loss(labels), self._eval_mode():
+        normalizer = self._loss_normalizer(labels)
+        with self._eval_mode():
             if self.pipeline is None:
-                return self._mean_over_dp(self._module_forward(labels, inputs).loss)
-            return self.pipeline.run_eval(labels=labels, **inputs)  # already the dp mean on every rank
+                return self._mean_over_dp(self._module_forward(labels, inputs, normalizer).loss)
+            # already the dp mean on every rank
+            return self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
 
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:

@@ -134,16 +134,17 @@ def build_num_microbatches_calculator(
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """``num_microbatches`` equal row slices of every tensor of a list / tuple / dict batch (other values repeated in
-    each); any other object (``None``, an iterator a step function draws from) is handed to every microbatch as it
-    is. Refuses a batch with fewer rows than microbatches, rows that do not divide, or tensors of unequal rows."""
+    """``num_microbatches`` equal row slices of every tensor of a list / tuple / dict batch (other values, 0-d tensors
+    included, repeated in each); any other object (``None``, an iterator a step function draws from) is handed to
+    every microbatch as it is. Refuses a batch with fewer rows than microbatches, rows that do not divide, or tensors
+    of unequal rows."""
     m = num_microbatches
     if m < 1:
         raise ValueError(f"num_microbatches={m} must be >= 1")
     if batch is None or not isinstance(batch, (list, tuple, dict)):
         return [batch] * m
     values = list(batch.values() if isinstance(batch, dict) else batch)
-    sizes = {x.shape[0] for x in values if torch.is_tensor(x)}
+    sizes = {x.shape[0] for x in values if torch.is_tensor(x) and x.dim() > 0}
     if len(sizes) > 1:
         raise ValueError(f"the tensors of the batch have different sizes along dim 0: {sorted(sizes)}")
     size = sizes.pop() if sizes else 0
@@ -157,7 +158,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     rows = size // m
 
     def part(x: Any, k: int) -> Any:
-        return x[k * rows : (k + 1) * rows] if torch.is_tensor(x) else x
+        return x[k * rows : (k + 1) * rows] if torch.is_tensor(x) and x.dim() > 0 else x
 
     if isinstance(batch, dict):
         return [{name: part(x, k) for name, x in batch.items()} for k in range(m)]

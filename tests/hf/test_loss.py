@@ -40,14 +40,15 @@ def test_masked_lm_loss_is_unshifted_mean() -> None:
 
 
 def test_microbatch_losses_sum_to_the_global_mean() -> None:
-    """Inside over_global_batch each microbatch's loss is normalised by the whole batch's scored tokens: the mean of
-    the microbatch losses (what a pipeline's 1/m scaling makes) is the global token mean, however padding falls."""
+    """With the step's global normaliser each microbatch's loss is normalised by the whole batch's scored tokens: the
+    mean of the microbatch losses (what a pipeline's 1/m scaling makes) is the global token mean, however padding
+    falls."""
     logits, labels = _batch()
     loss = TokenLoss("causal_lm", 0)
     want = loss(logits, labels)
     dims = ParallelDims(dp=1, pp=1, tp=1, world_size=1)
-    with loss.over_global_batch(labels, dims, microbatches=3):
-        parts = [loss(lg, lb) for lg, lb in zip(logits.split(1), labels.split(1), strict=True)]
+    normalizer = loss.global_normalizer(labels, dims, microbatches=3)
+    parts = [loss(lg, lb, normalizer) for lg, lb in zip(logits.split(1), labels.split(1), strict=True)]
     torch.testing.assert_close(torch.stack(parts).mean(), want)
     naive = torch.stack([loss(lg, lb) for lg, lb in zip(logits.split(1), labels.split(1), strict=True)]).mean()
     assert not torch.allclose(naive, want), "the padded microbatch would be over-weighted by a mean of means"
