@@ -270,11 +270,13 @@ class _StepOptions:
         return tuple(shape)
 
 
-def _options(forward_only: bool, kwargs: dict[str, Any], schedule: str) -> _StepOptions:
+def _options(
+    forward_only: bool, kwargs: dict[str, Any], schedule: str, unused: frozenset[str] = frozenset()
+) -> _StepOptions:
     """The schedule's keywords: apex's tuning ones accepted as no-ops, ``decoder_sequence_length`` ignored as apex
-    ignores it for one-stack models, any other one apex's ``**kwargs`` would have swallowed accepted with a warning
-    naming it."""
-    known = {f.name for f in fields(_StepOptions)} - {"forward_only"}
+    ignores it for one-stack models, any other one apex's ``**kwargs`` would have swallowed (``unused``: options
+    this schedule swallows although others honour them) accepted with a warning naming it."""
+    known = {f.name for f in fields(_StepOptions)} - {"forward_only"} - unused
     kwargs = dict(kwargs)
     kwargs.pop("decoder_sequence_length", None)
     ignored = sorted(name for name in kwargs if name not in known and name not in _TUNING)

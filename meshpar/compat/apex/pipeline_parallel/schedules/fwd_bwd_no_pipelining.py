@@ -36,7 +36,8 @@ def forward_backward_no_pipelining(
     inside the sync context (``custom_sync_context_handler``, else the model's ``no_sync``), the last one outside it.
     A DDP-style context acts at forward time (torch DDP's ``no_sync`` decides in forward whether backward reduces),
     which the pipeline runtime's per-backward contexts cannot express, so pp = 1 keeps its own loop."""
-    options = _options(forward_only, kwargs, "forward_backward_no_pipelining")
+    # apex's plain loop has no grad sync function to call: only the pipelined schedules take one
+    options = _options(forward_only, kwargs, "forward_backward_no_pipelining", frozenset({"custom_grad_sync_func"}))
     chunks = _chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"forward_backward_no_pipelining takes one model, got {len(chunks)} chunks")
