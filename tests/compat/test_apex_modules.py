@@ -73,6 +73,69 @@ def test_rotary_embedding_rotates_the_first_features_and_passes_the_rest() -> No
     torch.testing.assert_close(functional.fused_apply_rotary_pos_emb_cached(t, cos, sin), expected)
 
 
+def _turn(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Independent reference: pair feature i with i + width/2 and rotate each pair by its angle."""
+    width = angles.shape[-1]
+    a, b = x[..., : width // 2], x[..., width // 2 : width]
+    cos, sin = angles[..., : width // 2].cos(), angles[..., : width // 2].sin()
+    cos2, sin2 = angles[..., width // 2 :].cos(), angles[..., width // 2 :].sin()
+    return torch.cat([a * cos - b * sin, b * cos2 + a * sin2, x[..., width:]], -1)
+
+
+@pytest.mark.parametrize("transpose_output_memory", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rotary_grads_and_output_layout(transpose_output_memory: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    t = torch.randn(6, 3, 2, 10, dtype=torch.float64).transpose(1, 2).contiguous().transpose(1, 2)  # strided
+    freqs, weight = torch.randn(6, 1, 1, 6, dtype=torch.float64), torch.randn(6, 3, 2, 10, dtype=torch.float64)
+    t.requires_grad_(True)
+    expected = _turn(t, freqs)
+    (grad,) = torch.autograd.grad((expected * weight).sum(), t)
+    x = t.detach().to(dtype).requires_grad_(True)
+    for out in (
+        functional.fused_apply_rotary_pos_emb(x, freqs, transpose_output_memory),
+        functional.fused_apply_rotary_pos_emb_cached(x, freqs.cos(), freqs.sin(), transpose_output_memory),
+    ):
+        assert out.transpose(0, 1).is_contiguous() is transpose_output_memory
+        (got,) = torch.autograd.grad((out * weight.to(dtype)).sum(), x)
+        tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(out.double(), expected.detach(), **tol)
+        torch.testing.assert_close(got.double(), grad, **tol)
+    torch.autograd.gradcheck(lambda v: functional.fused_apply_rotary_pos_emb(v, freqs), (t,))
+
+
+def test_packed_rotary_restarts_positions_at_every_sequence() -> None:
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0, 3, 3, 7, 12], dtype=torch.int32)  # an empty sequence too
+    t = torch.randn(12, 2, 8, dtype=torch.float64, requires_grad=True)
+    freqs = torch.randn(6, 1, 1, 4, dtype=torch.float64)
+    out = functional.fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs)
+    for start, stop in [(0, 3), (3, 7), (7, 12)]:
+        torch.testing.assert_close(out[start:stop], _turn(t[start:stop], freqs[: stop - start, 0]))
+    torch.autograd.gradcheck(lambda v: functional.fused_apply_rotary_pos_emb_thd(v, cu_seqlens, freqs), (t,))
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
+        functional.fused_apply_rotary_pos_emb_thd(t, torch.tensor([0, 5, 11]), freqs)
+    with pytest.raises(ValueError, match="sequence lengths"):
+        functional.fused_apply_rotary_pos_emb_thd(t, torch.tensor([0, 12]), freqs)
+
+
+def test_two_d_rotary_turns_rows_then_columns() -> None:
+    torch.manual_seed(0)
+    img_h, img_w, d = 2, 3, 8
+    t = torch.randn(2, img_h * img_w, 2, d, dtype=torch.float64, requires_grad=True)
+    rows, cols = torch.randn(1, img_h + 1, 1, d // 2, dtype=torch.float64), torch.randn(1, img_w, 1, d // 2).double()
+    out = functional.fused_apply_rotary_pos_emb_2d(t, img_h, img_w, rows.cos(), rows.sin(), cols.cos(), cols.sin())
+    for patch in range(img_h * img_w):
+        r, c = divmod(patch, img_w)
+        half = d // 2
+        torch.testing.assert_close(out[:, patch, :, :half], _turn(t[:, patch, :, :half], rows[0, r, 0]))
+        torch.testing.assert_close(out[:, patch, :, half:], _turn(t[:, patch, :, half:], cols[0, c, 0]))
+    tables = (rows.cos(), rows.sin(), cols.cos(), cols.sin())
+    torch.autograd.gradcheck(lambda v: functional.fused_apply_rotary_pos_emb_2d(v, img_h, img_w, *tables), (t,))
+    with pytest.raises(ValueError, match="img_h \\* img_w"):
+        functional.fused_apply_rotary_pos_emb_2d(t, 3, 3, *tables)
+
+
 @pytest.mark.parametrize("cls", [layers.FusedLayerNorm, layers.MixedFusedLayerNorm])
 def test_layer_norms_match_torch_and_carry_the_sequence_parallel_flag(cls: type) -> None:
     torch.manual_seed(0)

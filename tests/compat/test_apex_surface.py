@@ -14,15 +14,6 @@ DOCS = HERE.parents[1] / "docs" / "compat.md"
 # name -> why meshpar's apex view does not provide it (each one is listed in docs/compat.md)
 NOT_PROVIDED = {
     **{
-        f"functional.{module}{name}": "apex's packed (THD) and 2-D rotary kernels have no meshpar op yet"
-        for module in ("", "fused_rope.")
-        for name in ("fused_apply_rotary_pos_emb_2d", "fused_apply_rotary_pos_emb_thd")
-    },
-    **{
-        f"functional.fused_rope.{name}": "apex's rotary autograd classes: use the fused_apply_rotary_pos_emb* functions"
-        for name in ("FusedRoPE2DFunc", "FusedRoPECachedFunc", "FusedRoPEFunc", "FusedRoPETHDFunc")
-    },
-    **{
         f"parallel_state.{name}": "meshpar's sizes and ranks come from its mesh; overriding them is not supported"
         for name in (
             "set_pipeline_model_parallel_rank",
