@@ -9,14 +9,15 @@ forward (:class:`_StageRuntime`): its layer list is seen at the model's full dep
 indices and a parameter-free pass-through at every other, so per-layer data the forward reads by index or from each
 layer (``config.layer_types[i]``, ``layer.attention_type``) stays right; a later stage gets shape-only stand-ins for
 the first stage's modules that hold parameters, so masks, positions, rotary tables and token-id routing are the
-model's own, built with the user's attention implementation; an earlier stage gets identities for the last stage's.
+model's own, built with the user's attention implementation; an earlier stage gets stand-ins for the last stage's.
 What a stage's layers are handed that the stage cannot compute itself (:class:`Carried`, read off one dense forward
 with grads) crosses from the stage before: the hidden states (any shape: DeepSeek-V4's residual streams, Gemma-3n's
 altup stack) and other loop state into a stage's first layer, and per-layer inputs computed before the layers
 (Gemma's) from the first stage to their layer's; one pre-hook per owned layer, installed once, hands them over. A
 non-first stage writes them into its own tensors, so loop code between layers that reads them (Inkling2 stacks the
 hidden states it handed a layer) sees them too. Per call only the boundary changes (what was received, what is sent);
-a non-last stage stops where the forward reaches the model's last layer; the last stage runs the model class's own
+a non-last stage runs the base model's forward to its end on pass-throughs and stand-ins (no exception cuts it short)
+and sends what its first pass-through after its own layers was handed; the last stage runs the model class's own
 forward to the logits. :func:`check_stage_composition` builds the planned stages exactly so, one at a time, and
 proves on the dense model that run one after another they reproduce its forward; what it cannot prove (layers that
 share state outside their arguments) is refused.
@@ -102,8 +103,9 @@ class PipelineLayout:
     # per layer, the arguments that cross stage boundaries (see Carried), read off a dense forward; empty: the
     # hidden states alone (a model on meta cannot run)
     carried: tuple[tuple[Carried, ...], ...] = ()
-    # shape-only stand-ins for the modules of ``before`` that hold parameters: later stages run the forward's steps
-    # before the layers too (masks, positions, what the layers are handed) without those modules' weights
+    # shape-only stand-ins for the modules of ``before`` that hold parameters, and for every module of ``after``:
+    # later stages run the forward's steps before the layers too (masks, positions, what the layers are handed),
+    # earlier ones the steps after them (on values nothing uses), without those modules' weights
     stand_ins: Mapping[str, nn.Module] = field(default_factory=dict, compare=False, repr=False)
 
     def carried_into(self, layer: int) -> tuple[Carried, ...]:
@@ -353,7 +355,11 @@ def _layout(
         layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(layer_list)),
         layer_returns=calls.returns if calls else 0,
         carried=calls.carried if calls else (),
-        stand_ins={f: _shape_only(model.get_submodule(f)) for f in full[:index] if _holds_parameters(model, f)},
+        stand_ins={
+            f: _shape_only(model.get_submodule(f))
+            for i, f in enumerate(full)
+            if i > index or (i < index and _holds_parameters(model, f))
+        },
     )
 
 
@@ -420,10 +426,6 @@ def _present(model: nn.Module, fqn: str) -> bool:
     return (model.get_submodule(parent) if parent else model)._modules.get(name) is not None
 
 
-class _StageDone(Exception):  # noqa: N818 - control flow: the stage has what it sends
-    """Ends a non-last stage's forward at its last layer call: what follows belongs to the last stage."""
-
-
 class _Boundary:
     """What one run of a stage receives and sends. Carried tensors (see :class:`Carried`) cross as one flat tensor
     (the runtime sends one per microbatch): the loop state handed to the next stage's first layer, then the
@@ -441,6 +443,7 @@ class _Boundary:
         self.offset = 0
         self.sent: list[torch.Tensor] = []
         self.rest: torch.Tensor | None = None  # per-layer arguments received for later stages, handed on
+        self.reached_stop = False  # the forward called the first layer after this stage's: ``sent`` is complete
 
     def _take(self, like: object, what: str) -> torch.Tensor:
         if not isinstance(like, torch.Tensor) or self.flat is None or self.offset + like.numel() > self.flat.numel():
@@ -479,11 +482,14 @@ class _Boundary:
                 new_kwargs[entry.position] = value
         return tuple(new_args), new_kwargs
 
-    def passed(self, layer: int, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        """A layer this stage does not own was called: the first one after its layers gets the loop state to send;
-        the first stage also sends the per-layer arguments of every later one."""
+    def passed(self, layer: int, args: tuple[object, ...], kwargs: dict[str, object], hidden: object) -> object:
+        """A layer this stage does not own was called with ``hidden``: the first one after its layers gets the loop
+        state to send; the first stage also sends the per-layer arguments of every later one. Returns what the
+        pass-through hands on: ``hidden``, except that under sequence parallelism the first one after this stage's
+        layers hands on zeros of the full sequence, since all that follows on this stage (pass-throughs, stand-ins
+        for the final modules, the forward's reshapes to the input's shape) needs only the dense shape."""
         if layer < self.stop:
-            return
+            return hidden
         carried = self.layout.carried_into(layer)
         if layer == self.stop:
             self.sent += [_argument(args, kwargs, c.position) for c in carried if c.loop_state]
@@ -492,8 +498,12 @@ class _Boundary:
                 self.offset = self.flat.numel()
         if self.flat is None:
             self.sent += [_argument(args, kwargs, c.position) for c in carried if not c.loop_state]
-        if layer == self.layout.num_layers - 1:
-            raise _StageDone
+        self.reached_stop = True
+        if layer == self.stop and self.sequence_shards > 1 and isinstance(hidden, torch.Tensor):
+            shape = list(hidden.shape)
+            shape[1] *= self.sequence_shards
+            return hidden.new_zeros(shape)
+        return hidden
 
     def output(self) -> torch.Tensor:
         pieces = self.sent + ([self.rest] if self.rest is not None and self.rest.numel() else [])
@@ -521,8 +531,8 @@ class _PassThrough(nn.Module):
         object.__setattr__(self, "_runtime", runtime)  # not a submodule
 
     def forward(self, *args: object, **kwargs: object) -> object:
-        self._runtime.boundary.passed(self._index, args, kwargs)
         hidden = _argument(args, kwargs, 0 if args else "hidden_states")
+        hidden = self._runtime.boundary.passed(self._index, args, kwargs, hidden)
         return (hidden, *(None,) * (self._returns - 1)) if self._returns else hidden
 
 
@@ -549,24 +559,20 @@ class _FullDepthLayers:
 class _StageRuntime:
     """What a built stage needs to run the model's own forward, set up once (at its first call: after the recipe
     sharded, wrapped or compiled its modules): shape-only stand-ins where a later stage lacks the first stage's
-    modules, identities where an earlier stage lacks the last stage's, the layer list seen at full depth, and one
-    pre-hook per owned layer that hands it what was received. Per call only :attr:`boundary` changes: what this call
-    received and sends."""
+    modules or an earlier stage the last stage's, the layer list seen at full depth, and one pre-hook per owned layer
+    that hands it what was received. Per call only :attr:`boundary` changes: what this call received and sends."""
 
     def __init__(self, stage: nn.Module, layout: PipelineLayout, last: bool, device: torch.device) -> None:
         self.boundary: _Boundary | None = None
         container = stage.get_submodule(layout.container)
         self.owned = {int(key): layer for key, layer in container._modules.items()}
         self.first = all(_present(stage, name) for name in layout.before)
-        if not self.first:
-            for fqn, stand_in in layout.stand_ins.items():
+        for fqn, stand_in in layout.stand_ins.items():
+            if (fqn in layout.before and not self.first) or (fqn in layout.after and not last):
                 for shape_only in stand_in.modules():
                     if isinstance(shape_only, _ShapeOnly):
                         shape_only.on = device
                 _set_module(stage, fqn, stand_in)
-        if not last:
-            for fqn in layout.after:
-                _set_module(stage, fqn, nn.Identity())
         depth = [
             self.owned.get(i) or _PassThrough(i, self, layout.layer_attributes[i], layout.layer_returns)
             for i in range(layout.num_layers)
@@ -598,24 +604,24 @@ def _run_stage(
     tables are the model's own, for the full sequence); a non-first stage's layers take the tensors ``received``
     from the previous stage (under sequence parallelism the hidden states' sequence shard: the first layer's style
     split them, the last stage's final norm gathers them). The last stage runs the model class's own forward to the
-    logits; the others stop where the forward reaches the model's last layer (:class:`_StageDone`, raised by the
-    pass-through after the stage's layers) and send what the next stage needs."""
-    runtime.boundary = _Boundary(layout, sorted(runtime.owned), received, sequence_shards)
+    logits; the others run the base model's forward to its end (the later stages' layers are pass-throughs, their
+    final modules shape-only stand-ins) and send what the pass-through after their last layer was handed."""
+    runtime.boundary = boundary = _Boundary(layout, sorted(runtime.owned), received, sequence_shards)
     try:
         if last:
             own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
             logits = own(**inputs).logits
-            runtime.boundary.check_used()
+            boundary.check_used()
             return logits
         stage.get_submodule(layout.base)(**inputs)
-    except _StageDone:
-        return runtime.boundary.output()
     finally:
-        boundary, runtime.boundary = runtime.boundary, None
-    raise RuntimeError(
-        f"{type(stage).__name__}: its forward returned before calling layer {layout.num_layers - 1}, so this "
-        f"pipeline stage has nothing to send (received {boundary is not None})"
-    )
+        runtime.boundary = None
+    if not boundary.reached_stop:
+        raise RuntimeError(
+            f"{type(stage).__name__}: its forward returned without calling layer {boundary.stop}, so this pipeline "
+            f"stage has nothing to send (received {received is not None})"
+        )
+    return boundary.output()
 
 
 def decoder_stage_forward(
