@@ -5,6 +5,7 @@ A torch upgrade that moves one of these names should only need a change in this 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -115,13 +116,19 @@ def plain_eager_context(tensors: tuple) -> bool:
 
 
 def run_backward_unchecked(
-    output: torch.Tensor, grad: torch.Tensor, inputs: tuple[torch.Tensor, ...] = (), keep_graph: bool = False
+    output: torch.Tensor | Sequence[torch.Tensor],
+    grad: torch.Tensor | Sequence[torch.Tensor],
+    inputs: tuple[torch.Tensor, ...] = (),
+    keep_graph: bool = False,
 ) -> None:
-    """Backward from ``output`` without the shape check, for outputs whose data was freed after sending
-    (Megatron's ``custom_backward``); ``inputs``: accumulate only these tensors' grads."""
+    """Backward from ``output`` (one tensor or several, with as many grads) without the shape check, for outputs
+    whose data was freed after sending (Megatron's ``custom_backward``); ``inputs``: accumulate only these tensors'
+    grads."""
+    outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+    grads = (grad,) if isinstance(grad, torch.Tensor) or grad is None else tuple(grad)
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad,),
+        tensors=outputs,
+        grad_tensors=grads,
         keep_graph=keep_graph,
         create_graph=False,
         inputs=inputs,

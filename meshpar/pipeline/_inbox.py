@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from meshpar.pipeline._p2p import P2P, Receive, message_tag
+from meshpar.pipeline._p2p import P2P, Meta, Receive, message_tag
 from meshpar.pipeline.schedule_ir import SENDS_GRAD, Action
 
 Key = tuple[str, int, int]  # ("F": activation into stage | "B": grad into stage, stage, microbatch)
-Meta = tuple[tuple[int, ...], torch.dtype]
+Metas = tuple[Meta, ...]  # a message's tensors' shapes and dtypes
 
 
 def messages_from(
@@ -53,7 +53,7 @@ class Inbox:
         *,
         forward_only: bool,
         fixed_shapes: bool,
-        grad_meta: Callable[[int, int], Meta | None],
+        grad_meta: Callable[[int, int], Metas | None],
         ahead: int,
     ) -> None:
         self.p2p, self.fixed_shapes, self.grad_meta, self.ahead = p2p, fixed_shapes, grad_meta, ahead
@@ -68,9 +68,9 @@ class Inbox:
         self._posted_count = dict.fromkeys(self._queues, 0)
         self._taken_count = dict.fromkeys(self._queues, 0)
         self._posted: dict[Key, Receive] = {}
-        self._activation_meta: dict[int, Meta] = {}
+        self._activation_meta: dict[int, Metas] = {}
 
-    def take(self, key: Key) -> torch.Tensor:
+    def take(self, key: Key) -> tuple[torch.Tensor, ...]:
         """Message ``key``, once every receive its sender sends before it is posted."""
         peer = self._peer_of[key[0]]
         while key not in self._posted:
@@ -92,7 +92,7 @@ class Inbox:
     def _learn(self, key: Key, receive: Receive) -> None:
         """With fixed shapes, a stage's first activation (its payload posted) gives the shape of the rest."""
         if self.fixed_shapes and key[0] == "F":
-            self._activation_meta.setdefault(key[1], (tuple(receive.buffer.shape), receive.buffer.dtype))
+            self._activation_meta.setdefault(key[1], receive.metas)
 
     def _post_next(self, peer: int, *, blocking: bool) -> bool:
         """Post the next receive from ``peer``; False where it cannot be posted yet (without ``blocking``: the one
@@ -115,7 +115,6 @@ class Inbox:
                 if blocking:  # a valid schedule never needs a grad before its forward ran
                     raise RuntimeError(f"pipeline stage {stage}: microbatch {microbatch}'s grad due before its forward")
                 return False
-        shape, dtype = meta or (None, None)
-        self._posted[key] = self.p2p.post(self._global_rank[peer], message_tag(kind, stage, microbatch), shape, dtype)
+        self._posted[key] = self.p2p.post(self._global_rank[peer], message_tag(kind, stage, microbatch), meta)
         self._posted_count[peer] = index + 1
         return True

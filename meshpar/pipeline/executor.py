@@ -11,8 +11,10 @@ this executor against torch's schedules.
 
 Follow one microbatch: ``F`` receives the input (or reads the batch on stage 0), runs the chunk and sends the output
 on; ``B`` receives the output grad (or starts from the loss on the last stage), runs backward and sends the input
-grad back. Zero-bubble schedules split ``B``: ``I`` computes and sends the input grad only, ``W`` later the weight
-grads (:mod:`._split_backward`).
+grad back. An activation is one tensor, or several (a list or tuple the stage returns, e.g. an encoder-decoder's
+decoder hidden states and encoder output); its grad message holds one grad per floating-point tensor. Zero-bubble
+schedules split ``B``: ``I`` computes and sends the input grad only, ``W`` later the weight grads
+(:mod:`._split_backward`).
 
 Receives are posted ahead of their use, in each neighbour's send order (:mod:`._inbox`). When ``fixed_shapes``
 (a declared ``tensor_shape``, or microbatches split from one batch), only each stage's first activation of a step
@@ -34,7 +36,7 @@ from meshpar._compat import run_backward_unchecked
 from meshpar.failure import stop_all_ranks_on_error
 from meshpar.parallel_dims import ParallelDims
 from meshpar.pipeline._inbox import Inbox
-from meshpar.pipeline._p2p import P2P, PipelineShapeError, message_tag
+from meshpar.pipeline._p2p import P2P, Meta, PipelineShapeError, message_tag
 from meshpar.pipeline._split_backward import DeferredWeightGrads, backward_input
 from meshpar.pipeline.schedule_ir import ACCUMULATES_WEIGHT_GRADS, Action, build_actions
 
@@ -44,11 +46,23 @@ if TYPE_CHECKING:
 ForwardStep = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
 
 
+Activation = tuple[torch.Tensor, ...]  # what crosses one cut for one microbatch
+
+
+def _tensors(value: Any) -> Activation:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _differentiable(tensors: Activation) -> Activation:
+    """The tensors of an activation that carry a grad back (floating point)."""
+    return tuple(t for t in tensors if t.is_floating_point())
+
+
 @dataclass
 class _Slot:
-    input: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    output_meta: tuple[tuple[int, ...], torch.dtype] | None = None
+    input: Activation | None = None
+    output: Activation | None = None
+    output_meta: tuple[Meta, ...] | None = None  # of the grads this stage receives: its floating outputs'
     loss: torch.Tensor | None = None
     weight_grads: DeferredWeightGrads | None = None  # left by an ``I`` for its ``W``
 
@@ -69,12 +83,16 @@ class PipelineExecutor:
     pp_rank: int
     pp: int
     p2p: P2P
-    tensor_shape: tuple[int, ...] | None = None
+    # the shapes of the tensors each stage receives (a function of the receiving stage), checked on arrival
+    expected_shapes: Callable[[int], Sequence[tuple[int, ...]]] | None = None
     # every activation a stage receives in one step has the shape and dtype of its first (implied by tensor_shape)
     fixed_shapes: bool = False
     deallocate_pipeline_outputs: bool = False
     loss_scale: float = 1.0
     set_virtual_rank: Callable[[int], None] | None = None
+    # stages that hand the last tensor they received on again beside their own output (an encoder-decoder's decoder
+    # stages carry the encoder's output to the next); its grad there accumulates with the stage's own use of it
+    hands_on_last_input: Callable[[int], bool] | None = None
     keep_outputs: bool = False  # keep the last stage's outputs (e.g. logits) per microbatch
     # apex: the forward (and loss) under autocast; the last stage's loss scaled (GradScaler.scale) before backward
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -89,8 +107,8 @@ class PipelineExecutor:
     # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
     reported: dict[int, Any] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)  # the last stage's, set by run
-    # (shape, dtype) of the first activation sent to each stage this step
-    _sent_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    # shapes and dtypes of the first activation sent to each stage this step
+    _sent_meta: dict[int, tuple[Meta, ...]] = field(default_factory=dict)
     _inbox: Inbox | None = None  # this step's receives
 
     @property
@@ -106,11 +124,13 @@ class PipelineExecutor:
         if self.set_virtual_rank is not None:
             self.set_virtual_rank(stage // self.pp)
         if stage > 0:
-            received = self._receive_activation(action)
-            slot.input = received if forward_only else received.requires_grad_()
+            slot.input = self._receive_activation(action)
+            if not forward_only:
+                for tensor in _differentiable(slot.input):
+                    tensor.requires_grad_()
         target = _stage_module(chunk)
         if hasattr(target, "set_input_tensor"):
-            target.set_input_tensor(slot.input)
+            target.set_input_tensor(self._handed(slot.input))
         elif stage > 0:
             raise TypeError(f"{type(chunk).__name__} needs set_input_tensor(tensor) to run as a non-first stage")
         result = None
@@ -126,14 +146,29 @@ class PipelineExecutor:
             self.reported[action.microbatch] = reported
             result = loss_value.detach()
         else:
-            self._send_activation(output, action)
-            slot.output, slot.output_meta = output, (tuple(output.shape), output.dtype)
+            outputs = _tensors(output)
+            if slot.input is not None and self.hands_on_last_input is not None and self.hands_on_last_input(stage):
+                outputs = (*outputs, slot.input[-1])
+            self._send_activation(outputs, action)
+            slot.output = outputs
+            slot.output_meta = tuple((tuple(t.shape), t.dtype) for t in _differentiable(outputs))
             if self.deallocate_pipeline_outputs and not forward_only:
-                # The next stage holds the values; backward needs only the graph. Megatron's trick.
-                output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+                # The next stage holds the values; backward needs only the graph (Megatron's trick). Tensors the
+                # stage passes on unchanged (its inputs) keep theirs: its own graph may have saved them.
+                for tensor in outputs:
+                    if tensor.grad_fn is not None:
+                        tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
         if not forward_only:
             self.slots[(stage, action.microbatch)] = slot
         return result
+
+    @staticmethod
+    def _handed(received: Activation | None) -> Any:
+        """What ``set_input_tensor`` gets: ``None`` on the first stage, the received tensor, or a list of them where
+        several crossed (Megatron-style models take either: they wrap a lone tensor in a list)."""
+        if received is None or len(received) > 1:
+            return None if received is None else list(received)
+        return received[0]
 
     def backward(self, action: Action) -> None:
         """``B`` (full backward), ``I`` (input grad only) or ``W`` (the weight grads ``I`` left)."""
@@ -143,54 +178,67 @@ class PipelineExecutor:
             return
         slot = self.slots[key] if action.kind == "I" else self.slots.pop(key)
         if stage == self.num_stages - 1:
-            output, grad = self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss, None
+            outputs, grads = (self.scale_loss(slot.loss) if self.scale_loss is not None else slot.loss,), (None,)
         else:
-            output, grad = slot.output, self._inbox.take(("B", stage, action.microbatch))
+            outputs, grads = _differentiable(slot.output), self._inbox.take(("B", stage, action.microbatch))
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+        inputs = _differentiable(slot.input) if slot.input is not None else ()
         if action.kind == "I":
+            if len(pairs) != 1 or len(inputs) > 1:
+                raise ValueError(
+                    "the zero_bubble schedule splits the backward of stages that pass one tensor on; this stage "
+                    f"receives {len(inputs)} and sends {len(pairs)}: use schedule '1f1b'"
+                )
             chunk = self._chunk(stage)
-            slot.weight_grads = backward_input(output, grad, slot.input, chunk.parameters())
+            stage_input = inputs[0] if inputs else None
+            slot.weight_grads = backward_input(*pairs[0], stage_input, chunk.parameters())
             slot.output = slot.loss = None  # what W needs is in weight_grads
-        elif grad is None:
-            output.backward()
-        elif self.deallocate_pipeline_outputs:
-            run_backward_unchecked(output, grad)
-        else:
-            torch.autograd.backward(output, grad)
+        elif pairs and pairs[0][1] is None:
+            pairs[0][0].backward()
+        elif pairs and self.deallocate_pipeline_outputs:
+            run_backward_unchecked([o for o, _ in pairs], [g for _, g in pairs])
+        elif pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if stage > 0:
             tag = message_tag("B", stage - 1, action.microbatch)
-            self.p2p.send(slot.input.grad, self.p2p.prev_rank, tag, header=False)
+            grads_back = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
+            self.p2p.send(grads_back, self.p2p.prev_rank, tag, header=False)
             slot.input = None
 
     @property
     def _fixed(self) -> bool:
-        return self.fixed_shapes or self.tensor_shape is not None
+        return self.fixed_shapes or self.expected_shapes is not None
 
-    def _receive_activation(self, action: Action) -> torch.Tensor:
+    def _receive_activation(self, action: Action) -> Activation:
         received = self._inbox.take(("F", action.stage, action.microbatch))
-        shape = tuple(received.shape)
-        if self.tensor_shape is not None and shape != tuple(self.tensor_shape):
-            raise PipelineShapeError(
-                f"pipeline stage {action.stage} received an activation of shape {list(shape)} from rank "
-                f"{self.p2p.prev_rank}, but the schedule was given tensor_shape={list(self.tensor_shape)}: pass the "
-                "shape the previous stage really outputs (mind batch-first vs apex's [seq, batch, hidden]), or "
-                "tensor_shape=None"
-            )
+        if self.expected_shapes is not None:
+            shapes = [tuple(t.shape) for t in received]
+            expected = [tuple(s) for s in self.expected_shapes(action.stage)]
+            if shapes != expected:
+                got, want = (shapes[0], expected[0]) if len(shapes) == len(expected) == 1 else (shapes, expected)
+                raise PipelineShapeError(
+                    f"pipeline stage {action.stage} received an activation of shape {_listed(got)} from rank "
+                    f"{self.p2p.prev_rank}, but the schedule was given tensor_shape={_listed(want)}: pass the "
+                    "shape the previous stage really outputs (mind batch-first vs apex's [seq, batch, hidden]), or "
+                    "tensor_shape=None"
+                )
         return received
 
-    def _send_activation(self, output: torch.Tensor, action: Action) -> None:
-        receiver, meta = action.stage + 1, (tuple(output.shape), output.dtype)
+    def _send_activation(self, outputs: Activation, action: Action) -> None:
+        receiver = action.stage + 1
+        meta = tuple((tuple(t.shape), t.dtype) for t in outputs)
         first = self._sent_meta.get(receiver)
         if first is None:
             self._sent_meta[receiver] = meta
         elif self._fixed and first != meta:
             raise PipelineShapeError(
-                f"pipeline stage {action.stage} output {list(meta[0])} ({meta[1]}) for microbatch "
-                f"{action.microbatch}, but {list(first[0])} ({first[1]}) for the step's first: this step runs with "
-                "one activation shape per stage (a declared tensor_shape, or microbatches split from one batch); "
-                "pass tensor_shape=None for activations whose shape changes between microbatches"
+                f"pipeline stage {action.stage} output {_described(meta)} for microbatch {action.microbatch}, but "
+                f"{_described(first)} for the step's first: this step runs with one activation shape per stage (a "
+                "declared tensor_shape, or microbatches split from one batch); pass tensor_shape=None for "
+                "activations whose shape changes between microbatches"
             )
-        header = not self._fixed or first is None  # the receiver knows the shape from the step's first message
-        self.p2p.send(output, self.p2p.next_rank, message_tag("F", receiver, action.microbatch), header=header)
+        header = not self._fixed or first is None  # the receiver knows the shapes from the step's first message
+        self.p2p.send(outputs, self.p2p.next_rank, message_tag("F", receiver, action.microbatch), header=header)
 
     def _grad_sync_context(self, stage: int, last: bool) -> contextlib.AbstractContextManager:
         if self.grad_syncs is None or last:
@@ -233,10 +281,18 @@ class PipelineExecutor:
         self.losses = [losses[i] for i in sorted(losses)]
         return self.losses
 
-    def _grad_meta(self, stage: int, microbatch: int) -> tuple[tuple[int, ...], torch.dtype] | None:
-        """Shape and dtype of the grad stage ``stage`` receives for ``microbatch``: its output's, once it ran."""
+    def _grad_meta(self, stage: int, microbatch: int) -> tuple[Meta, ...] | None:
+        """Shapes and dtypes of the grads stage ``stage`` receives for ``microbatch``: its outputs', once it ran."""
         slot = self.slots.get((stage, microbatch))
         return None if slot is None else slot.output_meta
+
+
+def _listed(shapes: Any) -> Any:
+    return [list(s) for s in shapes] if shapes and isinstance(shapes[0], tuple) else list(shapes)
+
+
+def _described(meta: tuple[Meta, ...]) -> str:
+    return ", ".join(f"{list(shape)} ({dtype})" for shape, dtype in meta)
 
 
 def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:

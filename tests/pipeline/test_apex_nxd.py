@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshpar.compat.apex import parallel_state as apex_state
@@ -350,3 +352,118 @@ def test_interleaved_schedules_leave_the_custom_context_once_per_chunk_and_at_th
     for counts in run_distributed(interleaved_user_sync_case, 2, with_sync_func):
         assert counts["enter"] == counts["exit"] == 3, counts  # two chunks + the end
         assert sorted(counts["synced"]) == (sorted(counts["chunk_sizes"]) if with_sync_func else []), counts
+
+
+# -- apex encoder-decoder pipelines ----------------------------------------------------------------------------------
+HID, ENC_SEQ, DEC_SEQ = 8, 6, 4
+
+
+class ToySeq2Seq(nn.Module):
+    """A dense encoder-decoder: encoder layers over the source, then decoder layers that each mix the decoder hidden
+    states with the encoder's output (a stand-in for cross-attention), a head on top. [seq, batch, hidden], as apex."""
+
+    def __init__(self, encoder_layers: int, decoder_layers: int) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(HID, HID) for _ in range(encoder_layers))
+        self.decoder = nn.ModuleList(nn.Linear(HID, HID) for _ in range(decoder_layers))
+        self.cross = nn.ModuleList(nn.Linear(HID, HID) for _ in range(decoder_layers))
+        self.head = nn.Linear(HID, 1)
+
+    @staticmethod
+    def mix(cross: nn.Module, encoded: torch.Tensor) -> torch.Tensor:
+        return cross(encoded).mean(0, keepdim=True)  # every decoder position sees the whole source
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        encoded = source
+        for layer in self.encoder:
+            encoded = torch.tanh(layer(encoded))
+        hidden = target
+        for layer, cross in zip(self.decoder, self.cross, strict=True):
+            hidden = torch.tanh(layer(hidden) + self.mix(cross, encoded))
+        return self.head(hidden)
+
+
+class Seq2SeqStage(nn.Module):
+    """One pipeline rank's piece of :class:`ToySeq2Seq` (one encoder or decoder layer), built by apex's
+    ``build_model`` keywords and reading its inputs as apex hands them (a list on decoder stages)."""
+
+    def __init__(self, dense: ToySeq2Seq, *, pre_process: bool, post_process: bool, add_encoder: bool,
+                 add_decoder: bool) -> None:  # fmt: skip
+        super().__init__()
+        assert add_encoder != add_decoder
+        rank, split = apex_state.get_pipeline_model_parallel_rank(), apex_state.get_pipeline_model_parallel_split_rank()
+        self.pre_process, self.add_decoder = pre_process, add_decoder
+        self.index = rank - split if add_decoder else rank
+        self.layer = copy.deepcopy((dense.decoder if add_decoder else dense.encoder)[self.index])
+        self.cross = copy.deepcopy(dense.cross[self.index]) if add_decoder else None
+        self.head = copy.deepcopy(dense.head) if post_process and add_decoder else None
+        self.received: list = [None]
+
+    def set_input_tensor(self, tensor) -> None:
+        self.received = tensor if isinstance(tensor, list) else [tensor]
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not self.add_decoder:
+            return torch.tanh(self.layer(source if self.pre_process else self.received[0]))
+        hidden, encoded = (target, self.received[0]) if self.pre_process else self.received
+        hidden = torch.tanh(self.layer(hidden) + ToySeq2Seq.mix(self.cross, encoded))
+        return self.head(hidden) if self.head is not None else hidden
+
+    def dense_grads(self, dense: ToySeq2Seq) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pairs = [((dense.decoder if self.add_decoder else dense.encoder)[self.index], self.layer)]
+        pairs += [(dense.cross[self.index], self.cross)] if self.cross is not None else []
+        pairs += [(dense.head, self.head)] if self.head is not None else []
+        return [(m.grad, r.grad) for d, o in pairs for m, r in zip(o.parameters(), d.parameters(), strict=True)]
+
+
+def encoder_decoder_case(split: int, m: int, deallocate: bool, forward_only: bool) -> None:
+    from meshpar.compat.apex.enums import ModelType
+    from meshpar.compat.apex.pipeline_parallel import build_model
+
+    apex_state.initialize_model_parallel(1, 4, None, split)
+    torch.manual_seed(0)
+    dense = ToySeq2Seq(split, 4 - split)
+    source, target = torch.randn(2 * m, ENC_SEQ, HID), torch.randn(2 * m, DEC_SEQ, HID)  # apex splits rows
+    chunks = build_model(lambda **roles: Seq2SeqStage(dense, **roles), False, None, ModelType.encoder_and_decoder)
+    assert chunks[0].model_type == ModelType.encoder_and_decoder
+
+    def step(microbatch, model):
+        rows_first = [x.transpose(0, 1) for x in microbatch]  # [s, b, h] inside
+        return model(*rows_first), lambda out: (out.square().mean(), {"out": out.detach().sum()})
+
+    fn = get_forward_backward_func(None, 4)
+    reported = fn(
+        step, [source, target], chunks, forward_only=forward_only, num_microbatches=m, tensor_shape=(ENC_SEQ, 2, HID),
+        decoder_sequence_length=DEC_SEQ, deallocate_pipeline_outputs=deallocate,
+    )  # fmt: skip
+    outs = [dense(s.transpose(0, 1), t.transpose(0, 1)) for s, t in zip(source.chunk(m), target.chunk(m), strict=True)]
+    if apex_state.is_pipeline_last_stage():
+        torch.testing.assert_close(torch.stack([r["out"] for r in reported]), torch.stack([o.sum() for o in outs]))
+    if not forward_only:
+        (torch.stack([o.square().mean() for o in outs]).sum() / m).backward()
+        for mine, ref in chunks[0].dense_grads(dense):
+            torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-5)
+    apex_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize(
+    ("split", "m", "deallocate", "forward_only"), [(2, 4, False, False), (1, 5, True, False), (3, 4, False, True)]
+)
+def test_apex_encoder_decoder_pipeline_matches_dense(split: int, m: int, deallocate: bool, forward_only: bool) -> None:
+    """apex's split-rank layout: the encoder on the ranks before the split, the decoder after it, the encoder's
+    output carried to every decoder stage; losses and every stage's grads equal the dense model's."""
+    run_distributed(encoder_decoder_case, 4, split, m, deallocate, forward_only)
+
+
+def encoder_decoder_refusals_case() -> None:
+    from meshpar.compat.apex.enums import ModelType
+    from meshpar.compat.apex.pipeline_parallel import build_model
+
+    apex_state.initialize_model_parallel(1, 2)  # no split rank
+    with pytest.raises(RuntimeError, match="pipeline_model_parallel_split_rank_"):
+        build_model(lambda **roles: nn.Linear(2, 2), False, None, ModelType.encoder_and_decoder)
+    apex_state.destroy_model_parallel()
+
+
+def test_an_encoder_decoder_without_a_split_rank_is_refused() -> None:
+    run_distributed(encoder_decoder_refusals_case, 2)

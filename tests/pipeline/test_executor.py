@@ -23,44 +23,42 @@ class Mailboxes:
     """Messages in flight between simulated ranks, and the per-pair logs of sends and receive posts."""
 
     def __init__(self) -> None:
-        self.messages: dict[tuple[int, int, int], list[torch.Tensor]] = defaultdict(list)
+        self.messages: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
         self.sent: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
         self.posted: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
         self.cond = threading.Condition()
 
-    def take(self, src: int, dst: int, tag: int) -> torch.Tensor:
+    def take(self, src: int, dst: int, tag: int) -> tuple:
         with self.cond:
-            if not self.cond.wait_for(lambda: self.messages[(src, dst, tag)], timeout=30):
+            if not self.cond.wait_for(lambda: self.messages[(src, dst, tag)], timeout=600):  # deadlock guard
                 raise TimeoutError(f"rank {dst} waits for tag {tag} from rank {src}")
             return self.messages[(src, dst, tag)].pop(0)
 
 
 class FakeReceive:
-    def __init__(self, box: Mailboxes, src: int, dst: int, tag: int, shape: tuple[int, ...] | None) -> None:
-        self.box, self.src, self.dst, self.tag, self.shape = box, src, dst, tag, shape
-        box.posted[(src, dst)].append((tag, "header" if shape is None else "payload"))
+    """One message's receive: its tensors' metas known (payload posted) or not (header posted first)."""
+
+    def __init__(self, box: Mailboxes, src: int, dst: int, tag: int, metas: tuple | None) -> None:
+        self.box, self.src, self.dst, self.tag, self.metas = box, src, dst, tag, metas
+        box.posted[(src, dst)].append((tag, "header" if metas is None else "payload"))
 
     @property
     def has_header(self) -> bool:
-        return self.shape is None
+        return self.metas is None
 
     def header_arrived(self) -> bool:
         return self.has_header and bool(self.box.messages[(self.src, self.dst, self.tag)])
 
     def resolve(self) -> None:
         if self.has_header:
-            self.shape = tuple(self.box.take(self.src, self.dst, self.tag).tolist())
+            self.metas = self.box.take(self.src, self.dst, self.tag)
             self.box.posted[(self.src, self.dst)].append((self.tag, "payload"))
 
-    @property
-    def buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape)
-
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, ...]:
         self.resolve()
         data = self.box.take(self.src, self.dst, self.tag)
-        assert tuple(data.shape) == self.shape, (data.shape, self.shape)
-        return data.clone()
+        assert [(tuple(t.shape), t.dtype) for t in data] == list(self.metas), (data, self.metas)
+        return tuple(t.clone() for t in data)
 
 
 class FakeP2P:
@@ -68,17 +66,17 @@ class FakeP2P:
         self.box, self.rank = box, rank
         self.prev_rank, self.next_rank = (rank - 1) % pp, (rank + 1) % pp
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, header: bool) -> None:
+    def send(self, tensors: tuple[torch.Tensor, ...], dst: int, tag: int, *, header: bool) -> None:
         with self.box.cond:
             if header:
                 self.box.sent[(self.rank, dst)].append((tag, "header"))
-                self.box.messages[(self.rank, dst, tag)].append(torch.tensor(tensor.shape))
+                self.box.messages[(self.rank, dst, tag)].append(tuple((tuple(t.shape), t.dtype) for t in tensors))
             self.box.sent[(self.rank, dst)].append((tag, "payload"))
-            self.box.messages[(self.rank, dst, tag)].append(tensor.detach().clone())
+            self.box.messages[(self.rank, dst, tag)].append(tuple(t.detach().clone() for t in tensors))
             self.box.cond.notify_all()
 
-    def post(self, src: int, tag: int, shape=None, dtype=None) -> FakeReceive:
-        return FakeReceive(self.box, src, self.rank, tag, shape)
+    def post(self, src: int, tag: int, metas: tuple | None = None) -> FakeReceive:
+        return FakeReceive(self.box, src, self.rank, tag, metas)
 
     def wait_all(self) -> None:
         pass
@@ -125,7 +123,7 @@ def run_pipeline(schedule: str, pp: int, v: int, m: int, fixed: bool, forward_on
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join()  # a deadlocked rank raises from its mailbox wait
     if errors:
         raise errors[0]
     return dense, replicas, batches, losses, box

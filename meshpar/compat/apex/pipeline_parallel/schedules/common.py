@@ -22,6 +22,13 @@ num_microbatches=None)``:
   a different one for every microbatch too (each activation then carries its shape).
 - ``model`` is a module, or a list of this rank's chunks (one per virtual stage for the interleaved schedule).
   Chunks wrapped by :func:`build_model` (``wrap_with_ddp``) average their grads over dp after the step.
+- An encoder-decoder (``model.model_type == ModelType.encoder_and_decoder``, as :func:`build_model` sets it) runs
+  its encoder on the pipeline ranks before ``pipeline_model_parallel_split_rank`` and its decoder on the rest; every
+  decoder stage receives ``[decoder hidden states, encoder output]`` (the split rank: ``[encoder output]``) through
+  ``set_input_tensor`` and hands the encoder output on beside its own output, as apex does; ``tensor_shape`` is the
+  encoder's ``(seq, micro_batch, hidden)`` and ``decoder_sequence_length`` the decoder's sequence.
+- ``set_input_tensor`` gets the received tensor (``None`` on the first stage), or a list where several crossed
+  (apex always hands a list; Megatron-style models wrap a lone tensor in one, as apex's own test models do).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ class DataParallelChunk(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+    def set_input_tensor(self, tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         self.module.set_input_tensor(tensor)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -82,6 +89,27 @@ class DataParallelChunk(nn.Module):
 
 def _is_encoder_or_decoder(model_type: Any) -> bool:
     return str(getattr(model_type, "name", model_type)).rsplit(".", 1)[-1] == "encoder_or_decoder"
+
+
+def _split_roles() -> dict[str, bool]:
+    """An encoder-decoder's keywords for this pipeline rank's model (apex's rules): the encoder on the ranks before
+    the split rank, the decoder from it on; ``pre_process`` where a stack starts, ``post_process`` where one ends."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return {"pre_process": True, "post_process": True, "add_encoder": True, "add_decoder": True}
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if split is None:
+        raise RuntimeError(
+            "build_model: an encoder-decoder (ModelType.encoder_and_decoder) pipelined over several ranks needs "
+            "pipeline_model_parallel_split_rank_ in initialize_model_parallel: the first rank that runs the decoder"
+        )
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    last = parallel_state.get_pipeline_model_parallel_world_size() - 1
+    return {
+        "pre_process": rank in (0, split),
+        "post_process": rank in (split - 1, last),
+        "add_encoder": parallel_state.is_pipeline_stage_before_split(),
+        "add_decoder": parallel_state.is_pipeline_stage_after_split(),
+    }
 
 
 def build_model(
@@ -96,12 +124,9 @@ def build_model(
     stage of this rank (``pre_process`` on the first stage, ``post_process`` on the last), moved to this rank's
     device and, with ``wrap_with_ddp``, wrapped for data parallelism (:class:`DataParallelChunk`, ``.module`` the
     chunk, as apex's DDP wrapper; every dp replica takes dp rank 0's values, as DDP does). Returns the list of
-    chunks."""
-    if not _is_encoder_or_decoder(model_type):
-        raise NotImplementedError(
-            f"build_model: model_type={model_type!r}: meshpar's apex view pipelines one-stack models "
-            "(ModelType.encoder_or_decoder); encoder-decoder pipelines are not supported yet"
-        )
+    chunks. ``model_type=ModelType.encoder_and_decoder`` (one chunk per rank) also passes ``add_encoder`` /
+    ``add_decoder`` and the stacks' ``pre_process`` / ``post_process`` by the split rank (see :func:`_split_roles`);
+    the chunk's ``model_type`` is set, which the schedules read."""
     dims = get_parallel()
     vpp = virtual_pipeline_model_parallel_size or 1
     if vpp != (dims.virtual_pipeline_size or 1):
@@ -109,16 +134,27 @@ def build_model(
             f"build_model: virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}, but the "
             f"parallel state was initialised with {dims.virtual_pipeline_size}"
         )
+    encoder_and_decoder = not _is_encoder_or_decoder(model_type)
+    if encoder_and_decoder and vpp > 1:
+        raise ValueError(
+            "build_model: an encoder-decoder runs one chunk per pipeline rank (apex's interleaved schedule pipelines "
+            "one-stack models); pass virtual_pipeline_model_parallel_size=None"
+        )
     chunks = []
     for index in range(vpp):
         if vpp > 1:
             parallel_state.set_virtual_pipeline_model_parallel_rank(index)
-        chunk = model_provider_func(
-            *args,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            **kwargs,
+        roles = (
+            _split_roles()
+            if encoder_and_decoder
+            else {
+                "pre_process": parallel_state.is_pipeline_first_stage(),
+                "post_process": parallel_state.is_pipeline_last_stage(),
+            }
         )
+        chunk = model_provider_func(*args, **{**kwargs, **roles})
+        if vpp == 1 or dims.pp == 1:
+            chunk.model_type = model_type  # as apex: set outside the interleaved path
         chunks.append(chunk.to(dims.device))
     if vpp > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -177,6 +213,11 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> N
     run_backward_unchecked(output, grad_output)
 
 
+def _hands_on_encoder_output(model_type: Any) -> bool:
+    """apex: a decoder stage of an encoder-decoder hands the encoder output it received on beside its own output."""
+    return not _is_encoder_or_decoder(model_type) and parallel_state.is_pipeline_stage_after_split()
+
+
 def forward_step(
     forward_step_func: FwdStepFunc,
     batch: Batch | None,
@@ -186,15 +227,19 @@ def forward_step(
     dtype: torch.dtype,
     disable_autocast: bool = False,
     checkpoint_activations_micro_batch: bool | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | list[torch.Tensor]:
     """One microbatch's forward on one stage: the received activation set as the model's input, the step function
     run (under autocast for half dtypes); on the last stage the loss is computed, its reported value appended to
-    ``losses_reduced``, and the loss divided by the number of microbatches returned."""
-    from meshpar.compat.apex.pipeline_parallel.utils import get_num_microbatches
+    ``losses_reduced``, and the loss divided by the number of microbatches returned. An encoder-decoder's decoder
+    stage returns ``[output, encoder output]`` (the last of ``input_tensor``); a list ``input_tensor`` gives a list
+    back, a tensor (or ``None``) the output alone."""
+    from meshpar.compat.apex.pipeline_parallel.utils import get_model_type, get_num_microbatches, unwrap_model
 
-    unwrapped = model.module if isinstance(model, DataParallelChunk) else model
+    unwrapped = unwrap_model(model)
+    inputs = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+    inputs = [x.get() if isinstance(x, FutureTensor) else x for x in inputs]
     if hasattr(unwrapped, "set_input_tensor"):
-        unwrapped.set_input_tensor(input_tensor[0] if isinstance(input_tensor, list) else input_tensor)
+        unwrapped.set_input_tensor(inputs[0] if len(inputs) == 1 else inputs)
     half = dtype in (torch.float16, torch.bfloat16) and not disable_autocast
     device = get_parallel().device.type
     with torch.autocast(device, dtype=dtype) if half else contextlib.nullcontext():
@@ -207,31 +252,49 @@ def forward_step(
             loss, reported = loss if isinstance(loss, tuple) else (loss, loss)
             output = loss / get_num_microbatches()
             losses_reduced.append(reported)
-    return output
+    if _hands_on_encoder_output(get_model_type(unwrapped)):
+        return [output, inputs[-1]]
+    return output if not isinstance(input_tensor, list) else [output]
 
 
 def backward_step(
-    input_tensor: torch.Tensor | None,
-    output_tensor: torch.Tensor,
-    output_tensor_grad: torch.Tensor | None,
+    input_tensor: torch.Tensor | list[torch.Tensor] | None,
+    output_tensor: torch.Tensor | list[torch.Tensor],
+    output_tensor_grad: torch.Tensor | list[torch.Tensor] | None,
     model_type: ModelType,
     *,
     grad_scaler: Any = None,
     deallocate_pipeline_outputs: bool = False,
-) -> torch.Tensor | None:
+) -> torch.Tensor | list[torch.Tensor | None] | None:
     """One microbatch's backward on one stage: from the loss (scaled by ``grad_scaler``) on the last stage, from the
-    received output grad elsewhere; returns the grad of the stage's input (``None`` on the first stage)."""
-    if not _is_encoder_or_decoder(model_type):
-        raise NotImplementedError("backward_step: encoder-decoder pipelines are not supported yet")
-    if input_tensor is not None:
-        input_tensor.retain_grad()
-    if grad_scaler is not None and output_tensor_grad is None:
-        output_tensor = grad_scaler.scale(output_tensor)
+    received output grad elsewhere; returns the grad of the stage's input (``None`` on the first stage; a list for a
+    list ``input_tensor``). On an encoder-decoder's decoder stage the grad of the encoder output it handed on is
+    added to the grad of the encoder output it received, as apex does."""
+    listed = isinstance(input_tensor, list)
+    inputs = [x.get() if isinstance(x, FutureTensor) else x for x in (input_tensor if listed else [input_tensor])]
+    for x in inputs:
+        if x is not None:
+            x.retain_grad()
+    outputs = output_tensor if isinstance(output_tensor, list) else [output_tensor]
+    grads = output_tensor_grad if isinstance(output_tensor_grad, list) else [output_tensor_grad]
+    outputs = [x.get() if isinstance(x, FutureTensor) else x for x in outputs]
+    grads = [x.get() if isinstance(x, FutureTensor) else x for x in grads]
+    head = outputs[0]
+    if grad_scaler is not None and grads[0] is None:
+        head = grad_scaler.scale(head)
     if deallocate_pipeline_outputs:
-        custom_backward(output_tensor, output_tensor_grad)
+        custom_backward(head, grads[0])
     else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
-    return input_tensor.grad if input_tensor is not None else None
+        torch.autograd.backward(head, grad_tensors=grads[0])
+    input_grads = [None if x is None else x.grad for x in inputs]
+    if (
+        parallel_state.get_pipeline_model_parallel_world_size() > 1
+        and _hands_on_encoder_output(model_type)
+        and len(grads) > 1
+        and grads[1] is not None
+    ):
+        input_grads[-1] = grads[1] if input_grads[-1] is None else input_grads[-1] + grads[1]
+    return input_grads if listed else input_grads[0]
 
 
 # -- schedules ----------------------------------------------------------------------------------------------------
@@ -253,32 +316,47 @@ class _StepOptions:
     num_microbatches: int | None = None
     custom_sync_context_handler: Callable[[], contextlib.AbstractContextManager] | None = None
     custom_grad_sync_func: Callable[[], None] | None = None
+    decoder_sequence_length: int | None = None
 
     def forward_context(self, dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager]:
         if self.disable_autocast or self.dtype not in (torch.float16, torch.bfloat16):
             return contextlib.nullcontext
         return lambda: torch.autocast(dims.device.type, dtype=self.dtype)
 
-    def received_shape(self, dims: ParallelDims) -> tuple[int, ...] | None:
+    def expected_shapes(self, model_type: ModelType) -> Callable[[int], list[tuple[int, int, int]]] | None:
+        """The shapes each stage receives, by the stage sending them (apex's ``get_tensor_shapes``: the sequence
+        divided by tp under sequence parallelism; a decoder stage's ``[decoder, encoder]`` pair); ``None`` without a
+        ``tensor_shape``."""
+        from meshpar.compat.apex.pipeline_parallel.schedules.fwd_bwd_pipelining_without_interleaving import (
+            get_tensor_shapes,
+        )
+
         if self.tensor_shape is None:
             return None
-        shape = list(self.tensor_shape)
-        if self.sequence_parallel_enabled:  # apex: activations between stages are sequence shards [s/tp, b, h]
-            if shape[0] % dims.tp != 0:
-                raise ValueError(f"tensor_shape[0]={shape[0]} (the sequence) is not divisible by tp={dims.tp}")
-            shape[0] //= dims.tp
-        return tuple(shape)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if self.sequence_parallel_enabled and self.tensor_shape[0] % tp:
+            raise ValueError(f"tensor_shape[0]={self.tensor_shape[0]} (the sequence) is not divisible by tp={tp}")
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        shapes = {
+            rank: get_tensor_shapes(
+                rank,
+                model_type,
+                tensor_shape=self.tensor_shape,
+                decoder_sequence_length=self.decoder_sequence_length,
+                sequence_parallel_enabled=self.sequence_parallel_enabled,
+            )
+            for rank in range(pp)
+        }
+        return lambda stage: shapes[(stage - 1) % pp]
 
 
 def _options(
     forward_only: bool, kwargs: dict[str, Any], schedule: str, unused: frozenset[str] = frozenset()
 ) -> _StepOptions:
-    """The schedule's keywords: apex's tuning ones accepted as no-ops, ``decoder_sequence_length`` ignored as apex
-    ignores it for one-stack models, any other one apex's ``**kwargs`` would have swallowed (``unused``: options
-    this schedule swallows although others honour them) accepted with a warning naming it."""
+    """The schedule's keywords: apex's tuning ones accepted as no-ops, any other one apex's ``**kwargs`` would have
+    swallowed (``unused``: options this schedule swallows although others honour them) accepted with a warning naming
+    it. ``decoder_sequence_length`` matters to encoder-decoders only, as in apex."""
     known = {f.name for f in fields(_StepOptions)} - {"forward_only"} - unused
-    kwargs = dict(kwargs)
-    kwargs.pop("decoder_sequence_length", None)
     ignored = sorted(name for name in kwargs if name not in known and name not in _TUNING)
     if ignored:
         warnings.warn(
@@ -316,6 +394,17 @@ def _pipelined(
             f"virtual_pipeline_model_parallel_size={dims.virtual_pipeline_size}: pass one chunk per virtual stage "
             "(the stage getters of parallel_state count chunks by it)"
         )
+    from meshpar.compat.apex.pipeline_parallel.utils import get_model_type
+
+    model_type = get_model_type(chunks[0])
+    if not _is_encoder_or_decoder(model_type):
+        if len(chunks) > 1:
+            raise ValueError("apex's interleaved schedule pipelines one-stack models, not an encoder-decoder")
+        if dims.pp > 1 and parallel_state.get_pipeline_model_parallel_split_rank() is None:
+            raise ValueError(
+                "an encoder-decoder (ModelType.encoder_and_decoder) pipeline needs pipeline_model_parallel_split_rank_ "
+                "in initialize_model_parallel: the first rank that runs the decoder"
+            )
     microbatches = _split_batch(batch, options.num_microbatches)
     user = _UserGradSync(options.custom_sync_context_handler, options.custom_grad_sync_func)
     chunk_syncs = _grad_syncs(chunks)
@@ -334,7 +423,10 @@ def _pipelined(
                 microbatches,
                 forward_step_func,
                 options.forward_only,
-                tensor_shape=options.received_shape(dims),
+                expected_shapes=options.expected_shapes(model_type),
+                hands_on_last_input=(lambda stage: parallel_state.is_pipeline_stage_after_split(stage))
+                if not _is_encoder_or_decoder(model_type)
+                else None,
                 deallocate_pipeline_outputs=options.deallocate_pipeline_outputs,
                 loss_scale=1.0 / len(microbatches),
                 set_virtual_rank=parallel_state.set_virtual_pipeline_model_parallel_rank if len(chunks) > 1 else None,
