@@ -427,37 +427,48 @@ def _present(model: nn.Module, fqn: str) -> bool:
 
 
 class _Boundary:
-    """What one run of a stage receives and sends. Carried tensors (see :class:`Carried`) cross as one flat tensor
-    (the runtime sends one per microbatch): the loop state handed to the next stage's first layer, then the
-    per-layer arguments of every later layer in call order. The receiver cuts them out with the shapes its own
-    forward gives the same arguments (it runs the steps before the layers too, on stand-ins), so variable lengths
-    need nothing more. With nothing but the hidden states to carry, they cross as they are."""
+    """What one run of a stage receives and sends. Carried tensors (see :class:`Carried`) cross as the tensors of
+    one message (the runtime sends a tuple per microbatch, each tensor in its own shape and dtype): the loop state
+    handed to the next stage's first layer, then the per-layer arguments of every later layer in call order. The
+    receiver takes them in that order and checks each against the shape its own forward gives the same argument (it
+    runs the steps before the layers too, on stand-ins). With nothing but the hidden states to carry, they cross
+    alone."""
 
     def __init__(
-        self, layout: PipelineLayout, owned: Sequence[int], received: torch.Tensor | None, sequence_shards: int = 1
+        self,
+        layout: PipelineLayout,
+        owned: Sequence[int],
+        received: torch.Tensor | Sequence[torch.Tensor] | None,
+        sequence_shards: int = 1,
     ) -> None:
         self.layout = layout
         self.sequence_shards = sequence_shards  # tp under sequence parallelism: the hidden states cross as shards
         self.start, self.stop = min(owned), max(owned) + 1
-        self.flat = None if received is None else received.reshape(-1)
-        self.offset = 0
+        self.received: tuple[torch.Tensor, ...] | None = (
+            None if received is None else (received,) if isinstance(received, torch.Tensor) else tuple(received)
+        )
+        self.taken = 0
         self.sent: list[torch.Tensor] = []
-        self.rest: torch.Tensor | None = None  # per-layer arguments received for later stages, handed on
+        self.rest: tuple[torch.Tensor, ...] = ()  # per-layer arguments received for later stages, handed on
         self.reached_stop = False  # the forward called the first layer after this stage's: ``sent`` is complete
 
     def _take(self, like: object, what: str) -> torch.Tensor:
-        if not isinstance(like, torch.Tensor) or self.flat is None or self.offset + like.numel() > self.flat.numel():
-            raise RuntimeError(f"pipeline stage: {what} does not match what the previous stage sent")
-        piece = self.flat[self.offset : self.offset + like.numel()].view(like.shape).to(like.dtype)
-        self.offset += like.numel()
-        return piece
+        piece = self.received[self.taken] if self.taken < len(self.received) else None
+        if not isinstance(like, torch.Tensor) or piece is None or piece.shape != like.shape:
+            got = "nothing" if piece is None else f"a tensor of shape {list(piece.shape)}"
+            raise RuntimeError(
+                f"pipeline stage: {what} (shape {list(getattr(like, 'shape', []))}) does not match what the previous "
+                f"stage sent ({got})"
+            )
+        self.taken += 1
+        return piece if piece.dtype == like.dtype else piece.to(like.dtype)
 
     def feed(self, layer: int, args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple, dict] | None:
         """Pre-hook of an owned layer: its carried arguments get the received values (loop state: first layer only).
         Written into the stage's own tensor where it can be (it was computed from stand-ins and holds no grad), so
         the forward's variable holds them too: loop code between layers reads it (Inkling2 stacks the hidden states
         it handed a layer); replaced in the call otherwise."""
-        if self.flat is None:
+        if self.received is None:
             return None
         new_args, new_kwargs = list(args), dict(kwargs)
         carried = self.layout.carried_into(layer)
@@ -493,10 +504,9 @@ class _Boundary:
         carried = self.layout.carried_into(layer)
         if layer == self.stop:
             self.sent += [_argument(args, kwargs, c.position) for c in carried if c.loop_state]
-            if self.flat is not None:
-                self.rest = self.flat[self.offset :]
-                self.offset = self.flat.numel()
-        if self.flat is None:
+            if self.received is not None:
+                self.rest, self.taken = self.received[self.taken :], len(self.received)
+        if self.received is None:
             self.sent += [_argument(args, kwargs, c.position) for c in carried if not c.loop_state]
         self.reached_stop = True
         if layer == self.stop and self.sequence_shards > 1 and isinstance(hidden, torch.Tensor):
@@ -505,16 +515,15 @@ class _Boundary:
             return hidden.new_zeros(shape)
         return hidden
 
-    def output(self) -> torch.Tensor:
-        pieces = self.sent + ([self.rest] if self.rest is not None and self.rest.numel() else [])
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat([p.reshape(-1) for p in pieces])
+    def output(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What crosses to the next stage: the hidden states alone, or every carried tensor in order."""
+        pieces = (*self.sent, *self.rest)
+        return pieces[0] if len(pieces) == 1 else pieces
 
     def check_used(self) -> None:
-        if self.flat is not None and self.offset != self.flat.numel():
+        if self.received is not None and self.taken != len(self.received):
             raise RuntimeError(
-                f"pipeline stage: {self.flat.numel() - self.offset} received values were not used by its layers"
+                f"pipeline stage: {len(self.received) - self.taken} received tensors were not used by its layers"
             )
 
 

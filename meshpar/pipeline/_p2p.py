@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
 _PER_TENSOR = 10  # dtype, ndim, up to 8 sizes
-MAX_TENSORS = 4  # tensors in one message
+MAX_TENSORS = 64  # tensors in one message (an HF stage hands on one per later layer's carried argument)
 _HEADER = 1 + MAX_TENSORS * _PER_TENSOR
 _MAX_STAGES = 4096
 
