@@ -4,8 +4,9 @@
 meshpar's own keys work too; microbatches default to the pipeline size). The returned model is a
 :class:`meshpar.hf.ParallelizedModel`: ``train_step``, ``generate``, ``save_parallelized`` (``save_pretrained``'s
 arguments, ``merge_checkpoints``) and ``from_parallelized`` as documented there. An optimizer built on the model
-before ``initialize`` keeps training the parallel model, FSDP included (:mod:`meshpar.rebind` points it at what
-replaced its parameters on this rank); ``generate`` works at any pp (:mod:`meshpar.hf.generation`).
+before ``initialize`` keeps training the parallel model, FSDP included: at its first step it is pointed at what
+replaced its parameters on this rank (:meth:`OsloModel.stale_optimizer`; meshpar's own model refuses such an
+optimizer and asks for ``rebind_optimizer``); ``generate`` works at any pp (:mod:`meshpar.hf.generation`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class OsloModel(ParallelizedModel):
         if labels is not None and torch.is_grad_enabled():
             return self._training_outputs(labels, inputs)
         return super().forward(labels=labels, **inputs)
+
+    def stale_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """OSLO's contract: an optimizer built on the model before ``initialize`` trains the parallel model."""
+        self.rebind_optimizer(optimizer)
 
     def _training_outputs(self, labels: torch.Tensor, inputs: dict[str, Any]) -> Iterator[Any]:
         """Runs the whole step (every microbatch's forward and backward, pipelined under pp, grads synced over dp)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar import checkpoint
+from meshpar import checkpoint, rebind
 from meshpar._compat import local_tensor
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
 from meshpar.failure import agree, shared_refusal, stop_all_ranks_on_error
@@ -51,7 +51,6 @@ from meshpar.materialize import is_meta
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import StagePlan, build_stages, plan_stages
-from meshpar.rebind import record_replacements
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.replicas import make_replicas_equal
 
@@ -141,11 +140,11 @@ class ParallelizedModel(nn.Module):
             if self.dims.pp_rank == self.dims.pp - 1:  # grad norms count the tied embedding once, on stage 0
                 for param in self._local_tied_parameters():
                     mark_shared_copy(param)
-        self._rebind_optimizers(originals)
+        self._record_replacements(originals)
 
-    def _rebind_optimizers(self, originals: dict[str, nn.Parameter]) -> None:
-        """An optimizer built on the model before parallelize trains what replaced its parameters on this rank
-        (:mod:`meshpar.rebind`); a parameter reached by several names (tied) takes the one this rank holds."""
+    def _record_replacements(self, originals: dict[str, nn.Parameter]) -> None:
+        """Remember what replaced each of the model's parameters on this rank (:mod:`meshpar.rebind`; a parameter
+        reached by several names, tied, takes the one this rank holds), for :meth:`rebind_optimizer`."""
         current: dict[str, nn.Parameter] = {}
         for module in self.local_modules():
             current.update(module.named_parameters(remove_duplicate=False))
@@ -153,7 +152,23 @@ class ParallelizedModel(nn.Module):
         for name, original in originals.items():
             held = replaced.get(id(original), (original, None))[1]
             replaced[id(original)] = (original, held if held is not None else current.get(name))
-        record_replacements(replaced.values())
+        self._replaced = rebind.replacements(replaced.values())
+        rebind.watch(self, self._replaced)
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built on the model before ``parallelize`` at this rank's parallel parameters (see
+        :func:`meshpar.rebind.rebind`); returns it. Building the optimizer after ``parallelize`` needs none of this."""
+        rebind.rebind(optimizer, self._replaced)
+        return optimizer
+
+    def stale_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called when ``optimizer`` steps while it still holds the parameters this model replaced: stepping them
+        would train nothing, so it is refused."""
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds the parameters of the model as it was before meshpar.parallelize; "
+            "stepping them would train nothing. Call model.rebind_optimizer(optimizer) once, or build the optimizer "
+            "after parallelize"
+        )
 
     def _verify(self, model: nn.Module) -> None:
         """Prove a plan that is not one of meshpar's own on the first block of each layer structure and on a custom

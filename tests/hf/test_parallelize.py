@@ -671,10 +671,14 @@ def _dense_adamw_losses(family: str, steps: int) -> list[float]:
 
 
 def optimizer_first_case(family: str, layout: dict, steps: int) -> list[float]:
-    """OSLO's order: the optimizer is built on the dense model, then the model is parallelized."""
+    """OSLO's order: the optimizer is built on the dense model, then the model is parallelized. Stepping it before
+    it is rebound is refused on every rank (it would train nothing); rebound, it trains the parallel model."""
     model = build(family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     parallel = meshpar.parallelize(model, {"num_microbatches": 2, **layout})
+    with pytest.raises(RuntimeError, match=r"Call model.rebind_optimizer\(optimizer\) once"):
+        optimizer.step()
+    assert parallel.rebind_optimizer(optimizer) is optimizer
     dims = parallel.dims
     losses = []
     for _ in range(steps):
