@@ -111,3 +111,21 @@ def test_split_rank_zero_is_a_decoder_only_model() -> None:
 def test_an_unknown_backend_is_refused(backend: str) -> None:
     with pytest.raises(ValueError, match="apex takes None, 'nccl' or 'ucc'"):
         parallel_state.initialize_model_parallel(1, 1, default_backend=backend)
+
+
+def calculator_survives_case() -> list[int]:
+    """apex's tests set the microbatch calculator once, then initialise and destroy the parallel state per layout:
+    destroying the groups keeps the calculator."""
+    from meshpar.compat.apex.pipeline_parallel import utils
+
+    utils.setup_microbatch_calculator(0, None, 16, 2, 2)
+    counts = []
+    for tp in (1, 2):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size_=tp)
+        counts.append(utils.get_num_microbatches())
+        parallel_state.destroy_model_parallel()
+    return counts
+
+
+def test_the_microbatch_calculator_outlives_destroy_model_parallel() -> None:
+    assert run_distributed(calculator_survives_case, 2) == [[4, 4], [4, 4]]

@@ -77,11 +77,10 @@ def initialize_model_parallel(
 
 
 def destroy_model_parallel() -> None:
+    """Forget the groups, the virtual rank and the split rank. The microbatch calculator stays, as in apex: it
+    belongs to the pipeline utilities, not to the parallel state (apex's tests set it once and initialise twice)."""
     global _split_rank, _virtual
-    from meshpar.compat.apex.pipeline_parallel.utils import _drop_microbatch_calculator
-
     _split_rank = _virtual = None
-    _drop_microbatch_calculator()
     _drop_groups()
     _destroy_mesh()
 

@@ -58,11 +58,6 @@ def _reconfigure_microbatch_calculator(
     setup_microbatch_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size)
 
 
-def _drop_microbatch_calculator() -> None:
-    global _calculator_state
-    _calculator_state = None
-
-
 def _calculator() -> NumMicroBatchesCalculator:
     if _calculator_state is None:
         raise RuntimeError(
