@@ -47,7 +47,7 @@ def bench_case(args: argparse.Namespace) -> dict:
         model = copy.deepcopy(dense)
         finish = None
         if variant == "after backward":
-            finish = lambda m=model: allreduce_gradients(m.parameters())  # noqa: E731
+            finish = lambda m=model: allreduce_gradients(m.parameters(), dims.dp_mesh)  # noqa: E731
         elif variant in overlapped:
             syncs[variant] = OverlappedGradSync(model.parameters(), dims.dp_mesh, bucket_mb=overlapped[variant])
             finish = syncs[variant].finish

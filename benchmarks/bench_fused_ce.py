@@ -26,8 +26,8 @@ VARIANTS = ("F.cross_entropy", "parallel_cross_entropy", "fused_linear_cross_ent
 def run_variant(name: str, tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: str) -> dict:
     import meshpar
 
-    if not meshpar.is_initialized():
-        meshpar.init_parallel(device_type="cpu" if device == "cpu" else "cuda")
+    dims = meshpar.get_parallel() if meshpar.is_initialized() else None
+    dims = dims or meshpar.init_parallel(device_type="cpu" if device == "cpu" else "cuda")
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True) * 0.02
@@ -38,8 +38,8 @@ def run_variant(name: str, tokens: int, hidden: int, vocab: int, dtype: torch.dt
         if name == "F.cross_entropy":
             return F.cross_entropy((h @ w.t()).float(), labels)
         if name == "parallel_cross_entropy":
-            return meshpar.parallel_cross_entropy(h @ w.t(), labels).mean()
-        return meshpar.fused_linear_cross_entropy(h, w, labels)
+            return meshpar.parallel_cross_entropy(h @ w.t(), labels, tp_mesh=dims.tp_mesh).mean()
+        return meshpar.fused_linear_cross_entropy(h, w, labels, tp_mesh=dims.tp_mesh)
 
     if device == "cuda":  # warm-up: Triton compiles its kernels on first use
         loss_fn().backward()

@@ -54,7 +54,7 @@ def build_step(variant: str, args: argparse.Namespace, dims, ids: torch.Tensor) 
     model = GPT(256, args.hidden, args.heads, args.layers, args.seq).to(args.device, dtype)
     if kind == "meshpar":
         model = parallelize_module(model, dims.tp_mesh, MESHPAR_PLAN)
-        opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        opt = DistributedOptimizer(model, torch.optim.AdamW, dims=dims, lr=1e-4)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run = torch.compile(model) if mode == "compile" else model

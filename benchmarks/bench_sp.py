@@ -49,7 +49,7 @@ def sp_case(args: argparse.Namespace) -> dict:
         model = TinyTransformer(hidden=args.hidden, heads=args.heads, ffn=4 * args.hidden, layers=args.layers)
         model = parallelize_module(model, dims.tp_mesh, block_plan(sequence_parallel=sp, regather=regather))
         x = shard_of(x_full, dims.tp_mesh, 1).contiguous() if sp else x_full
-        opt = DistributedOptimizer(model, torch.optim.SGD, lr=1e-3)
+        opt = DistributedOptimizer(model, torch.optim.SGD, dims=dims, lr=1e-3)
         with CommDebugMode() as fwd_mode, WireBytes(2) as fwd_bytes:
             saved = SavedBytes()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held.tensor):

@@ -38,12 +38,12 @@ def _model(hidden: int, layers: int) -> nn.Sequential:
 
 
 def state_case(dp: int, zero1: bool) -> int:
-    setup_parallel(tp=4 // dp)
+    dims = setup_parallel(tp=4 // dp)
     torch.manual_seed(0)
     model = _model(256, 4)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=zero1, lr=1e-3)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=zero1, dims=dims, lr=1e-3)
     opt.step()
     return opt.state_bytes()
 
@@ -71,7 +71,7 @@ def layout_case(
     with torch.device("meta") if meta else contextlib.nullcontext():
         dense = GPT2LMHeadModel(config)
     model = meshpar.parallelize(dense, layout)
-    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-4)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, dims=dims, lr=1e-4)
     local_bytes = sharded = replicated = 0
     for module in model.local_modules():
         for param in module.parameters():

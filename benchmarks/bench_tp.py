@@ -194,7 +194,7 @@ def bench_case(args: argparse.Namespace) -> dict:
             model = _build(variant, args, dims, torch_mesh)
             step_model = torch.compile(model) if compiled else model
             if variant == "meshpar":  # meshpar's optimizer steps on local shards (no DTensor dispatch)
-                opt = DistributedOptimizer(model, torch.optim.SGD, lr=1e-3)
+                opt = DistributedOptimizer(model, torch.optim.SGD, dims=dims, lr=1e-3)
             else:
                 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 

@@ -52,7 +52,9 @@ def zero_case(args: argparse.Namespace) -> dict:
     for name, (zero1, reduce_scatter) in VARIANTS.items():
         model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.seq)
         model.load_state_dict(base.state_dict())
-        opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=zero1, reduce_scatter_grads=reduce_scatter, lr=1e-4)
+        opt = DistributedOptimizer(
+            model, torch.optim.AdamW, zero1=zero1, reduce_scatter_grads=reduce_scatter, dims=dims, lr=1e-4
+        )
 
         def step(m=model, o=opt, all_reduce=not reduce_scatter) -> None:
             o.zero_grad()

@@ -109,7 +109,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = (t.to(device) for t in next(stream))
-        loss = meshpar.parallel_cross_entropy(model(x), y).mean()
+        loss = meshpar.parallel_cross_entropy(model(x), y, tp_mesh=dims.tp_mesh).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_sync.finish()

@@ -15,31 +15,30 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from meshpar._compat import DTensor, local_tensor
-from meshpar.parallel_dims import get_parallel
+from meshpar.parallel_dims import ParallelDims
 
 
 def data_parallel_sampler(
-    dataset: Dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    dataset: Dataset, dims: ParallelDims, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
 ) -> DistributedSampler:
-    dims = get_parallel()
+    """A sampler giving each dp replica its share of ``dataset`` (every tp and pp rank of a replica the same)."""
     return DistributedSampler(
         dataset, num_replicas=dims.dp, rank=dims.dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
 
 
 def make_dataloader(
-    dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, **kwargs: Any
+    dataset: Dataset, batch_size: int, dims: ParallelDims, *, shuffle: bool = True, seed: int = 0, **kwargs: Any
 ) -> DataLoader:
     """A loader of per-dp-replica batches of ``batch_size``; call ``loader.sampler.set_epoch(e)`` each epoch."""
-    sampler = data_parallel_sampler(dataset, shuffle=shuffle, seed=seed)
+    sampler = data_parallel_sampler(dataset, dims, shuffle=shuffle, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
 
 def broadcast_data(
-    keys: list[str], data: dict[str, torch.Tensor] | None, dtype: torch.dtype
+    keys: list[str], data: dict[str, torch.Tensor] | None, dtype: torch.dtype, dims: ParallelDims
 ) -> dict[str, torch.Tensor]:
-    """apex ``broadcast_data``: tp rank 0 holds ``data``; every tp rank returns the same tensors of ``dtype``."""
-    dims = get_parallel()
+    """Megatron's ``broadcast_data``: tp rank 0 holds ``data``; every tp rank returns the same tensors of ``dtype``."""
     group = dims.tp_mesh.get_group()
     src = dist.get_process_group_ranks(group)[0]
     if dims.tp_rank == 0:

@@ -21,12 +21,11 @@ from meshpar._compat import DeviceMesh, local_tensor
 from meshpar._dp_checks import is_dp_sharded
 from meshpar._in_place import mix_into
 from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
-from meshpar.parallel_dims import get_parallel
 
 
 def allreduce_gradients(
     parameters: Iterable[torch.nn.Parameter],
-    dp_mesh: DeviceMesh | None = None,
+    dp_mesh: DeviceMesh,
     *,
     reduce_dtype: torch.dtype | None = None,
 ) -> None:
@@ -37,7 +36,7 @@ def allreduce_gradients(
     routed to): it counts as zeros where missing, and every rank ends with the same averaged grad, or with ``None``
     where no rank had one (as the dense step on the whole batch): one "has a grad" flag per parameter rides in the
     same all-reduce (:func:`meshpar.grad_sync.pack_grads`)."""
-    mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
+    mesh = dp_mesh
     if mesh.size() == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -222,7 +221,7 @@ def drop_grads_no_dp_rank_used(model: torch.nn.Module, dp_mesh: DeviceMesh) -> N
 
 def apply_fsdp(
     model: torch.nn.Module,
-    dp_mesh: DeviceMesh | None = None,
+    dp_mesh: DeviceMesh,
     *,
     block_cls: type | tuple[type, ...] | None = None,
     reshard_after_forward: bool = True,
@@ -239,8 +238,7 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import fully_shard
 
-    mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     units = [m for m in model.modules() if isinstance(m, block_cls)] if block_cls is not None else []

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DTensor, Partial, Replicate, local_tensor
-from meshpar.parallel_dims import ParallelDims, get_parallel, is_initialized
+from meshpar.parallel_dims import ParallelDims
 
 _SHARED_COPY = "_meshpar_shared_copy"
 
@@ -25,14 +25,6 @@ def mark_shared_copy(param: torch.Tensor) -> None:
     equal to the first stage's embedding by summing their grads). Grad norms skip it, as Megatron skips its
     ``shared`` embedding copy: counting both copies would add the tied grad twice."""
     setattr(param, _SHARED_COPY, True)
-
-
-def _resolve(dims: ParallelDims | None) -> ParallelDims | None:
-    """The caller's dims; callers that pass none (the apex / NxD ``clip_grad_norm`` signatures) get the process's
-    context, and a single process without one gets ``None`` (a plain model)."""
-    if dims is not None:
-        return dims
-    return get_parallel() if is_initialized() else None
 
 
 def _device(dims: ParallelDims | None) -> torch.device:
@@ -52,11 +44,12 @@ def _local_power(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, dims: ParallelDims | None = None
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, *, dims: ParallelDims | None
 ) -> torch.Tensor:
-    """The norm of all grads as if the model were dense and on one device (``dims``: the model's mesh, whose pp
-    stages' totals are summed)."""
-    dims = _resolve(dims)
+    """The norm of all grads as if the model were dense and on one device. ``dims``: the model's mesh, whose pp
+    stages' totals are summed; ``None`` for a model whose parameters say all there is (one process, or DTensors and
+    plain replicas only). It is asked for, never looked up: a pipeline stage's parameters cannot tell that other
+    stages hold the rest of the model."""
     norm_type = float(norm_type)
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -104,7 +97,7 @@ def partitioned_grad_norm(
     norm_type: float = 2.0,
     group: dist.ProcessGroup | None = None,
     *,
-    dims: ParallelDims | None = None,
+    dims: ParallelDims | None,
 ) -> torch.Tensor:
     """The global grad norm when the dp ranks hold disjoint parts of the parameters (ZeRO-1 owners).
 
@@ -113,7 +106,6 @@ def partitioned_grad_norm(
     instead each rank adds up what it alone counts (see :func:`_counts_here`) and one scalar all-reduce over every
     rank of ``group`` (default: the world, i.e. the whole dp x pp x tp mesh) sums the shares."""
     norm_type = float(norm_type)
-    dims = _resolve(dims)
     device = _device(dims)
     counted = [grad for param, grad in owned if _counts_here(param, dims) and not getattr(param, _SHARED_COPY, False)]
     value = _local_power(counted, norm_type).to(device)
@@ -124,9 +116,10 @@ def partitioned_grad_norm(
 
 @torch.no_grad()
 def clip_grad_norm(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, dims: ParallelDims | None = None
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, dims: ParallelDims | None
 ) -> torch.Tensor:
-    """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale all grads so that their global norm is at most ``max_norm``; returns the norm before clipping.
+    ``dims``: the model's mesh (``model.dims``), or ``None`` for a plain model (see :func:`total_grad_norm`)."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_grad_norm(params, norm_type, dims=dims)
     scale_to_max_norm([local_tensor(p.grad) for p in params], norm, max_norm)

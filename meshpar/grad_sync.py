@@ -26,7 +26,6 @@ import torch.distributed as dist
 from meshpar._compat import DeviceMesh
 from meshpar._compat import local_tensor as _local
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
-from meshpar.parallel_dims import get_parallel
 
 
 def grad_buffer(numels: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -100,7 +99,7 @@ class OverlappedGradSync:
     def __init__(
         self,
         parameters: Iterable[torch.nn.Parameter],
-        dp_mesh: DeviceMesh | None = None,
+        dp_mesh: DeviceMesh,
         *,
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
@@ -108,7 +107,7 @@ class OverlappedGradSync:
     ) -> None:
         if not (bucket_mb > 0 and first_bucket_mb > 0):
             raise ValueError(f"bucket_mb and first_bucket_mb must be positive, got {bucket_mb!r}, {first_bucket_mb!r}")
-        mesh = dp_mesh if dp_mesh is not None else get_parallel().dp_mesh
+        mesh = dp_mesh
         self._size = mesh.size()
         self._group = mesh.get_group() if self._size > 1 else None
         self._reduce_dtype = reduce_dtype

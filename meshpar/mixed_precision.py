@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import local_tensor
-from meshpar.parallel_dims import get_parallel, is_initialized
 
 
 class GradScaler:
@@ -34,8 +33,10 @@ class GradScaler:
 
     @torch.no_grad()
     def unscale_and_check(self, parameters: Iterable[torch.Tensor]) -> bool:
-        """Divide grads by the scale; returns True when every rank's grads are finite."""
-        device = get_parallel().device if is_initialized() else torch.device("cpu")
+        """Divide grads by the scale; returns True when every rank's grads are finite (agreed on the parameters'
+        device, where the process group's backend communicates)."""
+        parameters = list(parameters)
+        device = local_tensor(parameters[0]).device if parameters else torch.device("cpu")
         found = torch.zeros(1, device=device)
         for param in parameters:
             if param.grad is None:

@@ -29,7 +29,7 @@ from meshpar._compat import DeviceMesh, DTensor, local_tensor
 from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
-from meshpar.parallel_dims import ParallelDims, get_parallel, is_initialized
+from meshpar.parallel_dims import ParallelDims
 
 
 def _assign_owners(sizes: list[int], ranks: int) -> list[int]:
@@ -65,10 +65,14 @@ class DistributedOptimizer:
         # original FQNs (not a wrapper's ``module.`` / ``pipeline.chunks.0.stage.``): the state reshards by them
         named = original_named_parameters(model) if isinstance(model, nn.Module) else list(model)
         self.named_params = [(name, p) for name, p in named if p.requires_grad]
-        # the model's mesh (dims: also what clip_grad_norm sums over); apex / NxD-style callers pass neither and get
-        # the process's context
-        if dims is None and is_initialized():
-            dims = get_parallel()
+        # the model's mesh (also what clip_grad_norm sums over): given, or the parallel model's own
+        dims = dims if dims is not None else getattr(model, "dims", None)
+        if dims is None and dp_mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise TypeError(
+                f"DistributedOptimizer over {type(model).__name__} in a job of {dist.get_world_size()} processes: "
+                "pass dims= (the ParallelDims the model is sharded on) or dp_mesh=; a parallelized model carries "
+                "its own (model.dims)"
+            )
         self.dims = dims
         if dp_mesh is None and dims is not None:
             dp_mesh = dims.dp_mesh

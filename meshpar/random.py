@@ -83,11 +83,9 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed: int, dims: Any = None) -> None:
-    """Seed the default generator identically on all ranks and the tp generator per tp rank."""
-    from meshpar.parallel_dims import get_parallel
-
-    dims = dims if dims is not None else get_parallel()
+def model_parallel_manual_seed(seed: int, dims: Any) -> None:
+    """Seed the default generator identically on all ranks and the tp generator per tp rank (``dims``: the
+    :class:`~meshpar.ParallelDims` whose tp rank picks the tp seed)."""
     torch.manual_seed(seed)
     _TRACKER.device_type = dims.device_type
     _TRACKER.reset()

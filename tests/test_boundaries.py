@@ -83,3 +83,26 @@ def test_fault_injection_lives_in_the_testing_package_only() -> None:
         if "os.kill(" in text or "SIGKILL" in text or "KILL_AT" in text:
             offenders.append(str(path.relative_to(PACKAGE.parent)))
     assert not offenders, f"fault injection in production code: {offenders}"
+
+
+# the registry itself, the Megatron-style getters that read it, and the one entry point that sets it up from a config
+_MAY_LOOK_UP_THE_MESH = {"parallel_dims.py", "parallel_state.py", "hf/parallelize.py"}
+
+
+def test_state_is_passed_not_looked_up() -> None:
+    """Layers, losses, clipping, dp, optimizers, seeds and data take their mesh or dims as an argument: only the
+    compatibility views (whose APIs have none), the registry and the config entry point read the registered mesh."""
+    offenders = []
+    for path in _modules():
+        relative = str(path.relative_to(PACKAGE))
+        if (PACKAGE / "compat") in path.parents or (PACKAGE / "testing") in path.parents:
+            continue
+        if relative in _MAY_LOOK_UP_THE_MESH:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "get_parallel"
+            ):
+                offenders.append(f"{relative}:{node.lineno}")
+    assert not offenders, f"core modules looking up the registered mesh: {offenders}"

@@ -51,7 +51,7 @@ def _build(tp: int, pp: int, zero1: bool) -> tuple[NxDPPModel, DistributedOptimi
         for chunk in model.chunks:
             parallelize_module(chunk.stage, dims.tp_mesh, pipe_gpt_plan())
     optimizer = DistributedOptimizer(
-        list(model.local_named_parameters()), torch.optim.AdamW, zero1=zero1, lr=1e-2, eps=1e-4
+        list(model.local_named_parameters()), torch.optim.AdamW, zero1=zero1, dims=dims, lr=1e-2, eps=1e-4
     )
     return model, optimizer
 
@@ -64,7 +64,7 @@ def _train(model: NxDPPModel, optimizer: DistributedOptimizer, steps: range) -> 
         rows = slice(dims.dp_rank * GLOBAL_BATCH // dims.dp, (dims.dp_rank + 1) * GLOBAL_BATCH // dims.dp)
         optimizer.zero_grad()
         loss = model.run_train(**{k: v[rows] for k, v in batch.items()})
-        allreduce_gradients(model.local_parameters())
+        allreduce_gradients(model.local_parameters(), dims.dp_mesh)
         optimizer.step()
         if dims.dp > 1:
             dist.all_reduce(loss, group=dims.dp_mesh.get_group())
@@ -353,10 +353,10 @@ def test_model_and_optimizer_reshard_together_from_the_readme_objects(tmp_path: 
 
 
 def optimizer_mismatch_case(directory: str, lr_groups: int) -> None:
-    setup_parallel(tp=2)
+    dims = setup_parallel(tp=2)
     torch.manual_seed(0)
-    model = parallelize_module(PipeGPT(layers=2), get_parallel().tp_mesh, pipe_gpt_plan())
-    checkpoint.load(directory, model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3))
+    model = parallelize_module(PipeGPT(layers=2), dims.tp_mesh, pipe_gpt_plan())
+    checkpoint.load(directory, model, DistributedOptimizer(model, torch.optim.AdamW, dims=dims, lr=1e-3))
 
 
 def test_optimizer_state_is_checked_before_dcp_and_dcp_errors_are_exceptions(tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ from meshpar.testing import run_distributed, setup_parallel
 
 def loader_case() -> list[list[int]]:
     dims = setup_parallel(tp=2)
-    loader = make_dataloader(list(range(16)), batch_size=2, shuffle=True, seed=3)
+    loader = make_dataloader(list(range(16)), 2, dims, shuffle=True, seed=3)
     batches = [b.tolist() for b in loader]
     data = {"ids": torch.arange(6).view(2, 3)} if dims.tp_rank == 0 else None
-    got = broadcast_data(["ids"], data, torch.int64)
+    got = broadcast_data(["ids"], data, torch.int64, dims)
     assert torch.equal(got["ids"], torch.arange(6).view(2, 3))
     return batches
 

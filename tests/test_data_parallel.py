@@ -62,16 +62,16 @@ def dp_tp_case(tp: int, mode: str, max_norm: float | None) -> dict:
     else:
         zero1, reduce_scatter = mode in ("zero1", "zero1_rs"), mode == "zero1_rs"
         opt = DistributedOptimizer(
-            model, torch.optim.AdamW, zero1=zero1, reduce_scatter_grads=reduce_scatter, lr=1e-2, eps=1e-4
+            model, torch.optim.AdamW, zero1=zero1, reduce_scatter_grads=reduce_scatter, dims=dims, lr=1e-2, eps=1e-4
         )
     if mode == "zero1_rs":  # the optimizer reduce-scatters the raw grads; it alone knows the norm
         norm = opt.clip_grad_norm(max_norm if max_norm is not None else float("inf"))
     else:
         if mode != "fsdp":
-            allreduce_gradients(model.parameters())
-        norm = total_grad_norm(model.parameters())
+            allreduce_gradients(model.parameters(), dims.dp_mesh)
+        norm = total_grad_norm(model.parameters(), dims=dims)
         if max_norm is not None:
-            clip_grad_norm(model.parameters(), max_norm)
+            clip_grad_norm(model.parameters(), max_norm, dims=dims)
     torch.testing.assert_close(norm, dense_norm, atol=1e-5, rtol=1e-5)
     opt.step()
     dense_params = dict(dense.named_parameters())
@@ -119,7 +119,7 @@ def mixed_params_case() -> None:
     assert len({isinstance(p, DTensor) for p in models[0].parameters()}) == 2  # the group really is mixed
     for model, foreach in zip(models, (True, False), strict=True):
         _loss(model, x, target).backward()
-        optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, foreach=foreach)
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, dims=dims, lr=1e-3, foreach=foreach)
         assert optimizer.param_groups[0]["foreach"] is foreach
         optimizer.step()
     for (name, fast), slow in zip(models[0].named_parameters(), models[1].parameters(), strict=True):

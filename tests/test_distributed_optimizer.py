@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from meshpar._compat import CommDebugMode
 from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.optim import DistributedOptimizer
+from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel import ColumnParallel, RowParallel
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from meshpar.testing.dispatch import AtenOps, comm_counts
@@ -39,7 +40,9 @@ def accumulation_case(tp: int, layers: int, max_norm: float) -> None:
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
     dense_opt.step()
 
-    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=True, lr=1e-2, eps=1e-4)
+    opt = DistributedOptimizer(
+        model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=True, dims=dims, lr=1e-2, eps=1e-4
+    )
     per_rank = BATCH // dims.dp
     mine = slice(dims.dp_rank * per_rank, (dims.dp_rank + 1) * per_rank)
     for xs, ts in zip(x[mine].chunk(MICROBATCHES), target[mine].chunk(MICROBATCHES), strict=True):
@@ -76,11 +79,12 @@ def bf16_case() -> None:
             reduce_scatter_grads=reduce_scatter,
             reduce_dtype=torch.float32,
             master_weights=True,
+            dims=dims,
             lr=1e-2,
         )
         _loss(model, x, target).float().backward()
         if not reduce_scatter:
-            allreduce_gradients(model.parameters(), reduce_dtype=torch.float32)
+            allreduce_gradients(model.parameters(), dims.dp_mesh, reduce_dtype=torch.float32)
         opt.step()
         results.append(model)
     for (name, a), b in zip(results[0].named_parameters(), results[1].parameters(), strict=True):
@@ -99,7 +103,9 @@ def collectives_case(reduce_scatter: bool) -> dict:
     dims = setup_parallel(tp=1)
     torch.manual_seed(0)
     model = TinyTransformer(hidden=16, heads=4, ffn=24, layers=2)
-    opt = DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=reduce_scatter, lr=0.1)
+    opt = DistributedOptimizer(
+        model, torch.optim.SGD, zero1=True, reduce_scatter_grads=reduce_scatter, dims=dims, lr=0.1
+    )
     _loss(model, torch.randn(2, 8, 16), torch.randn(2, 8, 16)).backward()
     with CommDebugMode() as mode:
         if not reduce_scatter:
@@ -116,7 +122,7 @@ def test_reduce_scattered_step_issues_one_reduce_scatter_and_one_all_gather() ->
 def _refusal(model: torch.nn.Module) -> str:
     """The ValueError message of building a ZeRO-1 optimizer over ``model`` on this rank ("" if it was accepted)."""
     try:
-        DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=True, lr=0.1)
+        DistributedOptimizer(model, torch.optim.SGD, zero1=True, reduce_scatter_grads=True, dims=get_parallel(), lr=0.1)
     except ValueError as error:
         return str(error)
     return ""
@@ -154,7 +160,7 @@ def bf16_master_weights_case() -> float:
     model = parallelize_module(
         copy.deepcopy(dense).to(torch.bfloat16), dims.tp_mesh, {"0": ColumnParallel(), "2": RowParallel()}
     )
-    opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, lr=0.1)
+    opt = DistributedOptimizer(model, torch.optim.SGD, master_weights=True, dims=dims, lr=0.1)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
     x = torch.randn(8, 16)
     for _ in range(3):
@@ -163,7 +169,7 @@ def bf16_master_weights_case() -> float:
         dense_opt.step()
         opt.zero_grad()
         model(x.bfloat16()).float().square().mean().backward()
-        allreduce_gradients(model.parameters(), reduce_dtype=torch.float32)
+        allreduce_gradients(model.parameters(), dims.dp_mesh, reduce_dtype=torch.float32)
         opt.step()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert opt.state_bytes() > 0  # fp32 masters live in the optimizer
@@ -218,8 +224,9 @@ def unused_parameters_case(reduce_scatter: bool) -> None:
     x = torch.randn(2 * dims.dp, 8)
     (dense["expert"](dense["shared"](x[:2])).sum() + dense["shared"](x).sum()).backward()
     torch.optim.AdamW(dense.parameters(), lr=0.1, weight_decay=0.5).step()
-    opt = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=reduce_scatter, lr=0.1,
-                               weight_decay=0.5)  # fmt: skip
+    opt = DistributedOptimizer(
+        model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=reduce_scatter, dims=dims, lr=0.1, weight_decay=0.5
+    )
     mine = model["shared"](x[2 * dims.dp_rank : 2 * dims.dp_rank + 2])
     loss = mine.sum() * dims.dp  # each rank's share of the dense sum, scaled back by the dp mean
     if dims.dp_rank == 0:

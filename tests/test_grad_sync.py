@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 from meshpar.data_parallel import allreduce_gradients, apply_fsdp
 from meshpar.grad_sync import OverlappedGradSync
+from meshpar.parallel_dims import get_parallel
 from meshpar.testing import assert_matches_dense, run_distributed, setup_parallel
 from tests._models import TinyTransformer, block_plan
 
@@ -96,12 +97,12 @@ def unused_and_dtype_case() -> dict:
     reference = copy.deepcopy(model)
     torch.manual_seed(dims.dp_rank)
     x = torch.randn(4, 8, dtype=torch.bfloat16)
-    sync = OverlappedGradSync(model.parameters(), bucket_mb=1 / 1024, reduce_dtype=torch.float32)
+    sync = OverlappedGradSync(model.parameters(), dims.dp_mesh, bucket_mb=1 / 1024, reduce_dtype=torch.float32)
     model["used"](x).sum().backward()
     launched = sync.launched
     sync.finish()
     reference["used"](x).sum().backward()
-    allreduce_gradients(reference.parameters(), reduce_dtype=torch.float32)
+    allreduce_gradients(reference.parameters(), dims.dp_mesh, reduce_dtype=torch.float32)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, dict(reference.named_parameters())[name].grad, atol=0, rtol=0)
     return {"unused_grads": [p.grad is None for p in model["unused"].parameters()], "launched": launched}
@@ -151,9 +152,9 @@ def test_a_parameter_used_on_one_dp_rank_gets_the_mean_on_every_rank(overlapped:
 
 
 def misuse_case() -> str:
-    setup_parallel()
+    dims = setup_parallel()
     model = nn.Linear(4, 4)
-    sync = OverlappedGradSync(model.parameters(), bucket_mb=1.0)
+    sync = OverlappedGradSync(model.parameters(), dims.dp_mesh, bucket_mb=1.0)
     model(torch.ones(2, 4)).sum().backward()
     try:
         model(torch.ones(2, 4)).sum().backward()  # second microbatch forgot no_sync()
@@ -171,13 +172,13 @@ def test_backward_after_launch_without_finish_raises() -> None:
 
 
 def layout_case() -> list[list[int]]:
-    setup_parallel()
+    mesh = setup_parallel().dp_mesh
     # registration order a, b, c, d; backward order (the bucket order) d, c, b, a
     sizes = {"a": 300_000, "b": 100_000, "c": 150_000, "d": 100_000}
     params = [nn.Parameter(torch.zeros(n)) for n in sizes.values()]
-    default = OverlappedGradSync(params, bucket_mb=1.0, first_bucket_mb=0.5).bucket_numels
-    one_per_param = OverlappedGradSync(params, bucket_mb=0.1).bucket_numels
-    single = OverlappedGradSync(params, bucket_mb=10.0, first_bucket_mb=10.0).bucket_numels
+    default = OverlappedGradSync(params, mesh, bucket_mb=1.0, first_bucket_mb=0.5).bucket_numels
+    one_per_param = OverlappedGradSync(params, mesh, bucket_mb=0.1).bucket_numels
+    single = OverlappedGradSync(params, mesh, bucket_mb=10.0, first_bucket_mb=10.0).bucket_numels
     return [default, one_per_param, single]
 
 
@@ -192,7 +193,7 @@ def test_bucket_layout_follows_backward_order_and_caps() -> None:
 def _refusal(model: nn.Module) -> str:
     """The ValueError message of building a sync over ``model`` on this rank ("" if it was accepted)."""
     try:
-        OverlappedGradSync(model.parameters())
+        OverlappedGradSync(model.parameters(), get_parallel().dp_mesh)
     except ValueError as error:
         return str(error)
     return ""
@@ -219,4 +220,4 @@ def test_fsdp_parameters_are_refused() -> None:
 
 def test_bad_bucket_size() -> None:
     with pytest.raises(ValueError, match="bucket_mb and first_bucket_mb must be positive"):
-        OverlappedGradSync([nn.Parameter(torch.ones(2))], bucket_mb=0)
+        OverlappedGradSync([nn.Parameter(torch.ones(2))], None, bucket_mb=0)

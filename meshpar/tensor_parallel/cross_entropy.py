@@ -18,7 +18,6 @@ import torch
 
 import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
 from meshpar._compat import DeviceMesh, DTensor, Shard, all_gather_single, assert_async, funcol
-from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._init import shard_range
 
 # the label that scores nothing (torch's and HF's convention): padding, the token after the last, masked positions
@@ -105,7 +104,8 @@ def parallel_cross_entropy(
     """Per-token loss from vocab-sharded logits ``[..., V/tp]`` (a local shard or a ``Shard(-1)`` DTensor).
 
     A vocabulary tp does not divide is split like ``torch.chunk`` (ranks hold ``ceil(V / tp)`` columns, the last
-    fewer): DTensor logits know ``V``; for local shards pass ``vocab_size``. No padded columns ever exist, so losses
+    fewer): DTensor logits know ``V`` and their mesh; for local shards pass ``vocab_size`` and ``tp_mesh``. No padded
+    columns ever exist, so losses
     are exactly those of the unsharded vocabulary. Returns a replicated ``[...]`` tensor; the gradient w.r.t. the
     logits stays sharded.
     """
@@ -120,9 +120,12 @@ def parallel_cross_entropy(
             )
         local = parallel_logits.to_local()
         vocab_size = parallel_logits.shape[-1]
+    elif tp_mesh is None:
+        raise TypeError(
+            "parallel_cross_entropy: local logits shards need tp_mesh= (dims.tp_mesh); a Shard(-1) DTensor carries it"
+        )
     else:
-        mesh = tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
-        local = parallel_logits
+        mesh, local = tp_mesh, parallel_logits
     if local.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(local.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
     vocab_local = local.shape[-1]

@@ -15,7 +15,6 @@ import torch
 
 import meshpar.ops.cross_entropy  # noqa: F401 - registers torch.ops.meshpar.vocab_ce_*
 from meshpar._compat import DeviceMesh, DTensor
-from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import all_reduce_sum
 from meshpar.tensor_parallel._init import shard_range
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels, token_losses
@@ -93,8 +92,13 @@ def fused_linear_cross_entropy(
         mesh = weight.device_mesh
         vocab_size = weight.shape[0]
         weight = weight.to_local()
+    elif tp_mesh is None:
+        raise TypeError(
+            "fused_linear_cross_entropy: a local weight shard needs tp_mesh= (dims.tp_mesh); a Shard(0) DTensor "
+            "carries it"
+        )
     else:
-        mesh = tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
+        mesh = tp_mesh
         vocab_size = vocab_size if vocab_size is not None else weight.shape[0] * mesh.size()
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token dims")

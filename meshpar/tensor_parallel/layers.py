@@ -20,7 +20,6 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 from meshpar._in_place import become, mix_into
-from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -51,8 +50,12 @@ from meshpar.tensor_parallel._linear_functions import (
 )
 
 
-def _resolve_tp_mesh(tp_mesh: DeviceMesh | None) -> DeviceMesh:
-    return tp_mesh if tp_mesh is not None else get_parallel().tp_mesh
+def _checked_tp_mesh(tp_mesh: DeviceMesh, owner: str) -> DeviceMesh:
+    """The layer's tp mesh, passed explicitly (``dims.tp_mesh``): meshpar's layers look up no process-wide state (the
+    apex and NxD views, whose APIs have no mesh argument, pass the one their parallel state holds)."""
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise TypeError(f"{owner}: tp_mesh must be the tensor-parallel DeviceMesh (dims.tp_mesh), got {tp_mesh!r}")
+    return tp_mesh
 
 
 def _local_input(x: torch.Tensor, owner: str) -> torch.Tensor:
@@ -159,12 +162,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         device: torch.device | str | None = None,
         *,
         init_method: InitMethod | None = None,
-        tp_mesh: DeviceMesh | None = None,
+        tp_mesh: DeviceMesh,
         num_heads: int | None = None,
         allow_uneven: bool = False,
     ) -> None:
         nn.Module.__init__(self)
-        mesh = _resolve_tp_mesh(tp_mesh)
+        mesh = _checked_tp_mesh(tp_mesh, type(self).__name__)
         if num_heads is not None:
             check_divisible(num_heads, mesh.size(), "the number of attention heads", type(self).__name__)
         if not allow_uneven:
@@ -283,11 +286,11 @@ class RowParallelLinear(_TensorParallelLinear):
         device: torch.device | str | bool | None = False,
         *,
         init_method: InitMethod | None = None,
-        tp_mesh: DeviceMesh | None = None,
+        tp_mesh: DeviceMesh,
     ) -> None:
         nn.Module.__init__(self)
         device = None if device is False else device  # NxD documents device=False: the default device
-        mesh = _resolve_tp_mesh(tp_mesh)
+        mesh = _checked_tp_mesh(tp_mesh, type(self).__name__)
         check_divisible(input_size, mesh.size(), "input_size", type(self).__name__)
         self._configure(mesh, input_size, output_size, input_is_parallel, sequence_parallel_enabled, init_method)
         self.weight = empty_dtensor((output_size, input_size), mesh, [Shard(1)], dtype=dtype, device=device)
@@ -378,10 +381,10 @@ class ParallelEmbedding(nn.Embedding):
         padding_idx: int | None = None,
         shard_across_embedding: bool = False,
         sequence_parallel_enabled: bool = False,
-        tp_mesh: DeviceMesh | None = None,
+        tp_mesh: DeviceMesh,
     ) -> None:
         nn.Module.__init__(self)
-        mesh = _resolve_tp_mesh(tp_mesh)
+        mesh = _checked_tp_mesh(tp_mesh, type(self).__name__)
         if shard_across_embedding:
             check_divisible(embedding_dim, mesh.size(), "embedding_dim", type(self).__name__)
         self._configure(

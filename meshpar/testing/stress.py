@@ -125,7 +125,9 @@ def checkpoint_stress(
     the first iteration (every rank must then raise, none hang)."""
     dims = setup_parallel(**layout)
     model = _model(dims)
-    optimizer = DistributedOptimizer(list(model.named_parameters()), torch.optim.AdamW, zero1=dims.dp > 1, lr=0.1)
+    optimizer = DistributedOptimizer(
+        list(model.named_parameters()), torch.optim.AdamW, zero1=dims.dp > 1, dims=dims, lr=0.1
+    )
     plan = random.Random(seed)  # the same choices on every rank
     step, total = 0, 0
     for iteration in range(iterations):

@@ -99,8 +99,8 @@ def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(H, 4 * H), nn.Tanh(), nn.Linear(4 * H, H))
     torch.manual_seed(0)  # the sharded layers hold exactly their slices of the dense init
-    column = ColumnParallelLinear(H, 4 * H, gather_output=False, sequence_parallel_enabled=sp)
-    row = RowParallelLinear(4 * H, H, input_is_parallel=True, sequence_parallel_enabled=sp)
+    column = ColumnParallelLinear(H, 4 * H, gather_output=False, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh)
+    row = RowParallelLinear(4 * H, H, input_is_parallel=True, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh)
     x, grad = torch.randn(2, 4, H), torch.randn(2, 4, H)
     ref_x = x.clone().requires_grad_()
     dense(ref_x).backward(grad)

@@ -104,7 +104,7 @@ def hot_path_case(tp: int) -> tuple[Counter, Counter, int, tuple[int, int]]:
     model = parallelize_module(copy.deepcopy(dense), dims.tp_mesh, block_plan())
     x = torch.randn(2, 8, 16)
     dense_ops = _train_step_ops(dense, torch.optim.AdamW(dense.parameters(), lr=1e-3), x)
-    tp_ops = _train_step_ops(model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3), x)
+    tp_ops = _train_step_ops(model, DistributedOptimizer(model, torch.optim.AdamW, dims=dims, lr=1e-3), x)
     return dense_ops.compute, tp_ops.compute, tp_ops.collectives, (dense_ops.syncs, tp_ops.syncs)
 
 

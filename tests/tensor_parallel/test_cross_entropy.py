@@ -40,7 +40,9 @@ def cross_entropy_case(tp: int, vocab: int, label_smoothing: float, as_dtensor: 
         )
     else:
         inp = local
-    loss = parallel_cross_entropy(inp, labels, label_smoothing=label_smoothing, vocab_size=vocab)
+    loss = parallel_cross_entropy(
+        inp, labels, label_smoothing=label_smoothing, vocab_size=vocab, tp_mesh=None if as_dtensor else dims.tp_mesh
+    )
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(loss, expected.detach(), **tol)
     loss.backward(grad_out)
@@ -69,7 +71,7 @@ def ignore_all_case() -> None:
     logits = torch.randn(4, 10, requires_grad=True)
     labels = torch.full((4,), -100)
     local = shard_of(logits.detach(), dims.tp_mesh, -1).requires_grad_()
-    loss = parallel_cross_entropy(local, labels)
+    loss = parallel_cross_entropy(local, labels, tp_mesh=dims.tp_mesh)
     assert torch.equal(loss, torch.zeros(4))
     loss.sum().backward()
     assert torch.equal(local.grad, torch.zeros_like(local))
@@ -80,16 +82,23 @@ def test_all_ignored_gives_zero_loss_and_grad() -> None:
 
 
 def bad_shapes_case(kind: str) -> None:
-    setup_parallel(tp=2)
+    mesh = setup_parallel(tp=2).tp_mesh
     if kind == "labels":
-        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long))
+        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long), tp_mesh=mesh)
+    elif kind == "vocab":
+        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), vocab_size=12, tp_mesh=mesh)
     else:
-        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), vocab_size=12)
+        parallel_cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long))
 
 
 def test_mismatched_label_shape_raises() -> None:
     with pytest.raises(AssertionError, match="disagree on the token dims"):
         run_distributed(bad_shapes_case, 2, "labels")
+
+
+def test_local_logits_without_their_mesh_are_refused() -> None:
+    with pytest.raises(AssertionError, match="local logits shards need tp_mesh="):
+        run_distributed(bad_shapes_case, 2, "mesh")
 
 
 def test_shard_width_not_matching_vocab_size_raises() -> None:
@@ -132,9 +141,9 @@ def test_token_cross_entropy_refuses_a_label_outside_the_vocabulary(label: int) 
 
 
 def out_of_vocabulary_label_case(label: int) -> None:
-    setup_parallel(tp=2)
+    mesh = setup_parallel(tp=2).tp_mesh
     labels = torch.tensor([1, label])
-    parallel_cross_entropy(torch.randn(2, 5), labels, vocab_size=10)  # no rank owns the label
+    parallel_cross_entropy(torch.randn(2, 5), labels, vocab_size=10, tp_mesh=mesh)  # no rank owns the label
 
 
 def test_parallel_cross_entropy_refuses_a_label_outside_the_vocabulary_on_every_rank() -> None:

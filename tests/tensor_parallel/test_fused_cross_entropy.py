@@ -30,7 +30,14 @@ def fused_case(tp: int, vocab: int, chunk: int, smoothing: float, reduction: str
     )
     h = hidden.detach().clone().requires_grad_()
     loss = fused_linear_cross_entropy(
-        h, w, labels, vocab_size=vocab, chunk_size=chunk, label_smoothing=smoothing, reduction=reduction
+        h,
+        w,
+        labels,
+        vocab_size=vocab,
+        chunk_size=chunk,
+        label_smoothing=smoothing,
+        reduction=reduction,
+        tp_mesh=None if as_dtensor else dims.tp_mesh,
     )
     torch.testing.assert_close(loss, dense.detach(), atol=1e-5, rtol=1e-5)
     (loss * 3).backward()
@@ -46,8 +53,10 @@ def test_fused_linear_cross_entropy_matches_dense(tp, vocab, chunk, smoothing, r
 
 
 def bad_case() -> None:
-    setup_parallel(tp=2)
-    fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), vocab_size=12)
+    mesh = setup_parallel(tp=2).tp_mesh
+    fused_linear_cross_entropy(
+        torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), vocab_size=12, tp_mesh=mesh
+    )
 
 
 def test_wrong_shard_size_raises() -> None:
@@ -56,9 +65,9 @@ def test_wrong_shard_size_raises() -> None:
 
 
 def out_of_vocabulary_label_case() -> None:
-    setup_parallel(tp=2)
+    mesh = setup_parallel(tp=2).tp_mesh
     labels = torch.tensor([0, 12, -100, 3])  # 12: past the vocabulary, owned by no rank
-    fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(6, 8), labels, vocab_size=12)
+    fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(6, 8), labels, vocab_size=12, tp_mesh=mesh)
 
 
 def test_a_label_outside_the_vocabulary_raises_on_every_rank() -> None:

@@ -32,7 +32,9 @@ def column_case(tp: int, bias: bool, gather_output: bool, sp: bool) -> None:
     dims = setup_parallel(tp=tp)
     dense, x, grad_out = _dense_linear(bias)
     torch.manual_seed(0)  # the sharded layer must hold exactly the slice of the dense init
-    layer = ColumnParallelLinear(IN, OUT, bias=bias, gather_output=gather_output, sequence_parallel_enabled=sp)
+    layer = ColumnParallelLinear(
+        IN, OUT, bias=bias, gather_output=gather_output, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh
+    )
     mesh = dims.tp_mesh
     x_local = (shard_of(x.detach(), mesh, 1) if sp else x.detach()).clone().requires_grad_()
     y = layer(x_local)
@@ -55,7 +57,9 @@ def row_case(tp: int, bias: bool, input_is_parallel: bool, sp: bool) -> None:
     expected = dense(x)
     expected.backward(grad_out)
     torch.manual_seed(0)
-    layer = RowParallelLinear(IN, OUT, bias=bias, input_is_parallel=input_is_parallel, sequence_parallel_enabled=sp)
+    layer = RowParallelLinear(
+        IN, OUT, bias=bias, input_is_parallel=input_is_parallel, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh
+    )
     mesh = dims.tp_mesh
     x_local = (shard_of(x.detach(), mesh, -1) if input_is_parallel else x.detach()).clone().requires_grad_()
     y = layer(x_local)
@@ -79,7 +83,12 @@ def embedding_case(tp: int, shard_across_embedding: bool, sp: bool, padding_idx:
     expected.backward(grad_out)
     torch.manual_seed(0)
     layer = ParallelEmbedding(
-        vocab, dim, padding_idx=padding_idx, shard_across_embedding=shard_across_embedding, sequence_parallel_enabled=sp
+        vocab,
+        dim,
+        padding_idx=padding_idx,
+        shard_across_embedding=shard_across_embedding,
+        sequence_parallel_enabled=sp,
+        tp_mesh=dims.tp_mesh,
     )
     y = layer(ids)
     if sp:
@@ -118,11 +127,11 @@ def test_single_process_world() -> None:
 
 
 def placements_case() -> list[str]:
-    setup_parallel(tp=2)
-    col = ColumnParallelLinear(IN, OUT)
-    row = RowParallelLinear(IN, OUT)
-    emb = ParallelEmbedding(20, 12)
-    emb_dim = ParallelEmbedding(20, 12, shard_across_embedding=True)
+    mesh = setup_parallel(tp=2).tp_mesh
+    col = ColumnParallelLinear(IN, OUT, tp_mesh=mesh)
+    row = RowParallelLinear(IN, OUT, tp_mesh=mesh)
+    emb = ParallelEmbedding(20, 12, tp_mesh=mesh)
+    emb_dim = ParallelEmbedding(20, 12, shard_across_embedding=True, tp_mesh=mesh)
     return [str(p.placements) for p in (col.weight, col.bias, row.weight, row.bias, emb.weight, emb_dim.weight)]
 
 
@@ -139,10 +148,10 @@ def test_parameters_are_dtensors_with_megatron_placements() -> None:
 
 
 def meta_init_case() -> bool:
-    setup_parallel(tp=2)
+    mesh = setup_parallel(tp=2).tp_mesh
     torch.manual_seed(0)
     dense = nn.Linear(IN, OUT)
-    layer = ColumnParallelLinear(IN, OUT, device="meta")
+    layer = ColumnParallelLinear(IN, OUT, device="meta", tp_mesh=mesh)
     assert layer.weight.to_local().is_meta and layer.weight.to_local().shape == (OUT // 2, IN)
     layer.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -157,15 +166,17 @@ def test_meta_init_allocates_only_local_shard_then_matches_dense() -> None:
 
 
 def indivisible_case(kind: str) -> None:
-    setup_parallel(tp=4)
+    mesh = setup_parallel(tp=4).tp_mesh
     if kind == "column":
-        ColumnParallelLinear(8, 30)
+        ColumnParallelLinear(8, 30, tp_mesh=mesh)
     elif kind == "row":
-        RowParallelLinear(30, 8)
+        RowParallelLinear(30, 8, tp_mesh=mesh)
     elif kind == "heads":
-        ColumnParallelLinear(64 * 6, 3 * 64 * 6, num_heads=6)  # 1152 features split over 4; 6 heads do not
+        ColumnParallelLinear(
+            64 * 6, 3 * 64 * 6, num_heads=6, tp_mesh=mesh
+        )  # 1152 features split over 4; 6 heads do not
     elif kind == "row_sp_without_parallel_input":
-        RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel_enabled=True)
+        RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel_enabled=True, tp_mesh=mesh)
 
 
 @pytest.mark.parametrize(
@@ -183,8 +194,8 @@ def test_indivisible_sizes_raise_clear_errors(kind: str, message: str) -> None:
 
 
 def sp_bad_seq_case() -> None:
-    setup_parallel(tp=4)
-    layer = RowParallelLinear(8, 8, input_is_parallel=True, sequence_parallel_enabled=True)
+    mesh = setup_parallel(tp=4).tp_mesh
+    layer = RowParallelLinear(8, 8, input_is_parallel=True, sequence_parallel_enabled=True, tp_mesh=mesh)
     layer(torch.randn(2, 6, 2))  # sequence length 6 is not divisible by tp=4
 
 
@@ -199,8 +210,8 @@ def uneven_vocab_case(tp: int) -> None:
     torch.manual_seed(0)
     dense_emb, dense_head = nn.Embedding(22, 12), nn.Linear(12, 22, bias=False)
     torch.manual_seed(0)
-    emb = ParallelEmbedding(22, 12)
-    head = ColumnParallelLinear(12, 22, bias=False, gather_output=True, allow_uneven=True)
+    emb = ParallelEmbedding(22, 12, tp_mesh=dims.tp_mesh)
+    head = ColumnParallelLinear(12, 22, bias=False, gather_output=True, allow_uneven=True, tp_mesh=dims.tp_mesh)
     assert emb.weight.to_local().shape[0] == (4 if dims.tp_rank == tp - 1 else 6) if tp == 4 else True
     ids = torch.tensor([[0, 5, 6, 11, 12, 17, 18, 21]])
     torch.testing.assert_close(emb(ids), dense_emb(ids))
@@ -231,8 +242,8 @@ def autocast_case(sp: bool) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         dense(x).float().square().sum().backward()
     torch.manual_seed(0)
-    column = ColumnParallelLinear(IN, OUT, gather_output=False, sequence_parallel_enabled=sp)
-    row = RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel_enabled=sp)
+    column = ColumnParallelLinear(IN, OUT, gather_output=False, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh)
+    row = RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel_enabled=sp, tp_mesh=dims.tp_mesh)
     x_local = shard_of(x, dims.tp_mesh, 1) if sp else x
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = row(column(x_local))

@@ -46,7 +46,7 @@ def broadcast_data(
     """tp rank 0's ``data[key]`` for every key, on every tp rank, as ``datatype``."""
     if get_parallel().tp_rank == 0 and data is not None:
         _check_data_types(keys, data, datatype)
-    return _broadcast_data(list(keys), data, datatype)
+    return _broadcast_data(list(keys), data, datatype, get_parallel())
 
 
 __all__ = ["broadcast_data"]

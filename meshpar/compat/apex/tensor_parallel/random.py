@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshpar.parallel_dims import get_parallel
 from meshpar.random import RNGStatesTracker as CudaRNGStatesTracker
 from meshpar.random import activation_checkpoint, get_rng_tracker, model_parallel_manual_seed
 
@@ -26,7 +27,7 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """The default generator seeded with ``seed`` on every rank, the tp generator with ``seed + 2718 + tp_rank``."""
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, get_parallel())
 
 
 def _set_cuda_rng_state(new_state: torch.Tensor, device: int | str | torch.device = -1) -> None:

@@ -3,6 +3,7 @@ tracker forks the generator of the process's device)."""
 
 from __future__ import annotations
 
+from meshpar.parallel_dims import get_parallel
 from meshpar.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
 
@@ -12,7 +13,7 @@ def get_xla_rng_tracker() -> RNGStatesTracker:
 
 def model_parallel_xla_manual_seed(seed: int) -> None:
     """The default generator seeded with ``seed`` on every rank, the tp generator with ``seed + 2718 + tp_rank``."""
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, get_parallel())
 
 
 __all__ = ["get_xla_rng_tracker", "model_parallel_xla_manual_seed"]
