@@ -36,8 +36,7 @@ def allreduce_gradients(
     routed to): it counts as zeros where missing, and every rank ends with the same averaged grad, or with ``None``
     where no rank had one (as the dense step on the whole batch): one "has a grad" flag per parameter rides in the
     same all-reduce (:func:`meshpar.grad_sync.pack_grads`)."""
-    mesh = dp_mesh
-    if mesh.size() == 1:
+    if dp_mesh.size() == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for param in dict.fromkeys(p for p in parameters if p.requires_grad):
@@ -46,8 +45,8 @@ def allreduce_gradients(
         local = local_tensor(bucket[0])
         flat = grad_buffer([local_tensor(p).numel() for p in bucket], reduce_dtype or local.dtype, local.device)
         missing = pack_grads(bucket, flat)
-        dist.all_reduce(flat, group=mesh.get_group())
-        flat /= mesh.size()
+        dist.all_reduce(flat, group=dp_mesh.get_group())
+        flat /= dp_mesh.size()
         unpack_grads(bucket, flat, missing)
 
 

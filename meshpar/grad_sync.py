@@ -107,9 +107,8 @@ class OverlappedGradSync:
     ) -> None:
         if not (bucket_mb > 0 and first_bucket_mb > 0):
             raise ValueError(f"bucket_mb and first_bucket_mb must be positive, got {bucket_mb!r}, {first_bucket_mb!r}")
-        mesh = dp_mesh
-        self._size = mesh.size()
-        self._group = mesh.get_group() if self._size > 1 else None
+        self._size = dp_mesh.size()
+        self._group = dp_mesh.get_group() if self._size > 1 else None
         self._reduce_dtype = reduce_dtype
         self._sync = True
         self._next = 0  # the first bucket not launched yet
