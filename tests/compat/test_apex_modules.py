@@ -261,3 +261,23 @@ def test_schedules_warn_once_naming_keywords_they_ignore() -> None:
     assert "custom_grad_sync_func" in named[0] and "not_an_apex_keyword" in named[0], named
     assert "async_comm" not in named[0] and "decoder_sequence_length" not in named[0]
     assert shapes == [(8, 2, 4)]
+
+
+def test_timers_exist_once_set_as_in_apex(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(AssertionError, match="timers is not initialized"):
+        utils.get_timers()
+    utils._set_timers()
+    try:
+        timers = utils.get_timers()
+        timers("step").start()
+        with pytest.raises(RuntimeError, match="already running"):
+            timers("step").start()
+        timers("step").stop()
+        assert timers("step").elapsed(reset=False) >= 0.0
+        timers.log(["step"])
+        assert "time (ms) | step:" in capsys.readouterr().out
+        assert timers("step").elapsed() == 0.0  # log reset it
+        with pytest.raises(AssertionError, match="already initialized"):
+            utils._set_timers()
+    finally:
+        utils._timers = None

@@ -129,3 +129,45 @@ def calculator_survives_case() -> list[int]:
 
 def test_the_microbatch_calculator_outlives_destroy_model_parallel() -> None:
     assert run_distributed(calculator_survives_case, 2) == [[4, 4], [4, 4]]
+
+
+def overrides_case() -> dict:
+    """apex's rank / size setters change what the getters and stage predicates report, nothing else; destroying the
+    parallel state forgets them."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size_=2, pipeline_model_parallel_size_=2)
+    actual = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    parallel_state.set_tensor_model_parallel_world_size(8)
+    parallel_state.set_tensor_model_parallel_rank(5)
+    parallel_state.set_pipeline_model_parallel_world_size(3)
+    parallel_state.set_pipeline_model_parallel_rank(2)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(4)
+    reported = {
+        "tp": (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()),
+        "pp": (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+        ),
+        "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "last": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        "first": parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        "group_size": dist.get_world_size(parallel_state.get_tensor_model_parallel_group()),
+    }
+    parallel_state.set_pipeline_model_parallel_rank(None)
+    reported["pp_rank_back"] = parallel_state.get_pipeline_model_parallel_rank() == actual[1]
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size_=2, pipeline_model_parallel_size_=2)
+    reported["after_destroy"] = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank() == actual[0],
+        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+    )
+    parallel_state.destroy_model_parallel()
+    return reported
+
+
+def test_rank_and_size_overrides_change_what_the_getters_report() -> None:
+    for result in run_distributed(overrides_case, 4):
+        assert result["tp"] == (8, 5) and result["pp"] == (3, 2) and result["vpp"] == 4, result
+        assert result["last"] and not result["first"], result
+        assert result["group_size"] == 2 and result["pp_rank_back"], result  # the groups are the mesh's
+        assert result["after_destroy"] == (2, True, None), result

@@ -12,29 +12,7 @@ HERE = Path(__file__).resolve().parent
 DOCS = HERE.parents[1] / "docs" / "compat.md"
 
 # name -> why meshpar's apex view does not provide it (each one is listed in docs/compat.md)
-NOT_PROVIDED = {
-    **{
-        f"parallel_state.{name}": "meshpar's sizes and ranks come from its mesh; overriding them is not supported"
-        for name in (
-            "set_pipeline_model_parallel_rank",
-            "set_pipeline_model_parallel_world_size",
-            "set_tensor_model_parallel_rank",
-            "set_tensor_model_parallel_world_size",
-            "set_virtual_pipeline_model_parallel_world_size",
-        )
-    },
-    **{
-        f"parallel_state.{name}": "NCCL network tuning (socket / InfiniBand groups) is outside meshpar's scope"
-        for name in (
-            "init_nccl_net",
-            "new_nccl_ib_group",
-            "new_nccl_socket_group",
-            "set_nccl_ib_envs",
-            "set_nccl_socket_envs",
-        )
-    },
-    "pipeline_parallel.utils.get_timers": "apex's internal timers are not part of the view",
-}
+NOT_PROVIDED: dict[str, str] = {}
 
 
 def surface() -> dict[str, list[str]]:

@@ -4,30 +4,31 @@ Every getter is meshpar's (:mod:`meshpar.parallel_state`); what apex adds lives 
 ``initialize_model_parallel`` signature (trailing-underscore keywords, sizes clamped to the world size, the backend
 keywords), the virtual pipeline rank (the chunk apex's interleaved schedule and ``build_model`` are working on, which
 the stage predicates read) and the encoder-decoder split rank (``pipeline_model_parallel_split_rank_``) with its
-stage predicates and relative-position-embedding groups. meshpar's native API carries none of this state.
+stage predicates and relative-position-embedding groups, apex's rank and size overrides
+(``set_tensor_model_parallel_rank`` and the like: what the getters report, for tools that act as one rank of a
+layout, as apex's do; the mesh and its groups are not changed), and apex's NCCL network helpers. meshpar's native API
+carries none of this state.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
+import torch
 import torch.distributed as dist
 
 from meshpar.parallel_dims import get_parallel
 from meshpar.parallel_state import *  # noqa: F403 - apex's module holds every getter
 from meshpar.parallel_state import destroy_model_parallel as _destroy_mesh
-from meshpar.parallel_state import (
-    get_data_parallel_rank,
-    get_pipeline_model_parallel_rank,
-    get_pipeline_model_parallel_world_size,
-    get_tensor_model_parallel_rank,
-    get_virtual_pipeline_model_parallel_world_size,
-    model_parallel_is_initialized,
-)
+from meshpar.parallel_state import get_data_parallel_rank, model_parallel_is_initialized
+from meshpar.parallel_state import get_pipeline_model_parallel_rank as _pipeline_rank
+from meshpar.parallel_state import get_pipeline_model_parallel_world_size as _pipeline_size
+from meshpar.parallel_state import get_tensor_model_parallel_rank as _tensor_rank
+from meshpar.parallel_state import get_tensor_model_parallel_world_size as _tensor_size
+from meshpar.parallel_state import get_virtual_pipeline_model_parallel_world_size as _virtual_size
 from meshpar.parallel_state import initialize_model_parallel as _initialize_mesh
-from meshpar.parallel_state import is_pipeline_first_stage as _is_first_pipeline_rank
-from meshpar.parallel_state import is_pipeline_last_stage as _is_last_pipeline_rank
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,88 @@ _split_rank: int | None = None
 _virtual: tuple[object, int | None] | None = None
 
 _BACKENDS = (None, "nccl", "ucc", "gloo")
+
+# apex's overrides of what the rank and size getters report (None: the mesh's own)
+_overrides: dict[str, int | None] = {}
+
+
+def _overridden(name: str, actual: object) -> object:
+    value = _overrides.get(name)
+    return actual() if value is None else value
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _overridden("tp_size", _tensor_size)
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _overridden("pp_size", _pipeline_size)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _overridden("tp_rank", _tensor_rank)
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _overridden("pp_rank", _pipeline_rank)
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return _overridden("vpp_size", _virtual_size)
+
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    """What :func:`get_tensor_model_parallel_world_size` reports from now on (``None``: the mesh's again)."""
+    _overrides["tp_size"] = world_size
+
+
+def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    _overrides["pp_size"] = world_size
+
+
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    _overrides["tp_rank"] = rank
+
+
+def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    _overrides["pp_rank"] = rank
+
+
+def set_virtual_pipeline_model_parallel_world_size(size: int | None) -> None:
+    _overrides["vpp_size"] = size
+
+
+def set_nccl_socket_envs() -> None:
+    """NCCL over sockets for the groups made next (``NCCL_SOCKET_IFNAME`` must name the interface)."""
+    if os.getenv("NCCL_SOCKET_IFNAME") is None:
+        raise RuntimeError("set_nccl_socket_envs: NCCL_SOCKET_IFNAME is not set")
+    os.environ["NCCL_NET"] = "Socket"
+
+
+def set_nccl_ib_envs() -> None:
+    """NCCL over InfiniBand for the groups made next."""
+    os.environ["NCCL_NET"] = "IB"
+
+
+def init_nccl_net(group: dist.ProcessGroup) -> None:
+    """Bring up a new NCCL group's network with one small all-reduce."""
+    probe = torch.ones(1, device="cuda")
+    dist.all_reduce(probe, group=group)
+    torch.cuda.synchronize()
+
+
+def new_nccl_socket_group(ranks: list[int]) -> dist.ProcessGroup:
+    set_nccl_socket_envs()
+    group = dist.new_group(ranks, backend="nccl")
+    init_nccl_net(group)
+    return group
+
+
+def new_nccl_ib_group(ranks: list[int]) -> dist.ProcessGroup:
+    set_nccl_ib_envs()
+    group = dist.new_group(ranks, backend="nccl")
+    init_nccl_net(group)
+    return group
 
 
 def initialize_model_parallel(
@@ -81,6 +164,7 @@ def destroy_model_parallel() -> None:
     belongs to the pipeline utilities, not to the parallel state (apex's tests set it once and initialise twice)."""
     global _split_rank, _virtual
     _split_rank = _virtual = None
+    _overrides.clear()
     _drop_groups()
     _destroy_mesh()
 
@@ -111,7 +195,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
     vpp = get_virtual_pipeline_model_parallel_world_size() or 1
     if not ignore_virtual and vpp > 1 and (get_virtual_pipeline_model_parallel_rank() or 0) != 0:
         return False
-    return _is_first_pipeline_rank()
+    return get_pipeline_model_parallel_rank() == 0
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
@@ -119,7 +203,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     vpp = get_virtual_pipeline_model_parallel_world_size() or 1
     if not ignore_virtual and vpp > 1 and (get_virtual_pipeline_model_parallel_rank() or 0) != vpp - 1:
         return False
-    return _is_last_pipeline_rank()
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
 def get_pipeline_model_parallel_split_rank() -> int | None:

@@ -3,12 +3,14 @@ in this module), microbatch slicing, model unwrapping and the loss / norm helper
 
 The calculator is set by :func:`setup_microbatch_calculator` (again by ``_reconfigure_microbatch_calculator``, apex's
 test hook; meshpar's setup replaces an earlier one too, where apex asserts) and read by the schedules when they are
-not given ``num_microbatches``; :func:`meshpar.compat.apex.parallel_state.destroy_model_parallel` drops it.
+not given ``num_microbatches``; it outlives :func:`meshpar.compat.apex.parallel_state.destroy_model_parallel`, as in
+apex. apex's named wall-clock timers (:func:`get_timers`) exist once ``_set_timers()`` made them, as in apex.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -271,6 +273,91 @@ def get_ltor_masks_and_position_ids(
     return allowed < 0.5, loss_mask, positions
 
 
+class _Timer:
+    """One named wall-clock timer; the accelerator is synchronised at start and stop so queued work is counted."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.total, self.running, self.since = name, 0.0, False, 0.0
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def start(self) -> None:
+        if self.running:
+            raise RuntimeError(f"timer {self.name!r} is already running")
+        self._sync()
+        self.since, self.running = time.perf_counter(), True
+
+    def stop(self) -> None:
+        if not self.running:
+            raise RuntimeError(f"timer {self.name!r} is not running")
+        self._sync()
+        self.total += time.perf_counter() - self.since
+        self.running = False
+
+    def reset(self) -> None:
+        self.total, self.running = 0.0, False
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Seconds counted so far (a running timer keeps running)."""
+        running = self.running
+        if running:
+            self.stop()
+        total = self.total
+        if reset:
+            self.reset()
+        if running:
+            self.start()
+        return total
+
+
+class _Timers:
+    """apex's group of named timers: ``timers("forward").start()``, ``timers.log(["forward"])``."""
+
+    def __init__(self) -> None:
+        self.timers: dict[str, _Timer] = {}
+
+    def __call__(self, name: str) -> _Timer:
+        return self.timers.setdefault(name, _Timer(name))
+
+    def write(self, names: Sequence[str], writer: Any, iteration: int, normalizer: float = 1.0, reset: bool = False):
+        """Each timer's seconds / ``normalizer`` to a TensorBoard-style ``writer.add_scalar``."""
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be positive, got {normalizer}")
+        for name in names:
+            writer.add_scalar(f"{name}-time", self.timers[name].elapsed(reset=reset) / normalizer, iteration)
+
+    def log(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True) -> None:
+        """Print the timers in milliseconds / ``normalizer`` on the last rank (every process without a group)."""
+        if normalizer <= 0:
+            raise ValueError(f"normalizer must be positive, got {normalizer}")
+        line = "time (ms)" + "".join(
+            f" | {n}: {self.timers[n].elapsed(reset=reset) * 1000.0 / normalizer:.2f}" for n in names
+        )
+        if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+            print(line, flush=True)
+
+
+_timers: _Timers | None = None
+
+
+def _set_timers() -> None:
+    """Create apex's timers (once, as apex asserts)."""
+    global _timers
+    if _timers is not None:
+        raise AssertionError("timers is already initialized.")
+    _timers = _Timers()
+
+
+def get_timers() -> _Timers:
+    """apex's timers; apex itself never creates them, so this fails until ``_set_timers()`` ran, as in apex."""
+    if _timers is None:
+        raise AssertionError("timers is not initialized.")
+    return _timers
+
+
 __all__ = [
     "average_losses_across_data_parallel_group",
     "calc_params_l2_norm",
@@ -281,6 +368,7 @@ __all__ = [
     "get_micro_batch_size",
     "get_model_type",
     "get_num_microbatches",
+    "get_timers",
     "is_last_rank",
     "listify_model",
     "param_is_not_shared",
