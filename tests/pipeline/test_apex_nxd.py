@@ -113,6 +113,54 @@ def test_apex_schedules_match_dense(pp, tp, v, m, layers, variable_seq, dealloca
     run_distributed(apex_case, 4, pp, tp, v, m, layers, variable_seq, deallocate)
 
 
+def apex_low_precision_case(pp: int, tp: int, v: int, dtype: torch.dtype) -> None:
+    """A bf16 / fp16 model through apex's schedules (fp16 with a grad scaler, as apex's tests run it): losses and
+    grads equal the same model's dense run in that dtype, to that dtype's precision."""
+    dims = setup_parallel(tp=tp, pp=pp)
+    if v > 1:
+        dims.virtual_pipeline_size = v
+        apex_state.set_virtual_pipeline_model_parallel_rank(0)
+    m, layers = 4, 2 * pp * v
+    microbatches = [{k: t.chunk(m)[i] for k, t in _batch(m).items()} for i in range(m)]
+    torch.manual_seed(0)
+    dense = PipeGPT(layers=layers).to(dtype)
+    expected = [lm_loss(dense(mb["ids"]).float(), mb["labels"]) for mb in microbatches]
+    torch.stack(expected).mean().backward()
+    torch.manual_seed(0)
+    stages, _ = split_model(
+        PipeGPT(layers=layers).to(dtype), dims.pp_rank, pp, transformer_layer_cls=Block, virtual_pipeline_size=v
+    )
+    if tp > 1:
+        stages = [(i, parallelize_module(s, dims.tp_mesh, pipe_gpt_plan())) for i, s in stages]
+    chunks = [StageChunk(s, i, ["ids"]) for i, s in stages]
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0) if dtype == torch.float16 else None
+
+    def step(microbatch, model):
+        ids, labels = microbatch
+        return model(ids=ids), lambda logits: lm_loss(logits.float(), labels)
+
+    batch = [torch.cat([mb["ids"] for mb in microbatches]), torch.cat([mb["labels"] for mb in microbatches])]
+    losses = get_forward_backward_func(v if v > 1 else None, pp)(
+        step, batch, chunks if v > 1 else chunks[0], forward_only=False, num_microbatches=m, dtype=dtype,
+        grad_scaler=scaler, disable_autocast=True,
+    )  # fmt: skip
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    if apex_state.is_pipeline_last_stage(ignore_virtual=True):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected).detach(), **tol)
+    dense_params = dict(dense.named_parameters())
+    for chunk in chunks:
+        for name, param in chunk.stage.named_parameters():
+            assert param.dtype == dtype, name
+            grad = param.grad.float() / (scaler.get_scale() if scaler is not None else 1.0)
+            assert_matches_dense(grad, dense_params[name].grad.float(), msg=name, **tol)
+
+
+@pytest.mark.parametrize(("pp", "tp", "v"), [(2, 2, 1), (2, 1, 2), (4, 1, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apex_schedules_in_low_precision_match_dense(pp: int, tp: int, v: int, dtype: torch.dtype) -> None:
+    run_distributed(apex_low_precision_case, 4, pp, tp, v, dtype)
+
+
 def changing_shape_case(v: int) -> None:
     """A declared tensor_shape fixes one activation shape per step: a microbatch whose output differs is refused by
     the sending stage (only the step's first activation per stage carries a header), and every rank stops."""
