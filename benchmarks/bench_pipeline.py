@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshpar._compat import local_tensor
 from meshpar.pipeline import inspect_schedule, split_model
 from meshpar.testing import run_distributed, setup_parallel
 from meshpar.testing.torch_runtime import build_schedule, make_pipeline_stages
@@ -56,13 +57,14 @@ class Model(nn.Module):
 
 
 class SavedBytes:
-    """Live bytes saved for backward, and their peak."""
+    """Live bytes saved for backward, and their peak (a DTensor counted by its local shard: its own storage reports
+    the global size)."""
 
     def __init__(self) -> None:
         self.live = self.peak = 0
 
     def pack(self, tensor: torch.Tensor) -> object:
-        size = tensor.untyped_storage().nbytes()
+        size = local_tensor(tensor).untyped_storage().nbytes()
         self.live += size
         self.peak = max(self.peak, self.live)
         holder = _Holder(tensor)

@@ -257,24 +257,3 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
         if work is not None:
             work.wait()
         return (*_dtensor_grads(ctx, grad_x, grad_w, grad_b), None)
-
-
-class SequenceShardParamsFunction(torch.autograd.Function):
-    """The local tensors of a sequence-parallel module's ``Replicate()`` parameters (norm weights and biases), as
-    one node: each rank's grads are partial sums over its sequence shard, and backward all-reduces all of them as
-    one flat buffer (one collective per module instead of one per parameter, and no ``to_local`` nodes)."""
-
-    @staticmethod
-    def forward(ctx: Any, mesh: DeviceMesh, *params: DTensor) -> tuple[torch.Tensor, ...]:
-        ctx.mesh, ctx.params = mesh, params
-        return tuple(local_tensor(p).detach() for p in params)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        present = [g for g in grads if g is not None]
-        if present:
-            flat = torch.cat([g.reshape(-1) for g in present])
-            dist.all_reduce(flat, group=ctx.mesh.get_group())
-            reduced = iter(flat.split([g.numel() for g in present]))
-            grads = tuple(next(reduced).view_as(g) if g is not None else None for g in grads)
-        return (None, *(dtensor_like(g, p) if g is not None else None for g, p in zip(grads, ctx.params, strict=True)))

@@ -44,7 +44,6 @@ from meshpar.tensor_parallel._linear_functions import (
     ColumnLinearSequenceParallelFunction,
     RowLinearFunction,
     RowLinearSequenceParallelFunction,
-    SequenceShardParamsFunction,
     matrix,
     vector,
 )
@@ -496,9 +495,13 @@ VocabParallelEmbedding = ParallelEmbedding
 
 @contextlib.contextmanager
 def parameters_replaced(module: nn.Module, replacements: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Run the module's own forward on other tensors in place of some of its parameters (their local shards, say),
-    restoring the parameters afterwards whatever happens: how meshpar keeps a module's class forward while its
-    parameters are DTensors."""
+    """Run the module's own forward on other tensors in place of some of its parameters (their local shards),
+    restoring the parameters afterwards whatever happens.
+
+    Only for forwards DTensor cannot run on the sharded parameters themselves (a sequence-parallel norm does not
+    need it: :func:`make_sequence_parallel_norm`): an experts module indexes its ``Shard(0)`` expert weights by
+    expert id, which DTensor answers by gathering every expert onto every rank; a vocab-sharded embedding subclass's
+    lookup in DTensor computes the weight's grad as a replicated full-vocabulary tensor on every rank."""
     params = module._parameters
     saved = {name: params[name] for name in replacements}
     try:
@@ -508,37 +511,79 @@ def parameters_replaced(module: nn.Module, replacements: dict[str, torch.Tensor]
         params.update(saved)
 
 
-class _SequenceParallelParams:
-    """Mixin for a module on sequence shards whose own parameters are ``Replicate()`` DTensors.
+def _replicate_partial_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a ``Replicate()`` parameter used on rank-local rows: DTensor leaves its grad a
+    ``Partial`` sum of the ranks' rows; all-reduce it into the parameter's own placement as soon as it is accumulated,
+    so everything reading grads after backward (clipping, dp sync, optimizers) sees the dense grad. Under FSDP2 the
+    parameter objects are FSDP's, which does the same redistribution itself."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
-    The forward temporarily swaps each parameter for its local tensor so the module's unchanged forward sees plain
-    tensors, and the partial grads of the sequence shards are summed over tp in backward: in eager mode by one
-    flat all-reduce per module (:class:`SequenceShardParamsFunction`), under ``torch.compile`` by ``copy_to_tp``.
-    """
 
-    _sp_tp_mesh: DeviceMesh
+def _rows_as_dtensor(mesh: DeviceMesh, owner: str) -> tuple[object, object]:
+    """The pre- and post-hook that run a row-wise module (a norm) on DTensors: each plain tensor input is this rank's
+    rows of one ``Shard(0)`` DTensor (its sequence shard, or its heads), so the module's own forward meets its
+    ``Replicate()`` parameters in DTensor and computes with them unchanged; the output goes back to local rows. A
+    DTensor input (a vocab-parallel lookup's rows) is left as it is and so is the output."""
+    entered: list[bool] = []
 
-    def forward(self, *args: object, **kwargs: object) -> object:
-        saved = self._parameters  # type: ignore[attr-defined]
-        names = [name for name, param in saved.items() if param is not None]
-        mesh = self._sp_tp_mesh
-        if _fused_sequence_parallel_path(mesh):
-            local = SequenceShardParamsFunction.apply(mesh, *(saved[name] for name in names))
-        else:
-            local = [copy_to_tp(saved[name].to_local(), mesh) for name in names]
-        with parameters_replaced(self, dict(zip(names, local, strict=True))):
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+    def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        def rows(x: object) -> object:
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() == 0:
+                return x
+            if x.dim() == 1:
+                raise ValueError(
+                    f"{owner}: a module with sequence-parallel or grad-summed parameters runs row-wise on activations "
+                    f"of at least 2 dims, got one of shape {tuple(x.shape)}"
+                )
+            return DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+
+        new_args, new_kwargs = tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
+        changed = any(a is not b for a, b in zip(args, new_args, strict=True)) or any(
+            new_kwargs[k] is not v for k, v in kwargs.items()
+        )
+        entered.append(changed)
+        return new_args, new_kwargs
+
+    def leave(_module: nn.Module, _args: tuple, _kwargs: dict, out: object) -> object:
+        if not entered or not entered.pop():  # nothing entered (the pre-hook refused) or the input was a DTensor
+            return out
+
+        def local(x: object) -> object:
+            if not isinstance(x, DTensor):
+                return x
+            if tuple(x.placements) != (Shard(0),):
+                raise RuntimeError(
+                    f"{owner}: its output is {x.placements}, not the rows it was given: the module is not row-wise "
+                    "and cannot run on sequence shards"
+                )
+            return x.to_local()
+
+        if isinstance(out, (tuple, list)):
+            return type(out)(local(o) for o in out)
+        return local(out)
+
+    return enter, leave
 
 
 def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
-    """Turn ``module`` in place into its sequence-parallel twin (same class name prefix, same parameter names)."""
-    cls = type(module)
-    if issubclass(cls, _SequenceParallelParams):
-        raise ValueError(f"{cls.__name__} is already sequence parallel")
+    """Make ``module`` (a norm, or any module that works row by row) run on this rank's rows of its input: its own
+    parameters become ``Replicate()`` DTensors and its unchanged forward runs on DTensors (hooks convert input and
+    output, the parameters are never swapped); their grads, partial sums over the ranks' rows, are all-reduced as
+    each is accumulated. Class, parameter names and forward stay the module's own."""
+    if getattr(module, "_meshpar_row_mesh", None) is not None:
+        raise ValueError(f"{type(module).__name__} is already sequence parallel")
+    owner = type(module).__name__
     for name, param in list(module.named_parameters(recurse=False)):
-        setattr(module, name, distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank))
-    mix_into(module, _SequenceParallelParams, "SequenceParallel")
-    module._sp_tp_mesh = tp_mesh
+        replicated = distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank)
+        if replicated.requires_grad:
+            replicated.register_post_accumulate_grad_hook(_replicate_partial_grad)
+        setattr(module, name, replicated)
+    enter, leave = _rows_as_dtensor(tp_mesh, owner)
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    module._meshpar_row_mesh = tp_mesh
     return module
 
 

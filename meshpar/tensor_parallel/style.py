@@ -210,13 +210,13 @@ class VocabParallel(ParallelStyle):
 
 
 class SequenceParallelNorm(ParallelStyle):
-    """A norm (LayerNorm, RMSNorm, any module with its own parameters) run on sequence shards.
+    """A norm (LayerNorm, RMSNorm, any module that works row by row with its own parameters) run on sequence shards.
 
-    Its parameters become ``Replicate()`` DTensors. Each rank sees only its sequence shard, so each parameter's grad
-    is a partial sum; the forward hands the module its parameters' local tensors through one autograd node
-    (identity forward) whose backward all-reduces all of the module's grads as one flat buffer, so the grads are
-    complete and replicated when backward ends - one small all-reduce per module, Megatron's sequence-parallel grad
-    all-reduce done in place. Activations stay local tensors.
+    torch's ``SequenceParallel`` mechanism: its parameters become ``Replicate()`` DTensors and its unchanged forward
+    runs in DTensor on this rank's rows (hooks turn the input into a ``Shard(0)`` DTensor and the output back into
+    local rows). Each rank sees only its sequence shard, so each parameter's grad is a partial sum, all-reduced as it
+    is accumulated (Megatron's sequence-parallel grad all-reduce): the grads are complete and replicated when backward
+    ends. Activations outside the norm stay local tensors.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -273,6 +273,11 @@ class LocalParameters(ParallelStyle):
     weights) is Megatron's MLP around one module: every floating-point input enters through ``copy_to_tp`` (its grad
     summed over tp in backward) and the output, a partial sum over the rank's intermediate features, is all-reduced.
     The one-block verification proves either per model.
+
+    Why the local shards are handed in rather than the forward run in DTensor: the module's forward combines these
+    parameters with activations that are already per rank (this rank's heads, its intermediate features) as plain
+    tensors, which DTensor refuses to mix, and torch's styles have no layout for them (transformers keeps such
+    parameters as plain local tensors, losing their global layout for DCP).
 
     A shard given as ``(dim, parts)`` splits a packed parameter (``[gate | up]`` along ``dim``) per part: it is kept
     as ``[..., parts, size / parts, ...]`` sharded on the part rows, checkpointed in the model's shape

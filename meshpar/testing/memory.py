@@ -6,12 +6,15 @@ from types import TracebackType
 
 import torch
 
+from meshpar._compat import local_tensor
+
 
 class SavedForBackward:
     """Total bytes of the tensors autograd saves for backward while the context is active.
 
-    A checkpointed region installs its own hooks, which take precedence inside it, so what a checkpoint drops is not
-    counted: comparing a run with and without checkpointing shows the activations it frees.
+    A DTensor counts as its local shard (what this rank holds). A checkpointed region installs its own hooks, which
+    take precedence inside it, so what a checkpoint drops is not counted: comparing a run with and without
+    checkpointing shows the activations it frees.
     """
 
     def __init__(self) -> None:
@@ -19,7 +22,8 @@ class SavedForBackward:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes += tensor.numel() * tensor.element_size()
+        local = local_tensor(tensor)
+        self.bytes += local.numel() * local.element_size()
         return tensor
 
     def __enter__(self) -> SavedForBackward:

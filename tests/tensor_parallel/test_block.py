@@ -74,14 +74,14 @@ def test_sequence_parallel_block_uses_all_gather_and_reduce_scatter() -> None:
     fwd, bwd, saved = run_distributed(comm_case, 2, True)[0]
     assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     # backward mirrors the forward; the two LayerNorms' replicated weight and bias grads are partial sums over the
-    # sequence shards: one flat all-reduce per LayerNorm sums weight and bias grads together (Megatron's
-    # sequence-parallel grad all-reduce)
-    assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}
+    # sequence shards: each is all-reduced as it is accumulated (Megatron's sequence-parallel grad all-reduce), four
+    # small all-reduces
+    assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 4}
     # regather_input: the same forward; backward gathers the qkv and fc1 inputs again, and those two inputs are
     # saved as [2, 4, 16] sequence shards instead of gathered [2, 8, 16] tensors
     fwd_r, bwd_r, saved_r = run_distributed(comm_case, 2, True, True)[0]
     assert fwd_r == fwd
-    assert bwd_r == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 2, "all_reduce": 2}
+    assert bwd_r == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 2, "all_reduce": 4}
     assert saved - saved_r == 2 * (2 * 8 * 16 - 2 * 4 * 16) * 4
 
 
