@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from meshpar._compat import DTensor
+from meshpar._compat import DTensor, local_tensor
 from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.failure import first_failure_on_any_rank, shared_refusal
 from meshpar.hf.hf_plan import embedding_and_head, takes_use_cache, text_config
@@ -111,7 +111,8 @@ def _run(
 
     def record(name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: tuple, out: Any) -> None:  # returns None: the output stays as it is
-            outputs.setdefault(name, _first_tensor(out))
+            first = _first_tensor(out)  # inside a module run in DTensor (a router on shards): this rank's part
+            outputs.setdefault(name, local_tensor(first) if first is not None else None)
 
         return hook
 

@@ -522,29 +522,34 @@ def _replicate_partial_grad(param: torch.Tensor) -> None:
 
 
 def _rows_as_dtensor(mesh: DeviceMesh, owner: str) -> tuple[object, object]:
-    """The pre- and post-hook that run a row-wise module (a norm) on DTensors: each plain tensor input is this rank's
-    rows of one ``Shard(0)`` DTensor (its sequence shard, or its heads), so the module's own forward meets its
-    ``Replicate()`` parameters in DTensor and computes with them unchanged; the output goes back to local rows. A
-    DTensor input (a vocab-parallel lookup's rows) is left as it is and so is the output."""
+    """The pre- and post-hook that run a row-wise module (a norm, a router) on DTensors: its first tensor argument is
+    this rank's rows of one ``Shard(0)`` DTensor (its sequence shard, or its heads), and so is every other argument
+    of the same rank and number of rows; other tensors (a bias handed in) are replicated. The module's own forward
+    then meets its ``Replicate()`` parameters and buffers in DTensor and computes with them unchanged; the outputs go
+    back to local rows. A DTensor first argument (a vocab-parallel lookup's rows) is left as it is, and so is the
+    output."""
     entered: list[bool] = []
 
     def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        def rows(x: object) -> object:
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        if not tensors or isinstance(tensors[0], DTensor):
+            entered.append(False)
+            return args, kwargs
+        rows = tensors[0]
+        if rows.dim() < 2:
+            raise ValueError(
+                f"{owner}: a module with sequence-parallel or grad-summed parameters runs row-wise on activations "
+                f"of at least 2 dims, got one of shape {tuple(rows.shape)}"
+            )
+
+        def convert(x: object) -> object:
             if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() == 0:
                 return x
-            if x.dim() == 1:
-                raise ValueError(
-                    f"{owner}: a module with sequence-parallel or grad-summed parameters runs row-wise on activations "
-                    f"of at least 2 dims, got one of shape {tuple(x.shape)}"
-                )
-            return DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+            same_rows = x.dim() == rows.dim() and x.shape[0] == rows.shape[0]
+            return DTensor.from_local(x, mesh, [Shard(0)] if same_rows else [Replicate()], run_check=False)
 
-        new_args, new_kwargs = tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
-        changed = any(a is not b for a, b in zip(args, new_args, strict=True)) or any(
-            new_kwargs[k] is not v for k, v in kwargs.items()
-        )
-        entered.append(changed)
-        return new_args, new_kwargs
+        entered.append(True)
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
 
     def leave(_module: nn.Module, _args: tuple, _kwargs: dict, out: object) -> object:
         if not entered or not entered.pop():  # nothing entered (the pre-hook refused) or the input was a DTensor
@@ -569,17 +574,27 @@ def _rows_as_dtensor(mesh: DeviceMesh, owner: str) -> tuple[object, object]:
 
 def make_sequence_parallel_norm(module: nn.Module, tp_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
     """Make ``module`` (a norm, or any module that works row by row) run on this rank's rows of its input: its own
-    parameters become ``Replicate()`` DTensors and its unchanged forward runs on DTensors (hooks convert input and
-    output, the parameters are never swapped); their grads, partial sums over the ranks' rows, are all-reduced as
-    each is accumulated. Class, parameter names and forward stay the module's own."""
+    parameters and buffers become ``Replicate()`` DTensors and its unchanged forward runs on DTensors (hooks convert
+    input and output, the parameters are never swapped); their grads, partial sums over the ranks' rows, are
+    all-reduced as each is accumulated. Class, parameter names and forward stay the module's own."""
     if getattr(module, "_meshpar_row_mesh", None) is not None:
         raise ValueError(f"{type(module).__name__} is already sequence parallel")
     owner = type(module).__name__
-    for name, param in list(module.named_parameters(recurse=False)):
-        replicated = distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank)
-        if replicated.requires_grad:
-            replicated.register_post_accumulate_grad_hook(_replicate_partial_grad)
-        setattr(module, name, replicated)
+    # its submodules' plain parameters and buffers too (a router's score-correction bias in a child module): its
+    # forward meets them in DTensor; what a submodule's own style already sharded is a DTensor and stays as it is
+    for owner_module in module.modules():
+        for name, param in list(owner_module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            replicated = distribute_parameter(param, tp_mesh, [Replicate()], src_data_rank)
+            if replicated.requires_grad:
+                replicated.register_post_accumulate_grad_hook(_replicate_partial_grad)
+            setattr(owner_module, name, replicated)
+        for name, buffer in list(owner_module.named_buffers(recurse=False)):
+            if buffer is not None and not isinstance(buffer, DTensor):
+                owner_module._buffers[name] = distribute_tensor(
+                    buffer, tp_mesh, [Replicate()], src_data_rank=src_data_rank
+                )
     enter, leave = _rows_as_dtensor(tp_mesh, owner)
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
