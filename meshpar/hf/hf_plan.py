@@ -16,10 +16,12 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from meshpar._compat import ParallelStyle
+from meshpar._compat import DeviceMesh, ParallelStyle
+from meshpar._in_place import become
 from meshpar.hf.conv1d import on_conv1d
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.hf.fixups import gaussian_topk_over_tp
@@ -69,8 +71,8 @@ def _expert_feature_split(style: str, ndim: int) -> tuple[int, int] | None:
 
 
 # the projections whose outputs hold whole attention heads (separate q/k/v or fused), by transformers' names
-_QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
-_KEY_VALUE = ("k_proj", "v_proj", "key", "value")
+_QUERY_LIKE = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack", "q_lin")
+_KEY_VALUE = ("k_proj", "v_proj", "key", "value", "k_lin", "v_lin")
 _FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "W_pack")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 # styles whose output is this rank's feature shard (the ones that split heads)
@@ -137,6 +139,48 @@ class divide_attribute:  # noqa: N801 - used like a function in plan dicts
             module.config = ConfigView(config, {n: getattr(config, n) // tp for n in self.config_names})
 
 
+def _tp_rank_of(module: nn.Module) -> int:
+    """This rank's index on the tp mesh, read off the module's first sharded (DTensor) parameter."""
+    for param in module.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            return mesh.get_local_rank()
+    raise ValueError(f"{type(module).__name__}: no tensor-parallel parameter to read this rank's tp index from")
+
+
+@dataclass(frozen=True)
+class alibi_heads:  # noqa: N801 - used like a function in plan dicts
+    """A plan fix-up for attentions with ALiBi (Bloom, Falcon-RW): the model builds one bias per head for all heads
+    (``alibi``, ``[batch * heads, 1, keys]`` or ``[batch, heads, 1, keys]``; Falcon also folds it into a per-head
+    ``attention_mask``) and hands it to every layer. Each rank's attention holds ``heads / tp`` contiguous heads (its
+    column shard of the projection): the head counts ``names`` are divided by tp and a pre-hook keeps this rank's
+    heads' rows of the bias (and of a per-head mask), so every head adds its own slope, as in the dense model."""
+
+    names: tuple[str, ...] = ("num_heads",)
+
+    def __call__(self, module: nn.Module, tp: int) -> None:
+        heads = getattr(module, self.names[0])
+        for name in self.names:
+            setattr(module, name, getattr(module, name) // tp)
+        local = heads // tp
+        start = _tp_rank_of(module) * local
+
+        def own_heads(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            alibi, mask = kwargs.get("alibi"), kwargs.get("attention_mask")
+            if alibi is None:
+                return None
+            if alibi.dim() == 4:
+                alibi = alibi[:, start : start + local]
+            else:
+                alibi = alibi.unflatten(0, (-1, heads))[:, start : start + local].flatten(0, 1)
+            changed = {"alibi": alibi}
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == heads and heads > 1:
+                changed["attention_mask"] = mask[:, start : start + local]
+            return args, {**kwargs, **changed}
+
+        module.register_forward_pre_hook(own_heads, with_kwargs=True)
+
+
 _BERT_ENCODER = {
     "encoder.layer.*.attention.self.query": "colwise",
     "encoder.layer.*.attention.self.key": "colwise",
@@ -170,6 +214,46 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
     # BERT's post-norm encoder layers (sequence parallelism runs their norms on shards; see sequence_parallel), which
     # RoBERTa and its copies (XLM-R, CamemBERT) share module for module
     **{family: _BERT_ENCODER for family in ("bert", "roberta", "xlm-roberta", "camembert")},
+    # ELECTRA's discriminator / generator encoders are BERT's layers
+    "electra": _BERT_ENCODER,
+    # GPT-Neo: the projections sit in attn.attention, which splits heads with its own count
+    "gpt_neo": {
+        "h.*.attn.attention.q_proj": "colwise",
+        "h.*.attn.attention.k_proj": "colwise",
+        "h.*.attn.attention.v_proj": "colwise",
+        "h.*.attn.attention.out_proj": "rowwise",
+        "h.*.attn.attention": divide_attribute("num_heads"),
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    # DistilBERT reshapes with -1 heads: no count to divide
+    "distilbert": {
+        "transformer.layer.*.attention.q_lin": "colwise",
+        "transformer.layer.*.attention.k_lin": "colwise",
+        "transformer.layer.*.attention.v_lin": "colwise",
+        "transformer.layer.*.attention.out_lin": "rowwise",
+        "transformer.layer.*.ffn.lin1": "colwise",
+        "transformer.layer.*.ffn.lin2": "rowwise",
+    },
+    # Bloom packs [q | k | v] per head (GPT-NeoX's layout), so a contiguous column shard holds whole heads; ALiBi's
+    # per-head biases follow the heads
+    "bloom": {
+        "h.*.self_attention.query_key_value": "colwise",
+        "h.*.self_attention.dense": "rowwise",
+        "h.*.self_attention": alibi_heads(),
+        "h.*.mlp.dense_h_to_4h": "colwise",
+        "h.*.mlp.dense_4h_to_h": "rowwise",
+    },
+    # Falcon packs [q | k | v] per head (its original layout) or per key/value group [q ... q | k | v] (the new
+    # decoder architecture: Falcon-40B / 180B), both whole heads or groups in a contiguous column shard; its
+    # multi-query layout (one key/value head after all query heads, Falcon-7B) is refused by the head check
+    "falcon": {
+        "h.*.self_attention.query_key_value": "colwise",
+        "h.*.self_attention.dense": "rowwise",
+        "h.*.self_attention": alibi_heads(("num_heads", "num_kv_heads")),
+        "h.*.mlp.dense_h_to_4h": "colwise",
+        "h.*.mlp.dense_4h_to_h": "rowwise",
+    },
     "gptj": {
         "h.*.attn.q_proj": "colwise",
         "h.*.attn.k_proj": "colwise",
@@ -332,8 +416,11 @@ def attention_heads(config: object) -> tuple[int | None, int | None]:
     """(attention heads, key/value heads) of a model config; ``None`` where the config does not say."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return heads, kv_heads
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    if kv_heads is None and getattr(text, "model_type", None) == "falcon":  # Falcon's own names and layouts
+        multi_query = getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False)
+        kv_heads = 1 if multi_query else getattr(text, "num_kv_heads", None)
+    return heads, kv_heads or heads
 
 
 def _leaf(pattern: str) -> str:
@@ -418,6 +505,28 @@ def _packed_parts(pattern: str, config: object) -> dict[str, object]:
     return {"parts": (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), "unit": head_dim}
 
 
+# transformers' nn.Linear subclasses whose forward is exactly the linear map (x @ W.T + b)
+_PLAIN_LINEAR = ("FalconLinear",)
+
+
+class AsLinear(ParallelStyle):
+    """``style`` on one of transformers' ``nn.Linear`` subclasses whose forward is the plain linear map (Falcon's
+    ``FalconLinear``: ``x @ W.T + b``): the module becomes the ``nn.Linear`` it computes, then ``style`` shards it.
+    meshpar's styles take exactly ``nn.Linear`` (a subclass's own forward would otherwise be dropped unseen); the
+    plan's verification proves the result per model, as for every plan."""
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear) or type(module).__name__ not in _PLAIN_LINEAR:
+            raise TypeError(f"AsLinear applies to {_PLAIN_LINEAR}, got {type(module).__name__}")
+        become(module, nn.Linear)
+        self.style.src_data_rank = self.src_data_rank
+        return self.style._apply(module, device_mesh)
+
+
 def _names(items: Iterable[tuple[str, object]]) -> list[str]:
     return [name for name, _ in items]
 
@@ -431,6 +540,7 @@ def resolve_entries(
     expert weights, bare parameters, unknown strings)."""
     modules = _names(model.named_modules())
     conv1d = [name for name, module in model.named_modules() if type(module) is Conv1D]
+    plain_linear = [name for name, module in model.named_modules() if type(module).__name__ in _PLAIN_LINEAR]
     params = _names(model.named_parameters(remove_duplicate=False))
     config = getattr(model, "config", None)
     _, kv_heads = attention_heads(config)
@@ -488,6 +598,8 @@ def resolve_entries(
                 except ValueError as error:
                     refused.append(f"{error} ('{style}')")
                     continue
+            if mapped is not None and any(fqn_matches(pattern, name) for name in plain_linear):
+                mapped = AsLinear(mapped)
             if mapped is not None:
                 styles[pattern] = mapped
     for pattern, split in features.items():

@@ -62,6 +62,24 @@ PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
         }
         for family in ("bert", "roberta", "xlm-roberta", "camembert")  # RoBERTa's modules are BERT's
     },
+    "distilbert": {
+        "embeddings": (["input_ids"], ["hidden_states"]),
+        "transformer.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    },
+}
+
+
+def _electra_pipeline_plan(config: object) -> dict[str, tuple[list[str], list[str]]]:
+    """ELECTRA's: BERT's, with the projection from a narrower embedding into the layers where it has one."""
+    plan = {"embeddings": (["input_ids"], ["hidden_states"])}
+    if getattr(config, "embedding_size", None) != getattr(config, "hidden_size", None):
+        plan["embeddings_project"] = (["hidden_states"], ["hidden_states"])
+    return {**plan, "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"])}
+
+
+# plans that depend on the config, in the same format
+PIPELINE_PLAN_BUILDERS: dict[str, Callable[[object], dict[str, tuple[list[str], list[str]]]]] = {
+    "electra": _electra_pipeline_plan,
 }
 
 
@@ -134,7 +152,10 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     ``None`` without either. Raises when the plan does not describe the model (it names modules the model lacks, or
     a base-model module outside the plan holds parameters)."""
     config = getattr(model, "config", None)
-    shipped = getattr(config, "base_model_pp_plan", None) or PIPELINE_TABLES.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    shipped = getattr(config, "base_model_pp_plan", None) or PIPELINE_TABLES.get(model_type)
+    if not shipped and model_type in PIPELINE_PLAN_BUILDERS:
+        shipped = PIPELINE_PLAN_BUILDERS[model_type](config)
     plan = list(dict(shipped or {}))
     prefix = base_model_name(model)
     if plan and prefix:

@@ -187,16 +187,24 @@ def plan_stages(
     return StagePlan(container, first, last, stage_layers)
 
 
+def _holds_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
 def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Sequence[str] = ()) -> nn.Module:
     """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``.
-    ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage."""
+    ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage, and so is every module outside
+    the layers that holds no parameters or buffers (an activation or loss module registered before the base model,
+    as DistilBERT's head does): it costs nothing and its stage's forward may call it."""
     owned = set(plan.stage_layers[stage])
     container = model.get_submodule(plan.container) if plan.container else model
     dropped = [m for k, m in container._modules.items() if k not in owned]
+    elsewhere = []
     if stage != 0:
-        dropped += [model.get_submodule(n) for n in plan.first_stage_modules if n not in keep_modules]
+        elsewhere += [n for n in plan.first_stage_modules if n not in keep_modules]
     if stage != plan.num_stages - 1:
-        dropped += [model.get_submodule(n) for n in plan.last_stage_modules if n not in keep_modules]
+        elsewhere += [n for n in plan.last_stage_modules if n not in keep_modules]
+    dropped += [m for m in map(model.get_submodule, elsewhere) if _holds_state(m)]
     memo: dict[int, object] = {id(m): None for m in dropped}
     stage_model = copy.deepcopy(model, memo)
     new_container = stage_model.get_submodule(plan.container) if plan.container else stage_model

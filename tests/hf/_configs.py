@@ -185,6 +185,45 @@ GENERIC = {
         "XLMRobertaForCausalLM",
         {"num_key_value_heads": None, "is_decoder": True, "attn_implementation": "eager"},
     ),
+    # families OSLO's tensor parallelism covered, and Falcon / Bloom, from meshpar's tables (no transformers plan)
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        {
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": 8,
+            "num_key_value_heads": None,
+            "attn_implementation": "eager",
+        },
+    ),  # a global and a local (sliding-window) layer
+    "electra": ("ElectraConfig", "ElectraForMaskedLM", {"num_key_value_heads": None, "embedding_size": 16}),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        {"num_key_value_heads": None, "dim": 32, "n_heads": 4, "hidden_dim": 48},
+    ),
+    # ALiBi: one bias slope per head, built by the base model for all heads
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"num_key_value_heads": None, "attn_implementation": "eager"}),
+    # [q | k | v] per head, rotary positions, parallel attention and MLP
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"num_key_value_heads": None, "multi_query": False, "new_decoder_architecture": False},
+    ),
+    # Falcon-40B / 180B: [q ... q | k | v] per key/value group
+    "falcon_grouped": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"num_key_value_heads": None, "new_decoder_architecture": True, "num_kv_heads": 2},
+    ),
+    # Falcon-RW: ALiBi folded into a per-head attention mask
+    "falcon_alibi": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"num_key_value_heads": None, "multi_query": False, "alibi": True, "attn_implementation": "eager"},
+    ),
+    # Falcon-7B's multi-query layout: its one key/value head follows all query heads in the packed projection
+    "falcon_multi_query": ("FalconConfig", "FalconForCausalLM", {"num_key_value_heads": None, "multi_query": True}),
     # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
     "dory": ("DoryConfig", "DoryForCausalLM", {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1}),
 }
@@ -237,6 +276,8 @@ def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, l
             word_embed_proj_dim=8 * heads, attn_implementation="sdpa",
         )  # fmt: skip
     keys.update({k: v for k, v in extra.items() if v is not None})
+    if family == "gpt_neo":  # a global and a local layer in turn, as many as there are layers
+        keys["attention_types"] = [[["global", "local"], layers // 2]] if layers % 2 == 0 else [[["global"], layers]]
     keys = {k: v for k, v in keys.items() if (k, None) not in extra.items()}
     config_type = getattr(transformers, config_cls)
     if "head_dim" in inspect.signature(config_type.__init__).parameters:

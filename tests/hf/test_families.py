@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import BloomConfig, BloomForCausalLM
+from transformers import MptConfig, MptForCausalLM
 
 import meshpar
 from meshpar._compat import DTensor
@@ -81,6 +81,29 @@ def test_tensor_parallel_matches_dense(family: str) -> None:
     summary = run_distributed(family_case, 2, family, 2)[0]
     local, total = (int(n.replace(",", "")) for n in summary.split()[3:6:2])
     assert local < 0.6 * total, summary  # embedding, head and every block's projections are sharded
+
+
+# meshpar's tables for families OSLO's tensor parallelism covered, and Falcon and Bloom (transformers ships no plan)
+TABLE_FAMILIES = ["gpt_neo", "electra", "distilbert", "bloom", "falcon", "falcon_grouped", "falcon_alibi"]
+
+
+@pytest.mark.parametrize("family", TABLE_FAMILIES)
+def test_table_families_at_tp2_x_dp2_match_dense(family: str) -> None:
+    """GPT-Neo (global and sliding-window layers), ELECTRA (a narrower embedding projected in), DistilBERT, Bloom
+    (ALiBi's per-head slopes kept with their heads), Falcon in its three layouts that tp can split (per-head
+    [q | k | v], per key/value group, ALiBi folded into a per-head mask): tp=2 x dp=2 with uneven scored tokens
+    across the dp ranks, loss, logits, every grad and the step equal dense."""
+    summary = run_distributed(family_case, 4, family, 2)[0]
+    local, total = (int(n.replace(",", "")) for n in summary.split()[3:6:2])
+    assert local < 0.6 * total, summary
+
+
+@pytest.mark.parametrize("family", TABLE_FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_table_families_through_pipelines_match_dense(family: str, tp: int) -> None:
+    """The same families at pp=2 and tp=2 x pp=2 (meshpar's pipeline plans for ELECTRA and DistilBERT, whose layers
+    sit inside their encoder; DistilBERT's head registers its activation before the base model)."""
+    run_distributed(pipeline_case, 2 * tp, family, tp, 2)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe_qk_norm", "dory"])
@@ -267,10 +290,14 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     assert "4 experts cannot be split into whole experts over tp=3" in _refusal(
         build("mixtral", heads=6, kv_heads=3), {"tensor_parallel_size": 3}
     )
-    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+    mpt = MptForCausalLM(MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, eos_token_id=2))
     assert "neither a tensor-parallel plan in the installed transformers nor a meshpar table" in _refusal(
-        bloom, {"tensor_parallel_size": 2}
+        mpt, {"tensor_parallel_size": 2}
     )
+    message = _refusal(build("falcon_multi_query"), {"tensor_parallel_size": 2})
+    assert "1 key/value heads can neither be split over tp=2 nor replicated evenly inside the fused projection" in (
+        message
+    ), message
     message = _refusal(build("olmo2"), {"tensor_parallel_size": 2, "sequence_parallel": True})
     assert "sequence parallelism from the model's tensor-parallel plan" in message, message
     assert "model.layers.*.self_attn.q_proj: ColumnParallel(gather_output=True)" in message, message
