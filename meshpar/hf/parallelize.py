@@ -35,8 +35,8 @@ from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
+from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss
 from meshpar.hf.loss import TASKS as LOSS_TASKS
-from meshpar.hf.loss import TokenLoss
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
     PipelineLayout,
@@ -109,9 +109,12 @@ class ParallelizedModel(nn.Module):
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         vocab = getattr(text_config(self.hf_config), "vocab_size", None)
         self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
-        self.loss_fn = (
-            TokenLoss(self.plan.task, self.vocab_sharded, self.dims.tp_mesh) if self.plan.task in LOSS_TASKS else None
-        )
+        task = self.plan.task
+        self.loss_fn: TokenLoss | RowLoss | None = None
+        if task in LOSS_TASKS:
+            self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh)
+        elif task in ROW_TASKS:
+            self.loss_fn = RowLoss(task, self.hf_config)
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         # every rank built its own copy: rank 0's values everywhere (DDP's rule), so that verification and sharding
         # see one model, and a refusal can only mean the plan; across pp and dp the pipeline does it (PipelineModel)
@@ -366,27 +369,43 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._checked_on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
+        targets, inputs = self._split_targets(labels, inputs)
         if torch.is_grad_enabled():
             # a training forward needs no key/value cache, and one costs: compiled blocks guard on their layer's cache
             # slot, so each layer compiles its own graph and past dynamo's recompile limit (8) the rest run eagerly;
             # a checkpoint's recompute appends to it again (HF turns it off under gradient checkpointing too); and an
             # output that keeps it holds every layer's keys and values alive. Pass use_cache=True to get one anyway.
             inputs = {**self._no_kv_cache, **inputs}
-        if labels is None or self.loss_fn is None:
-            return self.module(**inputs, **({"labels": labels} if labels is not None else {}))
+        if targets is None or self.loss_fn is None:
+            return self.module(**inputs, **({"labels": targets} if targets is not None else {}))
         out = self.module(**inputs)
-        out["loss"] = self.loss_fn(out.logits, labels, normalizer)
+        out["loss"] = self.loss_fn.of_output(out, targets, normalizer)
         return out
 
-    def _loss_normalizer(self, labels: torch.Tensor) -> torch.Tensor | None:
-        """What every microbatch's token losses on every dp rank are divided by: the global batch's scored tokens
-        (:meth:`meshpar.hf.loss.TokenLoss.global_normalizer`); ``None`` for a head with the model's own loss,
-        checked by :meth:`_check_rows_alike` instead."""
+    def _split_targets(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """(what the loss scores, the model's inputs): the labels, or a question-answering head's start and end
+        positions taken out of the inputs; for a head with the model's own loss, the labels as they are."""
+        return self.loss_fn.split_targets(labels, inputs) if self.loss_fn is not None else (labels, inputs)
+
+    def _loss_normalizer(self, targets: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """What every microbatch's losses on every dp rank are divided by: the global batch's scored tokens, rows or
+        label elements (``global_normalizer`` of :mod:`meshpar.hf.loss`); ``None`` for a head with the model's own
+        loss, checked by :meth:`_check_rows_alike` instead."""
         if self.loss_fn is None:
-            self._check_rows_alike(labels)
+            self._check_rows_alike(targets, inputs)
             return None
+        if targets is None:
+            raise ValueError(
+                f"{self.model_class.__name__}: a training or evaluation step needs the targets its loss scores ("
+                + (
+                    "start_positions and end_positions"
+                    if isinstance(self.loss_fn, RowLoss) and self.loss_fn.qa
+                    else "labels"
+                )
+                + ")"
+            )
         microbatches = self.parallel_config.num_microbatches if self.pipeline is not None else 1
-        return self.loss_fn.global_normalizer(labels, self.dims, microbatches)
+        return self.loss_fn.global_normalizer(targets, inputs, self.dims, microbatches)
 
     @staticmethod
     def _with_normalizer(inputs: dict[str, Any], normalizer: torch.Tensor | None) -> dict[str, Any]:
@@ -394,14 +413,26 @@ class ParallelizedModel(nn.Module):
         stage's loss_fn receives it)."""
         return inputs if normalizer is None else {**inputs, "loss_normalizer": normalizer}
 
-    def _check_rows_alike(self, labels: torch.Tensor | None) -> None:
-        """A head that keeps the model's own loss (sequence classification, multiple choice: a mean over rows) is
-        exact across dp replicas only when every replica holds as many rows and none is unscored (label -100):
-        the mean of the replicas' means is then the global mean. Anything else is refused, on every rank alike
-        (every rank sees the same counts), never averaged per replica."""
-        if self.dims.dp == 1 or not isinstance(labels, torch.Tensor):
+    def _check_rows_alike(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> None:
+        """A head meshpar has no loss of its own for keeps the model's loss, a mean over something in each replica's
+        batch: exact across dp replicas only when every replica holds as many rows and none is unscored (-100 in
+        its labels, or in any input named like a target: ``*labels``, ``*label``, ``*positions``): the mean of the
+        replicas' means is then the global mean. Anything else is refused, on every rank alike (every rank sees the
+        same counts), never averaged per replica."""
+        if self.dims.dp == 1:
             return
-        mine = torch.tensor([labels.shape[0], int((labels == -100).sum())], device=self.dims.device)
+        targets = [labels] if isinstance(labels, torch.Tensor) else []
+        targets += [
+            value
+            for name, value in inputs.items()
+            if isinstance(value, torch.Tensor)
+            and name.endswith(("labels", "label", "positions"))
+            and name != "position_ids"
+        ]
+        if not targets:
+            return
+        rows = targets[0].shape[0]
+        mine = torch.tensor([rows, sum(int((t == -100).sum()) for t in targets)], device=self.dims.device)
         counts = [torch.zeros_like(mine) for _ in range(self.dims.dp)]
         dist.all_gather(counts, mine, group=self.dims.dp_mesh.get_group())
         rows, unscored = [int(c[0]) for c in counts], sum(int(c[1]) for c in counts)
@@ -416,7 +447,9 @@ class ParallelizedModel(nn.Module):
             )
 
     @stop_all_ranks_on_error("train_step")
-    def train_step(self, labels: torch.Tensor, *, sync_dp_grads: bool = True, **inputs: Any) -> torch.Tensor:
+    def train_step(
+        self, labels: torch.Tensor | None = None, *, sync_dp_grads: bool = True, **inputs: Any
+    ) -> torch.Tensor:
         """Forward and backward of one batch (all microbatches under pp), tied-weight and dp grad sync; returns the
         mean token loss of the global batch (all dp ranks), whose grads the parameters then hold. The optimizer step
         is yours. ``sync_dp_grads=False`` leaves each dp rank's grads un-averaged for an optimizer that reduces them
@@ -427,9 +460,9 @@ class ParallelizedModel(nn.Module):
                 "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
             )
         labels, inputs = self._checked_on_device(labels, inputs)
-        normalizer = self._loss_normalizer(labels)
+        normalizer = self._loss_normalizer(*self._split_targets(labels, inputs))
         if self.pipeline is None:
-            loss = self._module_forward(labels, inputs, normalizer).loss
+            loss = self._step_loss(labels, inputs, normalizer)
             loss.backward()
             loss = loss.detach()
         else:
@@ -440,6 +473,20 @@ class ParallelizedModel(nn.Module):
             self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
         # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
         return self._mean_over_dp(loss) if self.pipeline is None else loss
+
+    def _step_loss(
+        self, labels: torch.Tensor | None, inputs: dict[str, Any], normalizer: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The loss a step trains or evaluates: the output's ``loss`` (meshpar's for the heads it knows)."""
+        out = self._module_forward(labels, inputs, normalizer)
+        if getattr(out, "loss", None) is None:
+            others = [k for k in out if k.endswith("loss") and k != "loss"] if hasattr(out, "keys") else []
+            raise ValueError(
+                f"{self.model_class.__name__} returned no loss for this batch"
+                + (f" (it returned {others}, which meshpar does not combine for you)" if others else "")
+                + ": pass the targets its loss needs (labels), or run model(**batch) and backward your own loss"
+            )
+        return out.loss
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """Each dp replica saw its own slice of the batch: report the mean over replicas on every rank."""
@@ -463,14 +510,14 @@ class ParallelizedModel(nn.Module):
 
     @torch.no_grad()
     @stop_all_ranks_on_error("eval_loss")
-    def eval_loss(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """The mean token loss of the global batch without gradients, in eval mode (no dropout; the mode is
-        restored after), on every rank (pipeline: forward-only schedule)."""
+    def eval_loss(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """The mean loss of the global batch without gradients, in eval mode (no dropout; the mode is restored
+        after), on every rank (pipeline: forward-only schedule)."""
         labels, inputs = self._checked_on_device(labels, inputs)
-        normalizer = self._loss_normalizer(labels)
+        normalizer = self._loss_normalizer(*self._split_targets(labels, inputs))
         with self._eval_mode():
             if self.pipeline is None:
-                return self._mean_over_dp(self._module_forward(labels, inputs, normalizer).loss)
+                return self._mean_over_dp(self._step_loss(labels, inputs, normalizer))
             # already the dp mean on every rank
             return self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
 

@@ -68,7 +68,9 @@ class HFPlan:
     """What ``parallelize`` needs to know about one model family."""
 
     family: str
-    task: str  # "causal_lm", "masked_lm", "token_classification" or "base" (the model's own loss)
+    # "causal_lm", "masked_lm", "token_classification", "sequence_classification", "multiple_choice",
+    # "question_answering" or "base" (the model's own loss)
+    task: str
     styles: dict[str, ParallelStyle]
     fixups: list[Callable[[nn.Module, int], None]] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (target param FQN, source param FQN)
@@ -98,6 +100,12 @@ def task_of(model: nn.Module) -> str:
         return "causal_lm"
     if name.endswith("ForTokenClassification"):
         return "token_classification"  # a label per token, -100 unscored: normalised over the global batch too
+    if name.endswith("ForSequenceClassification"):
+        return "sequence_classification"  # per-example heads: meshpar's RowLoss, over the global batch's rows
+    if name.endswith("ForMultipleChoice"):
+        return "multiple_choice"
+    if name.endswith("ForQuestionAnswering"):
+        return "question_answering"
     return "masked_lm" if name.endswith("ForMaskedLM") else "base"
 
 

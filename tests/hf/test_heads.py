@@ -1,6 +1,8 @@
-"""Heads other than LM heads at dp=2 with padding that falls unevenly across replicas: token classifiers are
-normalised over the global batch's scored tokens (loss, every grad, parameters after AdamW equal dense); heads that
-keep the model's own per-row mean are exact with equal rows and refused otherwise, never averaged per replica."""
+"""Heads other than LM heads at dp=2 with padding or rows that fall unevenly across replicas: token classifiers are
+normalised over the global batch's scored tokens, per-example heads (sequence classification in HF's three problem
+types, multiple choice, question answering) over the global batch's scored rows (loss, every grad, parameters after
+AdamW equal dense); a head meshpar has no loss for keeps the model's own per-row mean, exact with equal rows and
+refused otherwise, never averaged per replica."""
 
 from __future__ import annotations
 
@@ -10,9 +12,14 @@ import pytest
 import torch
 from transformers import (
     BertConfig,
+    BertForMultipleChoice,
+    BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
+    GPT2Config,
+    GPT2DoubleHeadsModel,
     Qwen2Config,
+    Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
 )
 
@@ -23,26 +30,31 @@ from meshpar.testing import run_distributed
 LR = 1e-2
 
 
-def _bert(cls: type) -> torch.nn.Module:
-    config = BertConfig(
+def _bert(cls: type, **extra: object) -> torch.nn.Module:
+    keys = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5,
     )  # fmt: skip
-    return cls(config)
+    return cls(BertConfig(**{**keys, **extra}))
 
 
-def _qwen2() -> torch.nn.Module:
+def _qwen2(cls: type = Qwen2ForTokenClassification) -> torch.nn.Module:
     config = Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, num_labels=5, classifier_dropout=0.0,
+        num_key_value_heads=2, max_position_embeddings=32, num_labels=5, classifier_dropout=0.0, pad_token_id=0,
     )  # fmt: skip
-    return Qwen2ForTokenClassification(config)
+    return cls(config)
 
 
 BUILDERS = {
     "bert_token": lambda: _bert(BertForTokenClassification),
     "qwen2_token": _qwen2,
     "bert_sequence": lambda: _bert(BertForSequenceClassification),
+    "bert_regression": lambda: _bert(BertForSequenceClassification, num_labels=1),
+    "bert_multi_label": lambda: _bert(BertForSequenceClassification, problem_type="multi_label_classification"),
+    "qwen2_sequence": lambda: _qwen2(Qwen2ForSequenceClassification),
+    "bert_choice": lambda: _bert(BertForMultipleChoice),
+    "bert_qa": lambda: _bert(BertForQuestionAnswering, num_labels=2),  # a start and an end score per token
 }
 
 
@@ -94,27 +106,116 @@ def test_token_classification_at_dp2_equals_dense(name: str, layout: dict) -> No
         assert result["param"] < 1e-4, result  # AdamW's first step: sign-like, rounding shows at 1e-5
 
 
-def sequence_case(rows: tuple[int, int]) -> dict:
-    torch.manual_seed(0)
-    dense = _bert(BertForSequenceClassification)
-    parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
+def _row_batch(name: str, rows: int) -> dict[str, torch.Tensor]:
+    """``rows`` examples for a per-example head, some unscored (label -100, or a span outside the sequence)."""
     generator = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 64, (sum(rows), 10), generator=generator)
-    labels = torch.randint(0, 5, (sum(rows),), generator=generator)
+    if name == "bert_choice":  # 3 choices per example
+        ids = torch.randint(1, 64, (rows, 3, 10), generator=generator)
+        labels = torch.randint(0, 3, (rows,), generator=generator)
+        labels[1] = -100
+        return {"input_ids": ids, "labels": labels}
+    ids = torch.randint(1, 64, (rows, 10), generator=generator)
+    if name == "bert_qa":
+        start, end = (
+            torch.randint(0, 10, (rows,), generator=generator),
+            torch.randint(0, 10, (rows,), generator=generator),
+        )
+        start[1], end[2] = 25, 10  # beyond the sequence: that term does not score the row
+        return {"input_ids": ids, "start_positions": start, "end_positions": end}
+    if name == "bert_regression":
+        return {"input_ids": ids, "labels": torch.randn(rows, generator=generator)}
+    if name == "bert_multi_label":
+        return {"input_ids": ids, "labels": torch.randint(0, 2, (rows, 5), generator=generator).float()}
+    labels = torch.randint(0, 5, (rows,), generator=generator)
+    labels[1] = -100
+    if name == "qwen2_sequence":  # right padding: the classifier reads each row's last non-pad token
+        ids[0, 6:] = 0
+        ids[3, 8:] = 0
+    return {"input_ids": ids, "labels": labels}
+
+
+def row_case(name: str, rows: tuple[int, int], layout: dict) -> dict:
+    """One SGD step at dp=2 with ``rows`` examples on the two replicas (tp inside if the layout says), against the
+    dense model on all of them (AdamW would turn rounding-level differences in near-zero grads into steps of lr)."""
+    torch.manual_seed(0)
+    dense = BUILDERS[name]()
+    parallel = meshpar.parallelize(copy.deepcopy(dense), layout)
+    data = _row_batch(name, sum(rows))
     start = 0 if parallel.dims.dp_rank == 0 else rows[0]
-    stop = start + rows[parallel.dims.dp_rank]
+    mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
+    optimizer = meshpar.DistributedOptimizer(parallel, torch.optim.SGD, lr=0.5)
     try:
-        loss = parallel.train_step(input_ids=ids[start:stop], labels=labels[start:stop]).item()
+        loss = parallel.train_step(**mine)
     except ValueError as error:
         return {"refused": str(error)}
-    return {"loss": loss, "dense": dense(input_ids=ids, labels=labels).loss.item()}
+    grads = {n: _full(p.grad) for m in parallel.local_modules() for n, p in m.named_parameters() if p.grad is not None}
+    optimizer.step()
+    dense_loss = dense(**data).loss
+    dense_loss.backward()
+    worst_grad = max((g - dense.get_parameter(n).grad).abs().max().item() for n, g in grads.items())
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    worst_param = max(
+        (_full(p) - dense.get_parameter(n)).abs().max().item()
+        for m in parallel.local_modules()
+        for n, p in m.named_parameters()
+    )
+    return {"loss": loss.item(), "dense": dense_loss.item(), "grad": worst_grad, "param": worst_param, "n": len(grads)}
 
 
-def test_sequence_classification_is_exact_with_equal_rows_and_refused_otherwise() -> None:
-    for result in run_distributed(sequence_case, 2, (3, 3)):
+ROW_HEADS = ["bert_sequence", "bert_regression", "bert_multi_label", "qwen2_sequence", "bert_choice", "bert_qa"]
+
+
+@pytest.mark.parametrize("name", ROW_HEADS)
+def test_per_example_heads_at_dp2_with_uneven_rows_equal_dense(name: str) -> None:
+    """4 rows on one replica and 2 on the other, some unscored: HF's per-replica mean would weigh the two replicas'
+    rows differently (question answering passed silently at dp=2 before, off by 2e-3 in the loss)."""
+    for result in run_distributed(row_case, 2, name, (4, 2), {"data_parallel_size": 2}):
+        assert result.get("n", 0) > 0, result
         assert abs(result["loss"] - result["dense"]) < 1e-5, result
-    for result in run_distributed(sequence_case, 2, (4, 2)):
+        assert result["grad"] < 1e-5, result
+        assert result["param"] < 1e-4, result
+
+
+def test_sequence_classifier_at_tp2_x_dp2_with_uneven_rows_equals_dense() -> None:
+    for result in run_distributed(
+        row_case, 4, "qwen2_sequence", (5, 1), {"tensor_parallel_size": 2, "data_parallel_size": 2}
+    ):
+        assert abs(result["loss"] - result["dense"]) < 1e-5, result
+        assert result["grad"] < 1e-5 and result["param"] < 1e-4, result
+
+
+def double_heads_case(rows: tuple[int, int], with_labels: bool = True) -> dict:
+    """GPT-2's double heads (a language-model and a multiple-choice loss, returned apart) keep the model's own loss:
+    ``train_step`` trains its ``loss``, the language model's mean over each replica's tokens."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, summary_first_dropout=0.0,
+    )  # fmt: skip
+    dense = GPT2DoubleHeadsModel(config)
+    parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
+    generator = torch.Generator().manual_seed(6)
+    total = sum(rows)
+    ids = torch.randint(0, 64, (total, 2, 8), generator=generator)
+    data = {"input_ids": ids, "mc_token_ids": torch.full((total, 2), 7), "mc_labels": torch.zeros(total).long()}
+    if with_labels:
+        data["labels"] = ids
+    start = 0 if parallel.dims.dp_rank == 0 else rows[0]
+    mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
+    try:
+        loss = parallel.train_step(**mine).item()
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"loss": loss, "dense": dense(**data).loss.item()}
+
+
+def test_head_with_the_models_own_loss_is_exact_with_equal_rows_and_refused_otherwise() -> None:
+    for result in run_distributed(double_heads_case, 2, (3, 3)):
+        assert abs(result["loss"] - result["dense"]) < 1e-5, result
+    for result in run_distributed(double_heads_case, 2, (4, 2)):
         assert "replicas hold [4, 2] rows" in result["refused"], result
+    for result in run_distributed(double_heads_case, 2, (3, 3), False):  # only the multiple-choice loss
+        assert "returned no loss for this batch (it returned ['mc_loss']" in result["refused"], result
 
 
 def pipelined_head_case(name: str) -> str:

@@ -47,7 +47,7 @@ def test_microbatch_losses_sum_to_the_global_mean() -> None:
     loss = TokenLoss("causal_lm", 0)
     want = loss(logits, labels)
     dims = ParallelDims(dp=1, pp=1, tp=1, world_size=1)
-    normalizer = loss.global_normalizer(labels, dims, microbatches=3)
+    normalizer = loss.global_normalizer(labels, {}, dims, microbatches=3)
     parts = [loss(lg, lb, normalizer) for lg, lb in zip(logits.split(1), labels.split(1), strict=True)]
     torch.testing.assert_close(torch.stack(parts).mean(), want)
     naive = torch.stack([loss(lg, lb) for lg, lb in zip(logits.split(1), labels.split(1), strict=True)]).mean()
