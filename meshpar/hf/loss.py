@@ -187,6 +187,23 @@ class RowLoss:
     ) -> torch.Tensor:
         return self(self.logits(output), targets, normalizer)
 
+    def pipeline_loss(  # noqa: ANN201
+        self,
+        output: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_normalizer: object = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        **_: object,
+    ):
+        """The last pipeline stage's ``loss_fn``: the head's output (question answering: start and end scores stacked
+        on the last dim, :func:`meshpar.hf.stages.head_output`) and the microbatch's targets; the step's normaliser
+        is handed whole to every microbatch (one 0-d tensor per term)."""
+        if self.qa:
+            return self(tuple(output.unbind(-1)), (start_positions, end_positions), loss_normalizer)
+        return self((output,), (labels,), loss_normalizer)
+
     def counts(self, targets: tuple[torch.Tensor, ...], inputs: dict) -> torch.Tensor:
         """How many each term scores in this batch (the sequence length bounds question answering's positions)."""
         if self.qa:

@@ -42,6 +42,7 @@ from meshpar.hf.stages import (
     PipelineLayout,
     block_lists,
     check_stage_composition,
+    head_output,
     inferred_pipeline_layout,
     install_decoder_stage,
     pipeline_layout,
@@ -55,6 +56,9 @@ from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.replicas import make_replicas_equal
 
 _log = logging.getLogger(__name__)
+
+# heads whose loss the last pipeline stage computes from the head's output
+PIPELINE_TASKS = ("causal_lm", "masked_lm", "token_classification", "sequence_classification", "question_answering")
 
 
 def _check_existing_mesh(config: ParallelConfig) -> None:
@@ -226,11 +230,15 @@ class ParallelizedModel(nn.Module):
         """The model's pipeline layout and the stage plan that is built, proven on the dense model (no collective:
         each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
-        if self.plan.task not in ("causal_lm", "masked_lm"):
+        if self.plan.task not in PIPELINE_TASKS:
+            why = {
+                "multiple_choice": "its forward folds the choices into the batch before the base model, which the "
+                "stages before the head do not do",
+            }.get(self.plan.task, "meshpar has no loss of its own for it to compute on the last stage")
             raise ValueError(
-                f"pipeline parallelism runs causal and masked LM heads only; {type(model).__name__} has a "
-                f"{self.plan.task!r} head, which meshpar cannot yet split across stages; use pipeline_parallel_size "
-                "1 (tensor and data parallelism work for it)"
+                f"pipeline parallelism runs heads meshpar computes the loss of on the last stage ({PIPELINE_TASKS}); "
+                f"{type(model).__name__} has a {self.plan.task!r} head: {why}; use pipeline_parallel_size 1 (tensor "
+                "and data parallelism work for it)"
             )
         try:
             layout = pipeline_layout(model)
@@ -411,7 +419,10 @@ class ParallelizedModel(nn.Module):
     def _with_normalizer(inputs: dict[str, Any], normalizer: torch.Tensor | None) -> dict[str, Any]:
         """The pipeline's inputs with the step's loss normaliser (a 0-d tensor each microbatch gets whole: the last
         stage's loss_fn receives it)."""
-        return inputs if normalizer is None else {**inputs, "loss_normalizer": normalizer}
+        if normalizer is None:
+            return inputs
+        # a 0-d tensor reaches every microbatch whole; a per-term one goes as a tuple of them
+        return {**inputs, "loss_normalizer": normalizer if normalizer.dim() == 0 else tuple(normalizer.unbind())}
 
     def _check_rows_alike(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> None:
         """A head meshpar has no loss of its own for keeps the model's loss, a mean over something in each replica's
@@ -522,12 +533,12 @@ class ParallelizedModel(nn.Module):
             return self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
 
     @torch.no_grad()
-    def eval_logits(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor | None:
+    def eval_logits(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor | None:
         """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``;
         in eval mode, as :meth:`eval_loss`."""
         with self._eval_mode():
             if self.pipeline is None:
-                return self._module_forward(labels, inputs).logits
+                return head_output(self._module_forward(labels, inputs))
             labels, inputs = self._checked_on_device(labels, inputs)
             _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
         return torch.cat(outputs) if outputs else None

@@ -22,7 +22,8 @@ forward to the logits. :func:`check_stage_composition` builds the planned stages
 proves on the dense model that run one after another they reproduce its forward; what it cannot prove (layers that
 share state outside their arguments) is refused.
 
-GPT-2 and BERT ship no pipeline plan: meshpar's tables (:data:`PIPELINE_TABLES`) give theirs in transformers' format.
+GPT-2 and BERT ship no pipeline plan: meshpar's tables (:data:`PIPELINE_TABLES`, :data:`PIPELINE_PLAN_BUILDERS`)
+give theirs in transformers' format.
 Under sequence parallelism the hidden states cross stages as this rank's sequence shard (the first layer's style
 splits them on the first stage, the final norm's gathers them on the last); models whose layers are handed more are
 refused there.
@@ -55,13 +56,6 @@ PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
         "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "ln_f": (["hidden_states"], ["hidden_states"]),
     },
-    **{
-        family: {
-            "embeddings": (["input_ids"], ["hidden_states"]),
-            "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        }
-        for family in ("bert", "roberta", "xlm-roberta", "camembert")  # RoBERTa's modules are BERT's
-    },
     "distilbert": {
         "embeddings": (["input_ids"], ["hidden_states"]),
         "transformer.layer": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -69,17 +63,22 @@ PIPELINE_TABLES: dict[str, dict[str, tuple[list[str], list[str]]]] = {
 }
 
 
-def _electra_pipeline_plan(config: object) -> dict[str, tuple[list[str], list[str]]]:
-    """ELECTRA's: BERT's, with the projection from a narrower embedding into the layers where it has one."""
+def _bert_pipeline_plan(base: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
+    """BERT's (RoBERTa's modules are BERT's): embeddings, the layers inside the encoder, and the pooler after them
+    where the head class has one (sequence classification); ELECTRA's adds the projection from a narrower
+    embedding into the layers where it has one."""
     plan = {"embeddings": (["input_ids"], ["hidden_states"])}
-    if getattr(config, "embedding_size", None) != getattr(config, "hidden_size", None):
+    if _child(base, "embeddings_project") is not None:
         plan["embeddings_project"] = (["hidden_states"], ["hidden_states"])
-    return {**plan, "encoder.layer": (["hidden_states", "attention_mask"], ["hidden_states"])}
+    plan["encoder.layer"] = (["hidden_states", "attention_mask"], ["hidden_states"])
+    if _child(base, "pooler") is not None:
+        plan["pooler"] = (["hidden_states"], ["pooled_output"])
+    return plan
 
 
-# plans that depend on the config, in the same format
-PIPELINE_PLAN_BUILDERS: dict[str, Callable[[object], dict[str, tuple[list[str], list[str]]]]] = {
-    "electra": _electra_pipeline_plan,
+# plans that depend on the modules the base model holds (which the head class decides), in the same format
+PIPELINE_PLAN_BUILDERS: dict[str, Callable[[nn.Module], dict[str, tuple[list[str], list[str]]]]] = {
+    family: _bert_pipeline_plan for family in ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 }
 
 
@@ -154,10 +153,10 @@ def pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     shipped = getattr(config, "base_model_pp_plan", None) or PIPELINE_TABLES.get(model_type)
-    if not shipped and model_type in PIPELINE_PLAN_BUILDERS:
-        shipped = PIPELINE_PLAN_BUILDERS[model_type](config)
-    plan = list(dict(shipped or {}))
     prefix = base_model_name(model)
+    if not shipped and model_type in PIPELINE_PLAN_BUILDERS and prefix:
+        shipped = PIPELINE_PLAN_BUILDERS[model_type](model.get_submodule(prefix))
+    plan = list(dict(shipped or {}))
     if plan and prefix:
         base = model.get_submodule(prefix)
         missing = [n for n in plan if _child(base, n) is None]
@@ -341,10 +340,11 @@ def _layout(
     model: nn.Module, names: list[str], holder_path: str | None = None, layer_list: str | None = None
 ) -> PipelineLayout | None:
     """The layout of ``names`` (modules of ``holder_path``, the base model by default, in run order; ``layer_list``
-    among them, by default their one list); ``None`` for a model without an output head (logits come from the last
-    stage)."""
+    among them, by default their one list); ``None`` for a model without a head (an LM head or a classifier outside
+    the base model: the last stage's output comes from it)."""
     prefix = base_model_name(model)
-    if not prefix or model.get_output_embeddings() is None:
+    heads = [n for n, m in model.named_children() if n != prefix and any(True for _ in m.parameters())]
+    if not prefix or (model.get_output_embeddings() is None and not heads):
         return None
     holder_path = holder_path or prefix
     base = model.get_submodule(holder_path)
@@ -621,6 +621,18 @@ def _set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
     (model.get_submodule(parent) if parent else model)._modules[name] = module
 
 
+def head_output(output: object) -> torch.Tensor:
+    """What a model's head hands the loss, as one tensor: its ``logits``, or a question-answering head's start and
+    end scores stacked on a last dim (``[batch, seq, 2]``)."""
+    logits = getattr(output, "logits", None)
+    if logits is not None:
+        return logits
+    start, end = getattr(output, "start_logits", None), getattr(output, "end_logits", None)
+    if start is not None and end is not None:
+        return torch.stack([start, end], -1)
+    raise ValueError(f"{type(output).__name__} holds neither logits nor start / end logits")
+
+
 def _run_stage(
     stage: nn.Module,
     runtime: _StageRuntime,
@@ -640,7 +652,7 @@ def _run_stage(
     try:
         if last:
             own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
-            logits = own(**inputs).logits
+            logits = head_output(own(**inputs))
             boundary.check_used()
             return logits
         stage.get_submodule(layout.base)(**inputs)
@@ -701,7 +713,7 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            want = head_output(model(input_ids=ids, attention_mask=mask, use_cache=False))
             x = ids
             for index in range(plan.num_stages):
                 stage = install_decoder_stage(build_stage(model, plan, index, layout.keep), layout)
@@ -737,7 +749,9 @@ def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_sha
         )
     stage.meshpar_layout = layout
     stage.meshpar_sequence_shards = sequence_shards
-    stage.meshpar_last_stage = _output_embeddings(stage) is not None
+    # the last stage holds the head: the LM head, or a classifier outside the base model (the other stages hold none)
+    heads = [n for n, m in stage.named_children() if n != layout.base and any(True for _ in m.parameters())]
+    stage.meshpar_last_stage = _output_embeddings(stage) is not None or bool(heads)
     return mix_into(stage, _DecoderStage, "PipelineStage")
 
 
