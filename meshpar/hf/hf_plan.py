@@ -181,6 +181,36 @@ class alibi_heads:  # noqa: N801 - used like a function in plan dicts
         module.register_forward_pre_hook(own_heads, with_kwargs=True)
 
 
+@dataclass(frozen=True)
+class per_head_inputs:  # noqa: N801 - used like a function in plan dicts
+    """A plan fix-up for attentions handed a per-head tensor (T5's ``position_bias``, ``[batch, heads, q, k]``,
+    computed by the first block and handed on by the model): the head count ``name`` is divided by tp, and a
+    per-head input that still holds every head (the first block's own is already this rank's) keeps this rank's
+    ``heads / tp`` contiguous heads."""
+
+    name: str
+    inputs: tuple[str, ...]
+
+    def __call__(self, module: nn.Module, tp: int) -> None:
+        heads = getattr(module, self.name)
+        setattr(module, self.name, heads // tp)
+        local = heads // tp
+        start = _tp_rank_of(module) * local
+
+        def own_heads(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            changed = {
+                name: kwargs[name][:, start : start + local]
+                for name in self.inputs
+                if isinstance(kwargs.get(name), torch.Tensor)
+                and kwargs[name].dim() >= 2
+                and kwargs[name].shape[1] == heads
+                and local != heads
+            }
+            return (args, {**kwargs, **changed}) if changed else None
+
+        module.register_forward_pre_hook(own_heads, with_kwargs=True)
+
+
 _BERT_ENCODER = {
     "encoder.layer.*.attention.self.query": "colwise",
     "encoder.layer.*.attention.self.key": "colwise",
@@ -188,6 +218,47 @@ _BERT_ENCODER = {
     "encoder.layer.*.attention.output.dense": "rowwise",
     "encoder.layer.*.intermediate.dense": "colwise",
     "encoder.layer.*.output.dense": "rowwise",
+}
+
+
+def _t5_attention(prefix: str) -> dict[str, object]:
+    return {
+        f"{prefix}.q": "colwise",
+        f"{prefix}.k": "colwise",
+        f"{prefix}.v": "colwise",
+        f"{prefix}.o": "rowwise",
+        f"{prefix}": per_head_inputs("n_heads", ("position_bias",)),
+        f"{prefix}.relative_attention_bias": LocalParameters({"weight": 1}),
+    }
+
+
+_T5_STACKS = {
+    **_t5_attention("*.block.*.layer.0.SelfAttention"),
+    **_t5_attention("decoder.block.*.layer.1.EncDecAttention"),
+    # the feed-forward is the last sublayer: 1 in the encoder, 2 in the decoder; gated (wi_0, wi_1) from T5 v1.1 on
+    **{
+        f"{stack}.block.*.layer.{index}.DenseReluDense.{name}": style
+        for stack, index in (("encoder", 1), ("decoder", 2))
+        for name, style in (("wi", "colwise"), ("wi_0", "colwise"), ("wi_1", "colwise"), ("wo", "rowwise"))
+    },
+}
+
+_BART_STACKS = {
+    **{
+        f"{stack}.layers.*.{attention}.{name}": style
+        for stack, attention in (("encoder", "self_attn"), ("decoder", "self_attn"), ("decoder", "encoder_attn"))
+        for name, style in (
+            ("q_proj", "colwise"),
+            ("k_proj", "colwise"),
+            ("v_proj", "colwise"),
+            ("out_proj", "rowwise"),
+        )
+    },
+    **{
+        f"{stack}.layers.*.{name}": style
+        for stack in ("encoder", "decoder")
+        for name, style in (("fc1", "colwise"), ("fc2", "rowwise"))
+    },
 }
 
 # meshpar's tables for families the installed transformers ships no plan for: data in transformers' format
@@ -254,6 +325,13 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
+    # BART and the encoder-decoders built like it (mBART, Blenderbot, BlenderbotSmall, Pegasus, Marian): each
+    # attention reshapes with -1 heads
+    **{family: _BART_STACKS for family in ("bart", "mbart", "blenderbot", "blenderbot-small", "pegasus", "marian")},
+    # T5 / mT5 / UMT5: encoder and decoder stacks; each attention reshapes with -1 heads but builds its zero position
+    # bias with its own head count; block 0's relative position bias (an embedding [buckets, heads]) is kept per head
+    # with the heads, and the later blocks reuse what block 0 computed (this rank's heads)
+    **{family: _T5_STACKS for family in ("t5", "mt5", "umt5")},
     "gptj": {
         "h.*.attn.q_proj": "colwise",
         "h.*.attn.k_proj": "colwise",
@@ -353,12 +431,15 @@ AMENDMENTS: dict[str, dict[str, object]] = {
 def base_model_name(model: nn.Module) -> str:
     """FQN of the base model inside a model with a head: transformers' ``base_model_prefix`` when the model has
     that attribute, else the top-level child holding the input embedding (Llama-4's text-only causal LM declares
-    ``language_model`` but keeps its base model under ``model``); "" when there is none."""
+    ``language_model`` but keeps its base model under ``model``); "" when there is none or the embedding is a child
+    of the model itself (T5's encoder and decoder share it from there)."""
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
         return prefix
     get_in = getattr(model, "get_input_embeddings", None)
     embedding = get_in() if callable(get_in) else None
+    if embedding is not None and any(child is embedding for child in model.children()):
+        return ""  # the embedding is the model's own child (T5's shared one): the model is its own base model
     for name, child in model.named_children():
         if embedding is not None and any(m is embedding for m in child.modules()):
             return name

@@ -11,6 +11,8 @@ counts once per step; the step hands them to every call of the loss (an argument
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,8 +22,25 @@ from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_cross_entropy
 
-TASKS = ("causal_lm", "masked_lm", "token_classification")
+TASKS = ("causal_lm", "masked_lm", "seq2seq_lm", "token_classification")
 ROW_TASKS = ("sequence_classification", "multiple_choice", "question_answering")
+
+
+def decoder_inputs_from_labels(model: object, labels: torch.Tensor) -> torch.Tensor:
+    """An encoder-decoder's decoder inputs built from ``labels`` as its own forward builds them when handed labels
+    alone (meshpar takes the labels out to compute the loss itself): the model's
+    ``prepare_decoder_input_ids_from_labels`` (T5, BART), else its modeling module's ``shift_tokens_right`` with the
+    config's pad and decoder-start tokens (Blenderbot)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    config = getattr(model, "config", None)
+    if callable(shift) and config is not None:
+        return shift(labels, config.pad_token_id, config.decoder_start_token_id)
+    raise ValueError(
+        f"{type(model).__name__}: meshpar cannot build its decoder inputs from the labels; pass decoder_input_ids"
+    )
 
 
 class TokenLoss:

@@ -35,7 +35,7 @@ from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
-from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss
+from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
@@ -234,6 +234,7 @@ class ParallelizedModel(nn.Module):
             why = {
                 "multiple_choice": "its forward folds the choices into the batch before the base model, which the "
                 "stages before the head do not do",
+                "seq2seq_lm": "meshpar does not yet split an encoder-decoder's two stacks into pipeline stages",
             }.get(self.plan.task, "meshpar has no loss of its own for it to compute on the last stage")
             raise ValueError(
                 f"pipeline parallelism runs heads meshpar computes the loss of on the last stage ({PIPELINE_TASKS}); "
@@ -393,7 +394,16 @@ class ParallelizedModel(nn.Module):
     def _split_targets(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """(what the loss scores, the model's inputs): the labels, or a question-answering head's start and end
         positions taken out of the inputs; for a head with the model's own loss, the labels as they are."""
-        return self.loss_fn.split_targets(labels, inputs) if self.loss_fn is not None else (labels, inputs)
+        if self.loss_fn is None:
+            return labels, inputs
+        if (
+            self.plan.task == "seq2seq_lm"
+            and labels is not None
+            and inputs.get("decoder_input_ids") is None
+            and inputs.get("decoder_inputs_embeds") is None
+        ):  # what the model does with labels alone: the decoder's inputs are the labels shifted right
+            inputs = {**inputs, "decoder_input_ids": decoder_inputs_from_labels(self.module, labels)}
+        return self.loss_fn.split_targets(labels, inputs)
 
     def _loss_normalizer(self, targets: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
         """What every microbatch's losses on every dp rank are divided by: the global batch's scored tokens, rows or

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
@@ -68,7 +69,7 @@ class HFPlan:
     """What ``parallelize`` needs to know about one model family."""
 
     family: str
-    # "causal_lm", "masked_lm", "token_classification", "sequence_classification", "multiple_choice",
+    # "causal_lm", "masked_lm", "seq2seq_lm", "token_classification", "sequence_classification", "multiple_choice",
     # "question_answering" or "base" (the model's own loss)
     task: str
     styles: dict[str, ParallelStyle]
@@ -98,6 +99,10 @@ def task_of(model: nn.Module) -> str:
     name = type(model).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal_lm"
+    if name.endswith("ForConditionalGeneration") and getattr(
+        getattr(model, "config", None), "is_encoder_decoder", False
+    ):
+        return "seq2seq_lm"  # the decoder's logits score the labels as they are (the model shifts them in)
     if name.endswith("ForTokenClassification"):
         return "token_classification"  # a label per token, -100 unscored: normalised over the global batch too
     if name.endswith("ForSequenceClassification"):
@@ -116,18 +121,35 @@ def _vocab_head(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:
     return head if isinstance(style, ColumnParallel) and not style.gather_output else ""
 
 
+def _embedding_aliases(model: nn.Module, embedding: str) -> list[str]:
+    """Other ``nn.Embedding`` modules holding the input embedding's weight (T5's encoder and decoder each keep an
+    ``embed_tokens`` tied to the shared one): sharded like it, their weight tied to its shards."""
+    weight = model.get_submodule(embedding).weight
+    return [
+        name
+        for name, module in model.named_modules(remove_duplicate=False)
+        if name != embedding and isinstance(module, nn.Embedding) and module.weight is weight
+    ]
+
+
 def _head_ties(model: nn.Module) -> list[tuple[str, str]]:
     """(LM head weight, input embedding weight) when the model ties them: one parameter, saved once; and (other
     name, head parameter) for a head parameter the model also registers elsewhere (BERT's MLM bias, which
     ``cls.predictions`` holds as ``bias``, its decoder as ``decoder.bias``): sharding the head shards it there too."""
     embedding, head, tied = embedding_and_head(model)
     ties = [(f"{head}.weight", f"{embedding}.weight")] if tied else []
+    aliases = [f"{alias}.weight" for alias in (_embedding_aliases(model, embedding) if embedding else [])]
+    ties += [(alias, f"{embedding}.weight") for alias in aliases]
     if head is not None:
         owners: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             owners.setdefault(id(param), []).append(name)
         for local, param in model.get_submodule(head).named_parameters(recurse=False):
-            ties += [(other, f"{head}.{local}") for other in owners[id(param)] if not other.startswith(f"{head}.")]
+            ties += [
+                (other, f"{head}.{local}")
+                for other in owners[id(param)]
+                if not other.startswith(f"{head}.") and other not in aliases  # tied to the embedding above
+            ]
     return [(target, source) for target, source in ties if target != f"{embedding}.weight"]
 
 
@@ -172,11 +194,16 @@ def metadata_plan(model: nn.Module, tp: int, sp: bool = False) -> HFPlan:
     # that is no plain Linear (Dory's adds a per-token logit scale) stays whole: full logits, the plain loss
     entries = {p: s for p, s in entries.items() if p not in (embedding, head, _output_module(model))}
     styles, fixups = resolve_entries(model, entries, tp, replicate_kv=replicate_kv)
-    token_head = task in ("causal_lm", "masked_lm")  # logits per token: vocab-parallel, into the parallel loss
+    token_head = task in ("causal_lm", "masked_lm", "seq2seq_lm")  # logits per token: vocab-parallel, parallel loss
     if head is not None and token_head:
-        styles[head] = ColumnParallel(allow_uneven=True)
+        # a bias the model adds to the whole vocabulary's logits after the head (BART's final_logits_bias) needs them
+        # whole: the head's shards are gathered, the loss is the plain one
+        gathered = isinstance(getattr(model, "final_logits_bias", None), torch.Tensor)
+        styles[head] = ColumnParallel(allow_uneven=True, gather_output=gathered)
     if embedding is not None and (not tied or token_head):
         styles[embedding] = VocabParallel()
+        for alias in _embedding_aliases(model, embedding):  # T5's encoder / decoder embed_tokens: one weight
+            styles[alias] = VocabParallel()
     if replicate_kv:
         fixups.append(kv_group_fixup(attention_heads(model.config)[0]))
     layers = layer_container(model)

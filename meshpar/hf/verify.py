@@ -24,6 +24,7 @@ from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.failure import first_failure_on_any_rank, shared_refusal
 from meshpar.hf.hf_plan import embedding_and_head, takes_use_cache, text_config
 from meshpar.hf.plans import HFPlan
+from meshpar.hf.stages import block_lists
 from meshpar.parallel_dims import ParallelDims
 
 _TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # relative norm error; half precision: 2e-2
@@ -59,6 +60,8 @@ def _capture_block_inputs(model: nn.Module, block: nn.Module) -> tuple[tuple, di
     # no KV cache: the dense run would fill it, and the sharded block would append its own heads to it
     extra = {"use_cache": False} if takes_use_cache(model) else {}
     device = next(iter(model.parameters())).device
+    if getattr(model.config, "is_encoder_decoder", False):  # the decoder's blocks need decoder inputs to be reached
+        extra["decoder_input_ids"] = ids.to(device)
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
@@ -149,10 +152,12 @@ def _structure(block: nn.Module) -> tuple:
     return tuple((name, type(module).__name__) for name, module in block.named_modules())
 
 
-def _compare_block(model: nn.Module, plan: HFPlan, dims: ParallelDims, index: int) -> tuple[list[str], list[str]]:
-    """(what differs, submodules whose outputs differ) between block ``index`` dense and sharded with the plan, on
-    the inputs the model gives that block."""
-    block = model.get_submodule(plan.layers)[index]
+def _compare_block(
+    model: nn.Module, plan: HFPlan, dims: ParallelDims, layers: str, index: int
+) -> tuple[list[str], list[str]]:
+    """(what differs, submodules whose outputs differ) between block ``index`` of the list ``layers`` dense and
+    sharded with the plan, on the inputs the model gives that block."""
+    block = model.get_submodule(layers)[index]
     device = dims.device
     with torch.random.fork_rng(devices=[]):
         args, kwargs = _capture_block_inputs(model, block)
@@ -160,15 +165,15 @@ def _compare_block(model: nn.Module, plan: HFPlan, dims: ParallelDims, index: in
             args, kwargs = (kwargs["hidden_states"],), {k: v for k, v in kwargs.items() if k != "hidden_states"}
         args, kwargs = _to(args, device), _to(kwargs, device)
         dense = copy.deepcopy(block).to(device).eval()
-        root = _skeleton(plan.layers, index, copy.deepcopy(block).to(device).eval())
+        root = _skeleton(layers, index, copy.deepcopy(block).to(device).eval())
         # under sequence parallelism the first layer's entry into shards is the comparison's own split of the input
-        styles = {p: s for p, s in plan.styles.items() if not (plan.sequence_parallel and p == f"{plan.layers}.0")}
+        styles = {p: s for p, s in plan.styles.items() if not (plan.sequence_parallel and p == f"{layers}.0")}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Parallelize plan key")
             parallelize_module(root, dims.tp_mesh, styles)
         for fixup in plan.fixups:
             fixup(root, dims.tp)
-        sharded = root.get_submodule(plan.layers)[index]
+        sharded = root.get_submodule(layers)[index]
         sequence = (dims.tp_rank, dims.tp) if plan.sequence_parallel else None
         dense_outputs, dense_out, dense_grad = _run(dense, args, kwargs, 1, sequence)
         sharded_outputs, sharded_out, sharded_grad = _run(sharded, args, kwargs, 1, sequence, sequence is not None)
@@ -231,19 +236,20 @@ def _compare_embedding(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> li
 
 
 def _first_failure(
-    model: nn.Module, plan: HFPlan, dims: ParallelDims, blocks: list[int]
-) -> tuple[int | None, list[str], list[str]] | None:
-    """(block index or None for the embedding, what differs, submodules that differ) for the first failing check.
-    Never raises: an exception in the model's code on its shards is a failure like a mismatch, so every rank
-    reaches the agreeing all-reduce."""
+    model: nn.Module, plan: HFPlan, dims: ParallelDims, blocks: list[tuple[str, int]]
+) -> tuple[str | None, list[str], list[str]] | None:
+    """(the failing block's FQN or None for the embedding, what differs, submodules that differ) for the first
+    failing check of ``blocks`` (layer list, index). Never raises: an exception in the model's code on its shards is
+    a failure like a mismatch, so every rank reaches the agreeing all-reduce."""
     current = None
     try:
         with torch.random.fork_rng(devices=[]):
             problems = _compare_embedding(model, plan, dims)
         if problems:
             return None, [f"{p} differ(s)" for p in problems], []
-        for current in blocks:
-            problems, differing = _compare_block(model, plan, dims, current)
+        for layers, index in blocks:
+            current = f"{layers}.{index}"
+            problems, differing = _compare_block(model, plan, dims, layers, index)
             if problems:
                 return current, [f"{', '.join(problems[:8])} differ(s)"], differing
     except Exception as error:
@@ -260,14 +266,19 @@ def verify_plan(model: nn.Module, plan: HFPlan, dims: ParallelDims) -> None:
             f"{type(model).__name__}: cannot verify the plan, no transformer-layer list was found; pass "
             "'verify': false if you have checked the plan yourself"
         )
-    firsts: dict[tuple, int] = {}
-    for index, block in enumerate(model.get_submodule(plan.layers)):
-        firsts.setdefault(_structure(block), index)
+    # an encoder-decoder's two stacks both (T5's encoder.block and decoder.block)
+    stacks = [plan.layers]
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        stacks += [name for name in block_lists(model) if name != plan.layers]
+    firsts: dict[tuple, tuple[str, int]] = {}
+    for layers in stacks:
+        for index, block in enumerate(model.get_submodule(layers)):
+            firsts.setdefault((layers, *_structure(block)), (layers, index))
     failure = _first_failure(model, plan, dims, list(firsts.values()))
     report = None
     if failure is not None:
-        index, problems, differing = failure
-        block = f"block {plan.layers}.{index}" if index is not None else "embedding or block"
+        where_found, problems, differing = failure
+        block = f"block {where_found}" if where_found is not None else "embedding or block"
         where = f"; submodule outputs that differ (first first): {differing[:6]}" if differing else ""
         what = ", ".join(problems[:8])
         report = f"the plan's sharded {block} does not match the dense one at tp={dims.tp}: {what}{where}"

@@ -24,6 +24,11 @@ _MLA = dict(
     moe_intermediate_size=16, num_key_value_heads=4,
 )  # fmt: skip
 
+_BART = dict(
+    d_model=32, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=2, forced_eos_token_id=None,
+)  # fmt: skip
+
 # Families sharded from transformers' own tp plans (config class, model class, extra config keys). Gemma ties its
 # scaled embedding to the head; its vocab (67) is one tp does not divide.
 GENERIC = {
@@ -224,6 +229,29 @@ GENERIC = {
     ),
     # Falcon-7B's multi-query layout: its one key/value head follows all query heads in the packed projection
     "falcon_multi_query": ("FalconConfig", "FalconForCausalLM", {"num_key_value_heads": None, "multi_query": True}),
+    # encoder-decoders: T5 (relative position bias per head, shared embedding tied to the head) and T5 v1.1 / mT5's
+    # gated feed-forward with an untied head
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        {"num_key_value_heads": None, "d_kv": 8, "d_ff": 48, "decoder_start_token_id": 0, "dropout_rate": 0.0},
+    ),
+    "mt5": (
+        "MT5Config",
+        "MT5ForConditionalGeneration",
+        {"num_key_value_heads": None, "d_kv": 8, "d_ff": 48, "decoder_start_token_id": 0, "dropout_rate": 0.0},
+    ),
+    # BART and its kind: scaled word embeddings shared by both stacks and tied to the head, a bias added to the
+    # whole vocabulary's logits (the head's output gathered for it)
+    **{
+        family: (config_cls, model_cls, {"num_key_value_heads": None, "tie_word_embeddings": True, **_BART})
+        for family, config_cls, model_cls in (
+            ("bart", "BartConfig", "BartForConditionalGeneration"),
+            ("blenderbot", "BlenderbotConfig", "BlenderbotForConditionalGeneration"),
+            ("blenderbot_small", "BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration"),
+            ("pegasus", "PegasusConfig", "PegasusForConditionalGeneration"),
+        )
+    },
     # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
     "dory": ("DoryConfig", "DoryForCausalLM", {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1}),
 }
@@ -276,6 +304,10 @@ def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, l
             word_embed_proj_dim=8 * heads, attn_implementation="sdpa",
         )  # fmt: skip
     keys.update({k: v for k, v in extra.items() if v is not None})
+    if family in ("t5", "mt5"):  # its decoder's depth is its own key (defaulting to 6, not the encoder's)
+        keys["num_layers"] = keys["num_decoder_layers"] = layers
+    if family in ("bart", "blenderbot", "blenderbot_small", "pegasus"):
+        keys["encoder_layers"] = keys["decoder_layers"] = layers
     if family == "gpt_neo":  # a global and a local layer in turn, as many as there are layers
         keys["attention_types"] = [[["global", "local"], layers // 2]] if layers % 2 == 0 else [[["global"], layers]]
     keys = {k: v for k, v in keys.items() if (k, None) not in extra.items()}
