@@ -285,6 +285,15 @@ TABLES: dict[str, dict[str, str | Callable[[nn.Module, int], None]]] = {
     # BERT's post-norm encoder layers (sequence parallelism runs their norms on shards; see sequence_parallel), which
     # RoBERTa and its copies (XLM-R, CamemBERT) share module for module
     **{family: _BERT_ENCODER for family in ("bert", "roberta", "xlm-roberta", "camembert")},
+    # ALBERT shares one layer (group) across its depth: sharded once, run at every depth
+    "albert": {
+        "encoder.albert_layer_groups.*.albert_layers.*.attention.query": "colwise",
+        "encoder.albert_layer_groups.*.albert_layers.*.attention.key": "colwise",
+        "encoder.albert_layer_groups.*.albert_layers.*.attention.value": "colwise",
+        "encoder.albert_layer_groups.*.albert_layers.*.attention.dense": "rowwise",
+        "encoder.albert_layer_groups.*.albert_layers.*.ffn": "colwise",
+        "encoder.albert_layer_groups.*.albert_layers.*.ffn_output": "rowwise",
+    },
     # ELECTRA's discriminator / generator encoders are BERT's layers
     "electra": _BERT_ENCODER,
     # GPT-Neo: the projections sit in attn.attention, which splits heads with its own count

@@ -33,7 +33,7 @@ from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
-from meshpar.hf.hf_plan import takes_use_cache, text_config
+from meshpar.hf.hf_plan import layer_container, takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
 from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
@@ -261,8 +261,17 @@ class ParallelizedModel(nn.Module):
         if inferred and layout is None:
             layout = inferred_pipeline_layout(model)
         if layout is None:
+            depth = getattr(text_config(model.config), "num_hidden_layers", None)
+            lists = block_lists(model) or ([layer_container(model)] if layer_container(model) else [])
+            blocks = sum(len(model.get_submodule(name)) for name in lists)
+            if isinstance(depth, int) and 0 < blocks < depth:
+                raise ValueError(
+                    f"{type(model).__name__} runs {depth} layers on the weights of {blocks} (shared across its depth, "
+                    "as ALBERT's): no pipeline stage can own its layers apart; use pipeline_parallel_size 1 (tensor "
+                    "and data parallelism work for it)"
+                )
             raise ValueError(
-                "pipeline parallelism needs a causal or masked LM whose config carries transformers' pipeline plan "
+                "pipeline parallelism needs a model whose config carries transformers' pipeline plan "
                 "(base_model_pp_plan), or one meshpar has a table for, or whose base model holds one list of layers; "
                 f"{type(model).__name__} is none of these"
             )

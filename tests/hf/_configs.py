@@ -202,6 +202,12 @@ GENERIC = {
         },
     ),  # a global and a local (sliding-window) layer
     "electra": ("ElectraConfig", "ElectraForMaskedLM", {"num_key_value_heads": None, "embedding_size": 16}),
+    # one layer shared across the depth, a narrower embedding projected in
+    "albert": (
+        "AlbertConfig",
+        "AlbertForMaskedLM",
+        {"num_key_value_heads": None, "embedding_size": 16, "hidden_dropout_prob": 0.0, "classifier_dropout_prob": 0.0},
+    ),
     "distilbert": (
         "DistilBertConfig",
         "DistilBertForMaskedLM",

@@ -122,6 +122,25 @@ def test_encoder_decoders_at_tp2_x_dp2_match_dense(family: str) -> None:
     assert local < 0.6 * total, summary
 
 
+def test_albert_at_tp2_x_dp2_matches_dense() -> None:
+    """ALBERT from meshpar's table: its one layer, shared across the depth, sharded once and run at every depth."""
+    run_distributed(family_case, 4, "albert", 2)
+
+
+def shared_layers_pipeline_case() -> str:
+    setup_parallel(pp=2)
+    try:
+        meshpar.parallelize(build("albert"), {"pipeline_parallel_size": 2, "num_microbatches": 2})
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_pipelines_refuse_layers_shared_across_the_depth() -> None:
+    for message in run_distributed(shared_layers_pipeline_case, 2):
+        assert "runs 2 layers on the weights of 1 (shared across its depth" in message, message
+
+
 def encoder_decoder_pipeline_case() -> str:
     setup_parallel(pp=2)
     try:
