@@ -42,6 +42,15 @@ LAYOUTS = {
 # checks at tp=2 besides the training step: greedy generation against the dense model's, the merged checkpoint
 # loaded by the family's own ``from_pretrained`` giving the sharded model's loss, and parameters held per rank
 CHECKS = ("gen", "merged", "per-rank")
+# the family's other heads (sequence and token classification, question answering, where transformers has the class),
+# each at tp=2, dp=2 (3 + 1 rows, labels padded with -100 unevenly) and pp=2: one cell, "OK n/n" or the first
+# refusal or failure
+HEAD_LAYOUTS = {"tp2": (2, 1, 2), "dp2": (1, 1, 2), "pp2": (1, 2, 2)}
+HEAD_MAPPINGS = {
+    "sequence": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+}
 
 
 def _families() -> dict[str, str]:
@@ -164,11 +173,26 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     return text
 
 
-def _tiny_model(model_type: str, *, cut_layer_types: bool) -> torch.nn.Module:
+def head_classes(model_type: str) -> dict[str, str]:
+    """kind -> the family's head class name, for the heads transformers has for this model type."""
+    from transformers.models.auto import modeling_auto
+
+    found = {}
+    for kind, mapping in HEAD_MAPPINGS.items():
+        name = getattr(modeling_auto, mapping).get(model_type)
+        if name:
+            found[kind] = name if isinstance(name, str) else name[0]
+    return found
+
+
+def _tiny_model(model_type: str, *, cut_layer_types: bool, head: str | None = None) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
     text = _tiny_config(model_type, cut_layer_types=cut_layer_types)
+    if head is not None:
+        text.num_labels = 2 if head == "qa" else 3
+        return getattr(transformers, head_classes(model_type)[head])(text).eval()
     model_cls = getattr(transformers, _families()[model_type])
     with torch.device("meta"):  # count first: some families keep full-size towers (vision, audio) in any config
         size = sum(p.numel() for p in model_cls(text).parameters())
@@ -246,6 +270,104 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     return "OK" if worst < 1e-4 else f"FAIL: max relative error {worst:.1e}"
 
 
+def _head_batch(kind: str, rows: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 64, (rows, 12), generator=generator)
+    if kind == "qa":
+        start, end = (
+            torch.randint(0, 12, (rows,), generator=generator),
+            torch.randint(0, 12, (rows,), generator=generator),
+        )
+        start[0] = 40  # outside the sequence: unscored
+        return {"input_ids": ids, "start_positions": start, "end_positions": end}
+    if kind == "token":
+        labels = torch.randint(0, 3, (rows, 12), generator=generator)
+        labels[0, 4:] = -100  # the first replica's rows mostly unscored
+        return {"input_ids": ids, "labels": labels}
+    labels = torch.randint(0, 3, (rows,), generator=generator)
+    labels[1] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _head_case(model_type: str, kind: str, tp: int, pp: int) -> str:
+    """One SGD step of the family's ``kind`` head against the dense one (4 rows: 3 + 1 over dp=2)."""
+    import meshpar
+    from meshpar._compat import local_tensor
+    from meshpar._shards import in_parameter_layout, local_slice
+    from meshpar.optim import DistributedOptimizer
+    from meshpar.testing import setup_parallel
+
+    setup_parallel(tp=tp, pp=pp)
+    try:
+        dense = _tiny_model(model_type, cut_layer_types=False, head=kind)
+    except Exception:
+        dense = _tiny_model(model_type, cut_layer_types=True, head=kind)
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
+    try:
+        model = meshpar.parallelize(copy.deepcopy(dense), config)
+    except (ValueError, NotImplementedError) as error:
+        return _refused(error)
+    data = _head_batch(kind, 4)
+    expected = dense(**data)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.1).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    dims = model.dims
+    start, stop = ((0, 3), (3, 4))[dims.dp_rank] if dims.dp == 2 else (0, 4)
+    try:
+        loss = model.train_step(**{k: v[start:stop] for k, v in data.items()})
+    except (ValueError, NotImplementedError) as error:
+        return _refused(error)
+    worst = abs(loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1e-6)
+    floor = 1e-2 * max(p.grad.norm().item() for p in dense.parameters() if p.grad is not None)
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want, got = dense.get_parameter(name).grad, param.grad
+            if want is None or got is None:
+                if (want is None) != (got is None) and (want if got is None else got).abs().max() > 0:
+                    return f"FAIL: {kind} head: grad of {name} missing on one side"
+                continue
+            want = local_slice(in_parameter_layout(want, module, name), param)
+            worst = max(worst, ((local_tensor(got) - want).norm() / want.norm().clamp_min(floor)).item())
+    optimizer.step()
+    # a parameter near zero (a classifier's bias, whose grad is ~0 in exact arithmetic) moved by lr x rounding noise:
+    # judged against lr x the grads' floor, as its grad is against the floor
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = local_slice(in_parameter_layout(dense.get_parameter(name).detach(), module, name), param)
+            scale = want.norm().clamp_min(max(1e-6, 0.1 * floor))
+            worst = max(worst, ((local_tensor(param) - want).norm() / scale).item())
+    return "OK" if worst < 1e-4 else f"FAIL: {kind} head: max relative error {worst:.1e}"
+
+
+def _heads(model_type: str) -> str:
+    """The family's heads at every head layout: "OK n/n", else the first failure (before any refusal)."""
+    from meshpar.testing import run_distributed
+
+    verdicts = []
+    for kind in head_classes(model_type):
+        for layout, (tp, pp, world) in HEAD_LAYOUTS.items():
+            try:
+                results = run_distributed(_head_case, world, model_type, kind, tp, pp, timeout=300)
+            except AssertionError as error:
+                lines = [line for line in str(error).splitlines() if line.strip() and "Error" in line]
+                results = ["FAIL: " + (lines[-1].strip()[:150] if lines else "crash")]
+            verdict = sorted(set(results))[0] if len(set(results)) == 1 else "FAIL: ranks disagree"
+            verdicts.append(
+                verdict
+                if verdict == "OK"
+                else f"{verdict.split(': ')[0]}: {kind} at {layout}: {verdict.split(': ', 1)[-1]}"
+            )
+    if not verdicts:
+        return "-"
+    failed = [v for v in verdicts if v.startswith("FAIL")]
+    refused = [v for v in verdicts if v.startswith("refused")]
+    ok = sum(v == "OK" for v in verdicts)
+    if failed or refused:
+        return (failed or refused)[0].replace(": ", f" ({ok}/{len(verdicts)} OK): ", 1)
+    return f"OK {ok}/{len(verdicts)}"
+
+
 def _check_case(model_type: str, check: str, directory: str) -> str:
     """One of :data:`CHECKS` at tp=2."""
     from transformers.utils import logging as hf_logging
@@ -296,6 +418,8 @@ def run(model_type: str, layout: str) -> str:
     except Exception as error:
         reason = str(error) if "at the tiny size" in str(error) else type(error).__name__
         return f"-: not built ({reason})"
+    if layout == "heads":
+        return _heads(model_type)
     try:
         if layout in CHECKS:
             with tempfile.TemporaryDirectory() as directory:
@@ -337,7 +461,7 @@ def main() -> None:
     counts = {layout: {} for layout in layouts}
     for _, cells in rows:
         for layout, cell in zip(layouts, cells, strict=True):
-            kind = cell.split(" ")[0]
+            kind = cell.split(" ")[0].split("(")[0]
             counts[layout][kind] = counts[layout].get(kind, 0) + 1
     print(f"\n{len(rows)} families in {time.time() - start:.0f} s")
     for layout in layouts:
