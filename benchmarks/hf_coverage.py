@@ -286,6 +286,7 @@ def _head_batch(kind: str, rows: int) -> dict[str, torch.Tensor]:
         return {"input_ids": ids, "labels": labels}
     labels = torch.randint(0, 3, (rows,), generator=generator)
     labels[1] = -100
+    ids[:, -1] = 2  # the tiny configs' eos token: BART-style classifiers pool each row's last eos
     return {"input_ids": ids, "labels": labels}
 
 

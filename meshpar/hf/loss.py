@@ -11,19 +11,74 @@ counts once per step; the step hands them to every call of the loss (an argument
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from meshpar._compat import DeviceMesh
+from meshpar.hf.hf_plan import takes_use_cache
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_cross_entropy
 
 TASKS = ("causal_lm", "masked_lm", "seq2seq_lm", "token_classification")
 ROW_TASKS = ("sequence_classification", "multiple_choice", "question_answering")
+
+
+def causal_labels_shifted(model: nn.Module) -> bool:
+    """Whether a causal LM's own loss scores the logits at position t against the label at t + 1 (HF's
+    ``ForCausalLMLoss``: nearly every family) or at t (the ``ForCausalLM`` classes of BART, mBART, Blenderbot,
+    Pegasus, Marian..., whose labels come shifted by the caller): meshpar's loss must do what the model does. Proven
+    by one dense forward on a small batch where the model can run it; otherwise (a model on meta, a forward that
+    needs more inputs) read from its forward: the shared loss function shifts. Refused when neither tells."""
+    shared = "loss_function" in _forward_source(model)
+    if any(p.is_meta for p in model.parameters()):
+        if shared:
+            return True
+        raise ValueError(
+            f"{type(model).__name__} computes its own causal-LM loss, whose label alignment meshpar proves on the "
+            "dense model, which a model built on meta cannot run; build it on cpu"
+        )
+    vocab = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "vocab_size", None) or 2
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(iter(model.parameters())).device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(input_ids=ids, labels=ids, **({"use_cache": False} if takes_use_cache(model) else {}))
+    except Exception:  # the forward needs more than ids (a multimodal model): the forward's own words decide
+        out = None
+    finally:
+        for module, training in modes:
+            module.training = training
+    if out is not None and getattr(out, "loss", None) is not None and getattr(out, "logits", None) is not None:
+        logits = out.logits.float()
+        candidates = {
+            True: F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()),
+            False: F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+        }
+        for shifted, loss in candidates.items():
+            if torch.allclose(loss, out.loss.float(), rtol=1e-4, atol=1e-6):
+                return shifted
+    if shared:  # a loss with more in it (a router's auxiliary loss): the shared function shifts
+        return True
+    raise ValueError(
+        f"{type(model).__name__} computes its own causal-LM loss, which matches neither next-token labels nor labels "
+        "at the logits' own positions; meshpar cannot reproduce it (use pipeline and tensor parallelism with a model "
+        "whose loss is transformers' shared causal-LM loss)"
+    )
+
+
+def _forward_source(model: nn.Module) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return ""
 
 
 def decoder_inputs_from_labels(model: object, labels: torch.Tensor) -> torch.Tensor:
@@ -47,13 +102,17 @@ class TokenLoss:
     """``loss(logits, labels, normalizer)``: summed token losses over ``normalizer`` (the global batch's scored tokens,
     :meth:`global_normalizer`), or their mean over this batch without one."""
 
-    def __init__(self, task: str, vocab_sharded: int, tp_mesh: DeviceMesh | None = None) -> None:
-        """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded over ``tp_mesh``, else 0."""
+    def __init__(
+        self, task: str, vocab_sharded: int, tp_mesh: DeviceMesh | None = None, *, shift_labels: bool | None = None
+    ) -> None:
+        """``vocab_sharded`` is the vocabulary size when the logits are vocab-sharded over ``tp_mesh``, else 0.
+        ``shift_labels``: score position t against label t + 1 (default: for causal LMs; BART's ``ForCausalLM``
+        classes do not, :func:`causal_labels_shifted`)."""
         if vocab_sharded and tp_mesh is None:
             raise ValueError("vocab-sharded logits need the tp mesh they are sharded over")
         if task not in TASKS:
             raise ValueError(f"no token loss for task {task!r}; one of {TASKS}")
-        self.causal = task == "causal_lm"
+        self.causal = task == "causal_lm" if shift_labels is None else shift_labels
         self.vocab_sharded = vocab_sharded
         self.tp_mesh = tp_mesh
 

@@ -35,7 +35,7 @@ from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import layer_container, takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
-from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, decoder_inputs_from_labels
+from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, causal_labels_shifted, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.stages import (
@@ -113,16 +113,18 @@ class ParallelizedModel(nn.Module):
         # the loss reads vocab-sharded logits only where the plan really shards the LM head
         vocab = getattr(text_config(self.hf_config), "vocab_size", None)
         self.vocab_sharded = vocab if self.dims.tp > 1 and self.plan.head else 0
-        task = self.plan.task
-        self.loss_fn: TokenLoss | RowLoss | None = None
-        if task in LOSS_TASKS:
-            self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh)
-        elif task in ROW_TASKS:
-            self.loss_fn = RowLoss(task, self.hf_config)
         self._from_meta = is_meta(model)  # built on "meta": allocate and initialise only this rank's shards
         # every rank built its own copy: rank 0's values everywhere (DDP's rule), so that verification and sharding
         # see one model, and a refusal can only mean the plan; across pp and dp the pipeline does it (PipelineModel)
         make_replicas_equal(model, self.dims, over=("tp",) if self.dims.pp > 1 else ("tp", "dp"))
+        task = self.plan.task
+        self.loss_fn: TokenLoss | RowLoss | None = None
+        if task in LOSS_TASKS:
+            # whether the labels shift is the model's own convention, proven on it (every rank alike: one model)
+            shift = agree("parallelize", lambda: causal_labels_shifted(model)) if task == "causal_lm" else None
+            self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
+        elif task in ROW_TASKS:
+            self.loss_fn = RowLoss(task, self.hf_config)
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()
@@ -230,11 +232,15 @@ class ParallelizedModel(nn.Module):
         """The model's pipeline layout and the stage plan that is built, proven on the dense model (no collective:
         each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"{type(model).__name__} is an encoder-decoder: meshpar does not yet split its two stacks into "
+                "pipeline stages; use pipeline_parallel_size 1 (tensor and data parallelism work for it)"
+            )
         if self.plan.task not in PIPELINE_TASKS:
             why = {
                 "multiple_choice": "its forward folds the choices into the batch before the base model, which the "
                 "stages before the head do not do",
-                "seq2seq_lm": "meshpar does not yet split an encoder-decoder's two stacks into pipeline stages",
             }.get(self.plan.task, "meshpar has no loss of its own for it to compute on the last stage")
             raise ValueError(
                 f"pipeline parallelism runs heads meshpar computes the loss of on the last stage ({PIPELINE_TASKS}); "

@@ -256,6 +256,8 @@ GENERIC = {
             ("blenderbot", "BlenderbotConfig", "BlenderbotForConditionalGeneration"),
             ("blenderbot_small", "BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration"),
             ("pegasus", "PegasusConfig", "PegasusForConditionalGeneration"),
+            # a decoder alone whose loss takes labels already shifted (logits at t scored against labels at t)
+            ("bart_causal", "BartConfig", "BartForCausalLM"),
         )
     },
     # an LM head that is a Linear subclass with a per-token logit scale (kept whole: full logits, plain loss)
@@ -312,7 +314,7 @@ def build_generic(family: str, *, heads: int = 4, kv_heads: int | None = None, l
     keys.update({k: v for k, v in extra.items() if v is not None})
     if family in ("t5", "mt5"):  # its decoder's depth is its own key (defaulting to 6, not the encoder's)
         keys["num_layers"] = keys["num_decoder_layers"] = layers
-    if family in ("bart", "blenderbot", "blenderbot_small", "pegasus"):
+    if family in ("bart", "blenderbot", "blenderbot_small", "pegasus", "bart_causal"):
         keys["encoder_layers"] = keys["decoder_layers"] = layers
     if family == "gpt_neo":  # a global and a local layer in turn, as many as there are layers
         keys["attention_types"] = [[["global", "local"], layers // 2]] if layers % 2 == 0 else [[["global"], layers]]
