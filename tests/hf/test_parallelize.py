@@ -88,6 +88,13 @@ def test_compiled_and_checkpointed_layers_match_dense() -> None:
     run_distributed(equivalence_case, 2, "llama", 2, 1, False, True, True, timeout=600)
 
 
+@pytest.mark.slow  # torch.compile in fresh workers
+def test_compiled_sequence_parallel_matches_dense() -> None:
+    """``compile`` with sequence parallelism: the norms run their own forward in DTensor on sequence shards, which the
+    compiler traces through (their grads still summed over tp as each is accumulated), and equal dense."""
+    run_distributed(equivalence_case, 2, "llama", 2, 1, True, True, timeout=600)
+
+
 def kv_cache_case() -> tuple[bool, bool, bool]:
     setup_parallel(tp=2)
     model = meshpar.parallelize(build("llama"), {"tensor_parallel_size": 2})
