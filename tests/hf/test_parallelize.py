@@ -95,6 +95,34 @@ def test_compiled_sequence_parallel_matches_dense() -> None:
     run_distributed(equivalence_case, 2, "llama", 2, 1, True, True, timeout=600)
 
 
+def fsdp_sequence_parallel_case() -> tuple[float, float]:
+    """tp=2 x dp=2 with FSDP2 and sequence parallelism: the norms' replicated parameters are FSDP's, whose grads FSDP
+    reduces into their placement itself (the partial grads of the sequence shards summed over tp)."""
+    dims = setup_parallel(tp=2)
+    dense = build("llama")
+    config = {"tensor_parallel_size": 2, "fsdp": True, "sequence_parallel": True}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch("llama", rows=4)
+    expected = dense(**data)
+    expected.loss.backward()
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    optimizer = DistributedOptimizer(model, torch.optim.SGD, lr=0.5)
+    mine = {k: v.chunk(dims.dp)[dims.dp_rank] for k, v in data.items()}
+    loss = model.train_step(**mine)
+    optimizer.step()
+    worst = max(
+        (p.full_tensor() - dense.get_parameter(n).detach()).abs().max().item()
+        for n, p in model.module.named_parameters()
+    )
+    return abs(loss.item() - expected.loss.item()), worst
+
+
+@pytest.mark.slow  # four workers
+def test_fsdp_with_sequence_parallelism_matches_dense() -> None:
+    for loss_error, param_error in run_distributed(fsdp_sequence_parallel_case, 4, timeout=600):
+        assert loss_error < 1e-5 and param_error < 1e-5, (loss_error, param_error)
+
+
 def kv_cache_case() -> tuple[bool, bool, bool]:
     setup_parallel(tp=2)
     model = meshpar.parallelize(build("llama"), {"tensor_parallel_size": 2})
