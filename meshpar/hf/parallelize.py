@@ -42,6 +42,7 @@ from meshpar.hf.stages import (
     PipelineLayout,
     block_lists,
     check_stage_composition,
+    head_modules,
     head_output,
     inferred_pipeline_layout,
     install_decoder_stage,
@@ -282,7 +283,7 @@ class ParallelizedModel(nn.Module):
                 f"{type(model).__name__} is none of these"
             )
         sides = layout.stage_sides(model)
-        last = [*sides[1], *_heads(model, layout.base)]
+        last = [*sides[1], *head_modules(model, layout.base)]
         if self._from_meta and inferred:
             raise ValueError(
                 f"{type(model).__name__} has no pipeline plan: meshpar reads one from the model's modules and proves "
@@ -680,12 +681,6 @@ def parallelize(
     edited, passed back: applied unchanged). The plan that runs is logged. An error on any rank once the mesh exists
     stops every rank (:mod:`meshpar.failure`)."""
     return ParallelizedModel(model, load_config(config), plan)
-
-
-def _heads(model: nn.Module, base: str) -> list[str]:
-    """The model's modules outside its base model that hold parameters (LM head, classifier): they run after the
-    base model, so on the last stage, wherever the model registers them (XLM-R's head comes before its base)."""
-    return [n for n, m in model.named_children() if n != base and any(True for _ in m.parameters())]
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:

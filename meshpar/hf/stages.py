@@ -134,6 +134,12 @@ class PipelineLayout:
         return [n for n in holding if n in self.before], [n for n in holding if n in self.after]
 
 
+def head_modules(model: nn.Module, base: str) -> list[str]:
+    """The model's children outside its base model that hold parameters (LM head, classifier): they run after the
+    base model, so on the last stage, wherever the model registers them (XLM-R's head comes before its base)."""
+    return [n for n, m in model.named_children() if n != base and any(True for _ in m.parameters())]
+
+
 def _holds_parameters(module: nn.Module, name: str) -> bool:
     return any(True for _ in module.get_submodule(name).parameters())
 
@@ -343,8 +349,7 @@ def _layout(
     among them, by default their one list); ``None`` for a model without a head (an LM head or a classifier outside
     the base model: the last stage's output comes from it)."""
     prefix = base_model_name(model)
-    heads = [n for n, m in model.named_children() if n != prefix and any(True for _ in m.parameters())]
-    if not prefix or (model.get_output_embeddings() is None and not heads):
+    if not prefix or (model.get_output_embeddings() is None and not head_modules(model, prefix)):
         return None
     holder_path = holder_path or prefix
     base = model.get_submodule(holder_path)
@@ -750,8 +755,7 @@ def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_sha
     stage.meshpar_layout = layout
     stage.meshpar_sequence_shards = sequence_shards
     # the last stage holds the head: the LM head, or a classifier outside the base model (the other stages hold none)
-    heads = [n for n, m in stage.named_children() if n != layout.base and any(True for _ in m.parameters())]
-    stage.meshpar_last_stage = _output_embeddings(stage) is not None or bool(heads)
+    stage.meshpar_last_stage = _output_embeddings(stage) is not None or bool(head_modules(stage, layout.base))
     return mix_into(stage, _DecoderStage, "PipelineStage")
 
 

@@ -155,31 +155,22 @@ def test_albert_at_tp2_x_dp2_matches_dense() -> None:
     run_distributed(family_case, 4, "albert", 2)
 
 
-def shared_layers_pipeline_case() -> str:
+def pipeline_refusal_case(family: str) -> str:
     setup_parallel(pp=2)
     try:
-        meshpar.parallelize(build("albert"), {"pipeline_parallel_size": 2, "num_microbatches": 2})
+        meshpar.parallelize(build(family), {"pipeline_parallel_size": 2, "num_microbatches": 2})
     except ValueError as error:
         return str(error)
     return "accepted"
 
 
 def test_pipelines_refuse_layers_shared_across_the_depth() -> None:
-    for message in run_distributed(shared_layers_pipeline_case, 2):
+    for message in run_distributed(pipeline_refusal_case, 2, "albert"):
         assert "runs 2 layers on the weights of 1 (shared across its depth" in message, message
 
 
-def encoder_decoder_pipeline_case() -> str:
-    setup_parallel(pp=2)
-    try:
-        meshpar.parallelize(build("t5", layers=2), {"pipeline_parallel_size": 2, "num_microbatches": 2})
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
 def test_encoder_decoder_pipelines_are_refused_naming_why() -> None:
-    for message in run_distributed(encoder_decoder_pipeline_case, 2):
+    for message in run_distributed(pipeline_refusal_case, 2, "t5"):
         assert "T5ForConditionalGeneration is an encoder-decoder: meshpar does not yet split its two stacks" in message
 
 
