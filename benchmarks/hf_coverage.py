@@ -212,10 +212,46 @@ def _refused(error: Exception) -> str:
     return "refused: " + str(error).split(". ")[0][:160]
 
 
+def _step_verdict(
+    model: torch.nn.Module,
+    dense: torch.nn.Module,
+    optimizer: object,
+    loss: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    what: str = "",
+    param_floor: float = 0.0,
+) -> str:
+    """ "OK" when the step's loss, this rank's grads and, after ``optimizer.step()`` (the dense model already
+    stepped), its parameters equal the dense model's within 1e-4 relative, else "FAIL: ..." (``what`` first). A grad
+    whose norm is ~0 in exact arithmetic (a router that barely matters) holds rounding noise: judged against 1% of
+    the largest grad norm, as meshpar's plan verification does; parameters against ``param_floor`` x that floor
+    (at least 1e-6)."""
+    from meshpar._compat import local_tensor
+    from meshpar._shards import in_parameter_layout, local_slice
+
+    worst = abs(loss.item() - expected.item()) / max(abs(expected.item()), 1e-6)
+    floor = 1e-2 * max(p.grad.norm().item() for p in dense.parameters() if p.grad is not None)
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want, got = dense.get_parameter(name).grad, param.grad
+            if want is None or got is None:  # unused here (an expert no token was routed to)
+                if (want is None) != (got is None) and (want if got is None else got).abs().max() > 0:
+                    return f"FAIL: {what}grad of {name} missing on one side"
+                continue
+            want = local_slice(in_parameter_layout(want, module, name), param)
+            worst = max(worst, ((local_tensor(got) - want).norm() / want.norm().clamp_min(floor)).item())
+    optimizer.step()
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = local_slice(in_parameter_layout(dense.get_parameter(name).detach(), module, name), param)
+            scale = want.norm().clamp_min(max(1e-6, param_floor * floor))
+            worst = max(worst, ((local_tensor(param) - want).norm() / scale).item())
+    return "OK" if worst < 1e-4 else f"FAIL: {what}max relative error {worst:.1e}"
+
+
 def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     import meshpar
-    from meshpar._compat import DTensor
-    from meshpar._shards import in_parameter_layout, local_slice
     from meshpar.optim import DistributedOptimizer
     from meshpar.testing import setup_parallel
 
@@ -246,28 +282,7 @@ def _case(model_type: str, tp: int, pp: int, sp: bool = False) -> str:
     rows = 4 // dims.dp
     mine = ids[dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
     loss = model.train_step(input_ids=mine, labels=mine)
-    worst = abs(loss.item() - expected.loss.item()) / abs(expected.loss.item())
-    # a grad whose norm is ~0 in exact arithmetic (a router that barely matters) holds rounding noise: judged against
-    # 1% of the largest grad norm, as meshpar's plan verification does
-    floor = 1e-2 * max(p.grad.norm().item() for p in dense.parameters() if p.grad is not None)
-    for module in model.local_modules():
-        for name, param in module.named_parameters():
-            want, got = dense.get_parameter(name).grad, param.grad
-            if want is None or got is None:  # unused here (an expert no token was routed to)
-                if (want is None) != (got is None) and (want if got is None else got).abs().max() > 0:
-                    return f"FAIL: grad of {name} missing on one side"
-                continue
-            want = local_slice(in_parameter_layout(want, module, name), param)
-            got = got.to_local() if isinstance(got, DTensor) else got
-            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(floor)).item())
-    optimizer.step()
-    for module in model.local_modules():
-        for name, param in module.named_parameters():
-            want = dense.get_parameter(name).detach()
-            want = local_slice(in_parameter_layout(want, module, name), param)
-            got = param.to_local() if isinstance(param, DTensor) else param
-            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-6)).item())
-    return "OK" if worst < 1e-4 else f"FAIL: max relative error {worst:.1e}"
+    return _step_verdict(model, dense, optimizer, loss, expected.loss)
 
 
 def _head_batch(kind: str, rows: int) -> dict[str, torch.Tensor]:
@@ -293,8 +308,6 @@ def _head_batch(kind: str, rows: int) -> dict[str, torch.Tensor]:
 def _head_case(model_type: str, kind: str, tp: int, pp: int) -> str:
     """One SGD step of the family's ``kind`` head against the dense one (4 rows: 3 + 1 over dp=2)."""
     import meshpar
-    from meshpar._compat import local_tensor
-    from meshpar._shards import in_parameter_layout, local_slice
     from meshpar.optim import DistributedOptimizer
     from meshpar.testing import setup_parallel
 
@@ -319,26 +332,9 @@ def _head_case(model_type: str, kind: str, tp: int, pp: int) -> str:
         loss = model.train_step(**{k: v[start:stop] for k, v in data.items()})
     except (ValueError, NotImplementedError) as error:
         return _refused(error)
-    worst = abs(loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1e-6)
-    floor = 1e-2 * max(p.grad.norm().item() for p in dense.parameters() if p.grad is not None)
-    for module in model.local_modules():
-        for name, param in module.named_parameters():
-            want, got = dense.get_parameter(name).grad, param.grad
-            if want is None or got is None:
-                if (want is None) != (got is None) and (want if got is None else got).abs().max() > 0:
-                    return f"FAIL: {kind} head: grad of {name} missing on one side"
-                continue
-            want = local_slice(in_parameter_layout(want, module, name), param)
-            worst = max(worst, ((local_tensor(got) - want).norm() / want.norm().clamp_min(floor)).item())
-    optimizer.step()
     # a parameter near zero (a classifier's bias, whose grad is ~0 in exact arithmetic) moved by lr x rounding noise:
     # judged against lr x the grads' floor, as its grad is against the floor
-    for module in model.local_modules():
-        for name, param in module.named_parameters():
-            want = local_slice(in_parameter_layout(dense.get_parameter(name).detach(), module, name), param)
-            scale = want.norm().clamp_min(max(1e-6, 0.1 * floor))
-            worst = max(worst, ((local_tensor(param) - want).norm() / scale).item())
-    return "OK" if worst < 1e-4 else f"FAIL: {kind} head: max relative error {worst:.1e}"
+    return _step_verdict(model, dense, optimizer, loss, expected.loss, what=f"{kind} head: ", param_floor=0.1)
 
 
 def _heads(model_type: str) -> str:

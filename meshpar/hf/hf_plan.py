@@ -11,9 +11,10 @@ the modules that use it; nothing is guessed from module names.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,23 @@ def takes_use_cache(model: nn.Module) -> bool:
     """Whether the HF model's forward takes ``use_cache``, by name or through ``**kwargs`` (GraniteMoE's)."""
     params = inspect.signature(type(model).forward).parameters
     return "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@contextlib.contextmanager
+def dense_probe(model: nn.Module, grad: bool = False) -> Iterator[tuple[Callable[..., object], torch.Tensor]]:
+    """A forward of the dense model on a tiny batch of token ids, in eval mode with the RNG untouched (each module's
+    mode restored after), for reading what it does: yields (the function that runs it, with any extra keyword
+    arguments such as labels; the ids)."""
+    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(iter(model.parameters())).device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
+            yield (lambda **extra: model(input_ids=ids, use_cache=False, **extra)), ids
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def text_config(config: object) -> object:

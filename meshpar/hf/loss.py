@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshpar._compat import DeviceMesh
-from meshpar.hf.hf_plan import takes_use_cache
+from meshpar.hf.hf_plan import dense_probe
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel import parallel_cross_entropy
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX, token_cross_entropy
@@ -43,19 +43,11 @@ def causal_labels_shifted(model: nn.Module) -> bool:
             f"{type(model).__name__} computes its own causal-LM loss, whose label alignment meshpar proves on the "
             "dense model, which a model built on meta cannot run; build it on cpu"
         )
-    vocab = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "vocab_size", None) or 2
-    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(next(iter(model.parameters())).device)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(input_ids=ids, labels=ids, **({"use_cache": False} if takes_use_cache(model) else {}))
+        with dense_probe(model) as (forward, ids):
+            out = forward(labels=ids)
     except Exception:  # the forward needs more than ids (a multimodal model): the forward's own words decide
         out = None
-    finally:
-        for module, training in modes:
-            module.training = training
     if out is not None and getattr(out, "loss", None) is not None and getattr(out, "logits", None) is not None:
         logits = out.logits.float()
         candidates = {

@@ -269,7 +269,7 @@ class ParallelizedModel(nn.Module):
             layout = inferred_pipeline_layout(model)
         if layout is None:
             depth = getattr(text_config(model.config), "num_hidden_layers", None)
-            lists = block_lists(model) or ([layer_container(model)] if layer_container(model) else [])
+            lists = block_lists(model) or [name for name in (layer_container(model),) if name]
             blocks = sum(len(model.get_submodule(name)) for name in lists)
             if isinstance(depth, int) and 0 < blocks < depth:
                 raise ValueError(
@@ -394,7 +394,10 @@ class ParallelizedModel(nn.Module):
         labels, inputs = self._checked_on_device(labels, inputs)
         if self.pipeline is not None:
             raise RuntimeError("with pipeline_parallel_size > 1 use loss = model.train_step(**batch, labels=labels)")
-        targets, inputs = self._split_targets(labels, inputs)
+        return self._forward_on(*self._split_targets(labels, inputs), normalizer)
+
+    def _forward_on(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> Any:
+        """:meth:`_module_forward` on a checked batch whose targets are already apart from the model's inputs."""
         if torch.is_grad_enabled():
             # a training forward needs no key/value cache, and one costs: compiled blocks guard on their layer's cache
             # slot, so each layer compiles its own graph and past dynamo's recompile limit (8) the rest run eagerly;
@@ -497,9 +500,10 @@ class ParallelizedModel(nn.Module):
                 "model with overlap_grad_reduce: false when the optimizer reduce-scatters them"
             )
         labels, inputs = self._checked_on_device(labels, inputs)
-        normalizer = self._loss_normalizer(*self._split_targets(labels, inputs))
+        targets, model_inputs = self._split_targets(labels, inputs)
+        normalizer = self._loss_normalizer(targets, model_inputs)
         if self.pipeline is None:
-            loss = self._step_loss(labels, inputs, normalizer)
+            loss = self._step_loss(targets, model_inputs, normalizer)
             loss.backward()
             loss = loss.detach()
         else:
@@ -511,11 +515,10 @@ class ParallelizedModel(nn.Module):
         # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
         return self._mean_over_dp(loss) if self.pipeline is None else loss
 
-    def _step_loss(
-        self, labels: torch.Tensor | None, inputs: dict[str, Any], normalizer: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The loss a step trains or evaluates: the output's ``loss`` (meshpar's for the heads it knows)."""
-        out = self._module_forward(labels, inputs, normalizer)
+    def _step_loss(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> torch.Tensor:
+        """The loss a step (pp=1) trains or evaluates on a checked batch split by :meth:`_split_targets`: the
+        output's ``loss`` (meshpar's for the heads it knows)."""
+        out = self._forward_on(targets, inputs, normalizer)
         if getattr(out, "loss", None) is None:
             others = [k for k in out if k.endswith("loss") and k != "loss"] if hasattr(out, "keys") else []
             raise ValueError(
@@ -551,10 +554,11 @@ class ParallelizedModel(nn.Module):
         """The mean loss of the global batch without gradients, in eval mode (no dropout; the mode is restored
         after), on every rank (pipeline: forward-only schedule)."""
         labels, inputs = self._checked_on_device(labels, inputs)
-        normalizer = self._loss_normalizer(*self._split_targets(labels, inputs))
+        targets, model_inputs = self._split_targets(labels, inputs)
+        normalizer = self._loss_normalizer(targets, model_inputs)
         with self._eval_mode():
             if self.pipeline is None:
-                return self._mean_over_dp(self._step_loss(labels, inputs, normalizer))
+                return self._mean_over_dp(self._step_loss(targets, model_inputs, normalizer))
             # already the dp mean on every rank
             return self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
 

@@ -31,7 +31,6 @@ refused there.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,7 +41,7 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name
+from meshpar.hf.hf_plan import base_model_name, dense_probe
 from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
@@ -198,22 +197,6 @@ def _layer_list(model: nn.Module, holder: nn.Module) -> str | None:
     return lists[0] if len(lists) == 1 else None
 
 
-@contextlib.contextmanager
-def _probe(model: nn.Module, grad: bool = False) -> Iterator[Callable[[], object]]:
-    """A forward of the dense model on a tiny batch, in eval mode with the RNG untouched, for reading what it does
-    (hooks set by the caller); yields the function that runs it."""
-    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(next(iter(model.parameters())).device)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
-            yield lambda: model(input_ids=ids, use_cache=False)
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
     """Every call of a child of ``holder`` (a list: its first element's) in order, in the dense model's forward on a
     tiny batch: registration order need not be run order.
@@ -227,7 +210,7 @@ def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
         handles.append(calls.register_forward_pre_hook(lambda *_, n=name: calls_seen.append(n)))
     try:
-        with _probe(model) as forward:
+        with dense_probe(model) as (forward, _):
             forward()
     finally:
         for handle in handles:
@@ -286,7 +269,7 @@ def _layer_calls(model: nn.Module, container: str) -> _LayerCalls:
         handles.append(layer.register_forward_pre_hook(lambda _m, a, k, i=index: record(i, a, k), with_kwargs=True))
         handles.append(layer.register_forward_hook(lambda _m, _a, out: output(out)))
     try:
-        with _probe(model, grad=True) as forward:
+        with dense_probe(model, grad=True) as (forward, _):
             forward()
     finally:
         for handle in handles:
