@@ -1,7 +1,9 @@
 """Gradient norm and clipping over every way a model is split.
 
 A grad that is sharded along a mesh dim (tp shards, FSDP/ZeRO-2 dp shards) contributes its local part and is summed
-over that dim; a replicated grad (``Replicate()`` DTensors and plain tensors of a tp model) counts once. Stages of a
+over that dim; a replicated grad (``Replicate()`` DTensors and plain tensors of a tp model) counts once. A plain
+tensor whose parameter is marked ``tensor_model_parallel`` (the Megatron / NxD attribute the apex and NxD views'
+layers put on their plain local shards) is a tp shard: its local part is summed over tp. Stages of a
 pipeline hold different parameters, so the per-stage totals are summed over pp; a parameter that a second stage holds
 a copy of (a tied embedding on the last stage, see :func:`mark_shared_copy`) counts once, on the stage that owns it.
 Every rank gets the same total norm.
@@ -29,6 +31,10 @@ def mark_shared_copy(param: torch.Tensor) -> None:
 
 def _device(dims: ParallelDims | None) -> torch.device:
     return dims.device if dims is not None else torch.device("cpu")
+
+
+def _plain_tp_shard(param: torch.Tensor) -> bool:
+    return not isinstance(param, DTensor) and bool(getattr(param, "tensor_model_parallel", False))
 
 
 def _counted(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,13 +73,17 @@ def total_grad_norm(
             )
             meshes[key] = grad.device_mesh
             groups.setdefault(key, []).append(grad.to_local())
+        elif _plain_tp_shard(param) and dims is not None and dims.tp > 1:
+            groups.setdefault(("plain tp shard",), []).append(grad)
         else:
             groups.setdefault(("plain",), []).append(grad)
     device = _device(dims)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         value = _local_power(grads, norm_type).to(device)
-        if key != ("plain",):
+        if key == ("plain tp shard",):
+            dist.all_reduce(value, op=op, group=dims.tp_mesh.get_group())
+        elif key != ("plain",):
             mesh = meshes[key]
             for dim in key[1]:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
@@ -89,7 +99,7 @@ def _counts_here(param: torch.Tensor, dims: ParallelDims | None) -> bool:
     if isinstance(param, DTensor):
         coordinate = param.device_mesh.get_coordinate()
         return all(c == 0 for c, p in zip(coordinate, param.placements, strict=True) if isinstance(p, Replicate))
-    return dims is None or dims.tp_rank == 0
+    return dims is None or dims.tp_rank == 0 or _plain_tp_shard(param)
 
 
 def partitioned_grad_norm(

@@ -110,6 +110,8 @@ def pad_model(
     n_heads: int,
     wrapped_classes: Iterable[type] = (),
     pad_hook_fn: Callable[[nn.Module, float], None] | None = None,
+    *,
+    layer_padders: dict[type, Callable[[nn.Module, int, int], None]] | None = None,
 ) -> nn.Module:
     """NxD's ``pad_model``: pad attention from ``n_heads`` to the next multiple of ``tp_degree`` heads.
 
@@ -118,7 +120,8 @@ def pad_model(
     n_heads`` (zero heads at the end), and ``pad_hook_fn(module, tgt_src_ratio)`` is called for every instance of
     ``wrapped_classes`` (to fix what the padding cannot know, a split size, say). Unsharded GPT-2, Llama
     (multi-head) and BERT attention modules, as HF builds them, are padded head by head (fused QKV included), so
-    ``meshpar.parallelize`` can then shard them; the model's config gets the padded head count.
+    ``meshpar.parallelize`` can then shard them; the model's config gets the padded head count. ``layer_padders``
+    pads other sharded layer classes (a compatibility view's own): ``padder(layer, n_heads, padded_heads)``.
     """
     wrapped = tuple(wrapped_classes)
     padded = n_heads + get_number_of_extra_heads(n_heads, tp_degree)
@@ -135,7 +138,11 @@ def pad_model(
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            padder = next((fn for cls, fn in (layer_padders or {}).items() if isinstance(module, cls)), None)
+            if padder is not None:
+                padder(module, n_heads, padded)
+                touched += 1
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 _pad_sharded_dim(module, n_heads, padded)
                 touched += 1
             elif type(module).__name__ in _BUILTIN:

@@ -191,6 +191,21 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
+def _parameter_attributes(module: nn.Module) -> dict[str, dict[str, object]]:
+    """The Python attributes of each parameter of ``module``, by FQN: NxD's and apex's ``tensor_model_parallel`` /
+    ``partition_dim`` say how a plain local shard is split, and grad norms and checkpoints read them."""
+    return {name: dict(vars(p)) for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _restore_parameter_attributes(module: nn.Module, attributes: dict[str, dict[str, object]]) -> None:
+    """Give ``module``'s parameters back the attributes :func:`_parameter_attributes` read (``deepcopy`` and
+    ``to_empty`` make new Parameter objects without them)."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        for key, value in attributes.get(name, {}).items():
+            if not key.startswith("_") and not hasattr(param, key):
+                setattr(param, key, value)
+
+
 def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Sequence[str] = ()) -> nn.Module:
     """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``.
     ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage, and so is every module outside
@@ -207,6 +222,7 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Seq
     dropped += [m for m in map(model.get_submodule, elsewhere) if _holds_state(m)]
     memo: dict[int, object] = {id(m): None for m in dropped}
     stage_model = copy.deepcopy(model, memo)
+    _restore_parameter_attributes(stage_model, _parameter_attributes(model))
     new_container = stage_model.get_submodule(plan.container) if plan.container else stage_model
     kept = {k: m for k, m in new_container._modules.items() if m is not None}
     if isinstance(new_container, nn.ModuleList):
@@ -232,7 +248,9 @@ def _materialize(
     """Allocate a meta-built stage on ``device`` and initialise it: ``stage_init_fn(stage)`` once, or NxD's
     ``param_init_fn(module)`` for every module (each initialises its own parameters, not its submodules'), or every
     submodule's ``reset_parameters()``."""
+    attributes = _parameter_attributes(module)
     module.to_empty(device=device)
+    _restore_parameter_attributes(module, attributes)
     if stage_init_fn is not None:
         stage_init_fn(module)
     elif param_init_fn is not None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshpar.compat._shards import strided_local_part
 from meshpar.compat.apex.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -98,10 +99,8 @@ def _initialize_affine_weight_cpu(
     init_method(master)
     master = master.to(dtype=params_dtype)
     dims = get_parallel()
-    blocks = torch.split(master, divide(per_partition_size, stride), dim=partition_dim)
-    mine = blocks[dims.tp_rank :: dims.tp]
     with torch.no_grad():
-        weight.copy_(torch.cat(mine, dim=partition_dim))
+        weight.copy_(strided_local_part(master, partition_dim, per_partition_size, stride, dims.tp_rank, dims.tp))
     return master if return_master_weight else None
 
 

@@ -23,7 +23,13 @@ from meshpar.compat.nxd.parallel_layers.mappings import (
 )
 from meshpar.compat.nxd.parallel_layers.parallel_state import initialize_model_parallel
 from meshpar.compat.nxd.parallel_layers.random import get_xla_rng_tracker, model_parallel_xla_manual_seed
-from meshpar.data import move_model_to_device
+from meshpar.compat.nxd.parallel_layers.utils import (
+    copy_tensor_model_parallel_attributes,
+    move_model_to_device,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+    split_tensor_along_last_dim,
+)
 
 # NxD's lists of what its pipeline tracer keeps as leaves
 PARALLEL_MODULES = [ColumnParallelLinear, RowParallelLinear, ParallelEmbedding]
@@ -54,6 +60,10 @@ __all__ = [
     "ParallelEmbedding",
     "RowParallelLinear",
     "clip_grad_norm",
+    "copy_tensor_model_parallel_attributes",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+    "split_tensor_along_last_dim",
     "load",
     "loss_functions",
     "move_model_to_device",

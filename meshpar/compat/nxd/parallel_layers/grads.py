@@ -1,18 +1,167 @@
-"""``neuronx_distributed.parallel_layers.grads``: the global grad norm clip over tp, pp and dp."""
+"""``neuronx_distributed.parallel_layers.grads``: NxD's global grad norm and clipping, its data-parallel bucketed
+grad all-reduce and the sequence-parallel grad sum.
+
+The norm is meshpar's (:func:`meshpar.grad_clip.total_grad_norm`), which reads NxD's parameter attributes: a grad of
+a ``tensor_model_parallel`` parameter is this rank's part (summed over tp), any other plain grad is a copy every tp
+rank holds (counted once), DTensor grads are counted by their placements; parameters marked ``shared`` (NxD) or as
+a shared pipeline copy (meshpar) are skipped; stage totals are summed over pp. With ``zero1_optimizer`` the grads
+are disjoint ZeRO-1 parts and the shares are summed over the world (or over ``zero1_optimizer_groups``).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshpar import grad_clip
+from meshpar.compat.nxd.parallel_layers.utils import param_is_not_tensor_parallel_duplicate
 from meshpar.parallel_dims import get_parallel, is_initialized
 
-__all__ = ["clip_grad_norm"]
+# NxD's default bucket size for the data-parallel grad all-reduce (``ALLREDUCE_BUCKET_CAP_MB`` overrides it)
+_ALLREDUCE_BUCKET_CAP_MB = 512
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """NxD's ``clip_grad_norm``: meshpar's over the mesh NxD's ``initialize_model_parallel`` set up (a single process
-    without one: the parameters alone); returns the norm before clipping."""
-    return grad_clip.clip_grad_norm(parameters, max_norm, norm_type, dims=get_parallel() if is_initialized() else None)
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    return not getattr(param, "shared", False)
+
+
+def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def get_grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2,
+    zero1_optimizer: bool = False,
+    zero1_optimizer_groups: list[list[int]] | None = None,
+    force_spmd: bool = True,
+) -> torch.Tensor:
+    """The norm of all grads as if the model were dense on one device (see the module docstring). ``force_spmd``
+    picks how NxD counts a grad every tp rank holds (1/tp on each rank, or all on tp rank 0): the same number."""
+    if not zero1_optimizer and zero1_optimizer_groups is not None:
+        raise ValueError("zero1_optimizer_groups given with zero1_optimizer=False")
+    params = [p for p in _as_list(parameters) if p.grad is not None and param_is_not_shared(p)]
+    dims = get_parallel() if is_initialized() else None
+    if not zero1_optimizer:
+        return grad_clip.total_grad_norm(params, norm_type, dims=dims)
+    group = _my_group(zero1_optimizer_groups) if zero1_optimizer_groups is not None else None
+    return grad_clip.partitioned_grad_norm([(p, p.grad) for p in params], norm_type, group, dims=dims)
+
+
+def _my_group(groups: list[list[int]]) -> dist.ProcessGroup:
+    """The process group of the listed rank groups that holds this rank (every rank creates every group, as c10d
+    requires)."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    if mine is None:
+        raise ValueError(f"rank {dist.get_rank()} is in none of the groups {groups}")
+    return mine
+
+
+def clip_grads_with_norm(parameters: Iterable[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale every grad by ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
+    params = _as_list(parameters)
+    if not params:
+        raise ValueError("clip_grads_with_norm: parameters is empty")
+    coefficient = torch.clamp(max_norm / (total_norm + 1.0e-6), max=1.0)
+    for param in params:
+        if param.grad is not None:
+            param.grad.detach().mul_(coefficient.to(param.grad.device, param.grad.dtype))
+    return total_norm
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2,
+    zero1_optimizer: bool = False,
+    zero1_optimizer_groups: list[list[int]] | None = None,
+    force_spmd: bool = True,
+) -> torch.Tensor:
+    """Clip the grads in place to a global norm of ``max_norm``; returns the norm before clipping."""
+    params = _as_list(parameters)
+    total = get_grad_norm(params, norm_type, zero1_optimizer, zero1_optimizer_groups, force_spmd)
+    clip_grads_with_norm(params, total, max_norm)
+    return total
+
+
+def bucket_allreduce_gradients(grads_list: list[torch.Tensor], reduce_over_ep_group: bool = False) -> None:
+    """Average ``grads_list`` over dp in place, in buckets of at most ``ALLREDUCE_BUCKET_CAP_MB`` (per dtype, last
+    layer first). ``reduce_over_ep_group``: the expert-parallel group, of one rank while meshpar has no expert
+    parallelism (nothing to do)."""
+    if reduce_over_ep_group:
+        return
+    dims = get_parallel()
+    if dims.dp == 1:
+        return
+    cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _ALLREDUCE_BUCKET_CAP_MB)) * 1024 * 1024
+    group = dims.dp_mesh.get_group()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads_list:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in reversed(grads):
+            nbytes = grad.numel() * grad.element_size()
+            if bucket and size + nbytes > cap:
+                _reduce_bucket(bucket, group, dims.dp)
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += nbytes
+        if bucket:
+            _reduce_bucket(bucket, group, dims.dp)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, dp: int) -> None:
+    flat = torch.cat([grad.reshape(-1) for grad in bucket])
+    dist.all_reduce(flat, group=group)
+    flat /= dp
+    offset = 0
+    for grad in bucket:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, torch.Tensor)]
+
+
+def allreduce_sequence_parallel_gradients(optimizer: Any) -> None:
+    """Sum over tp the grads of the parameters marked ``sequence_parallel_enabled`` (norms and row-parallel biases
+    under sequence parallelism, whose grad each tp rank computed from its own part of the sequence)."""
+    dims = get_parallel()
+    grads = [p.grad for p in _optimizer_params(optimizer)
+             if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]  # fmt: skip
+    if dims.tp == 1 or not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=dims.tp_mesh.get_group())
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def allreduce_context_parallel_gradients(optimizer: Any) -> None:
+    """Sum the grads over the context-parallel group: one rank while meshpar has no context parallelism."""
+    return None
+
+
+__all__ = [
+    "allreduce_context_parallel_gradients",
+    "allreduce_sequence_parallel_gradients",
+    "bucket_allreduce_gradients",
+    "clip_grad_norm",
+    "clip_grads_with_norm",
+    "get_grad_norm",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]

@@ -1,36 +1,606 @@
-"""``neuronx_distributed.parallel_layers.layers``: the tensor-parallel layers, on the tp mesh of the parallel state
-NxD's ``initialize_model_parallel`` set up (meshpar's own layers take the mesh as an argument; NxD's API has none).
-Their parameters are DTensors on that mesh; see docs/compat.md for how they differ from NxD's plain local shards."""
+"""``neuronx_distributed.parallel_layers.layers``: NxD's tensor-parallel layers with NxD's meaning.
+
+They are their own classes, not meshpar's native layers renamed, because NxD's contract differs from meshpar's:
+
+- parameters are this rank's plain local shards (a column-parallel ``weight`` is ``[out/tp, in]``) carrying NxD's
+  attributes ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, ``num_partitions`` and
+  ``rank_ordering``; meshpar's native layers hold DTensors;
+- the constructors take NxD's arguments in NxD's order (``dtype`` and ``device`` 5th and 6th, ``stride``,
+  ``keep_master_weight``, ``pad``, ``sequence_dimension``, ``tensor_model_parallel_group``, ``reduce_dtype``, ...);
+- a layer built on CPU (``device`` ``None`` or ``"cpu"``) initialises the full weight in float32 on every rank and
+  keeps its part (cut with ``stride``, :func:`create_local_weight`), so any tp gives the same model; with
+  ``keep_master_weight`` the full weight stays as ``master_weight``. On a meta device only the shapes and
+  attributes are made. On an accelerator the weight is initialised the CPU way and moved (NxD initialises each
+  shard under its tp RNG tracker there: meshpar keeps the layer independent of tp everywhere);
+- linear layers return the output, or ``(output, bias)`` with ``skip_bias_add``; a column-parallel layer with
+  ``gather_output`` holds the full bias and adds it after the gather;
+- activations are ``[b, s, h]``; under sequence parallelism the shard is along ``sequence_dimension`` (0 when not
+  given, as in NxD).
+
+Communication is meshpar's tp collectives on the group the layer was given (the parallel state's tp group by
+default). A layer built with no parallel state warns and sets up a one-process state, as NxD does.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
-from meshpar import tensor_parallel as _native
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import init
+
+from meshpar.compat._shards import strided_local_part
+from meshpar.compat.nxd.parallel_layers.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    group_mesh,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from meshpar.compat.nxd.parallel_layers.utils import (
+    EmbeddingUtility,
+    cast_if_autocast_enabled,
+    divide,
+    ensure_parallel_state,
+    get_padding_length,
+    set_tensor_model_parallel_attributes,
+    verify_casted_dtype,
+)
 from meshpar.parallel_dims import get_parallel
+from meshpar.tensor_parallel._collectives import _all_gather, _all_reduce, _reduce_scatter
 
-__all__ = ["ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear"]
+InitMethod = Callable[[torch.Tensor], Any]
 
-
-class ColumnParallelLinear(_native.ColumnParallelLinear):
-    """NxD's ``ColumnParallelLinear`` (the signature of NxD's API guide) on the parallel state's tp mesh."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("tp_mesh", get_parallel().tp_mesh)
-        super().__init__(*args, **kwargs)
+# NxD's names for a conv kernel's channel dims ([out, in, kh, kw])
+CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION = 0
+CONV_KERNEL_INPUT_CHANNEL_DIMENSION = 1
 
 
-class RowParallelLinear(_native.RowParallelLinear):
-    """NxD's ``RowParallelLinear`` (the signature of NxD's API guide) on the parallel state's tp mesh."""
+def create_local_weight(
+    full_weight: torch.Tensor,
+    partition_dim: int,
+    per_partition_size: int,
+    stride: int,
+    out_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This tp rank's part of ``full_weight`` along ``partition_dim`` (``stride`` blocks dealt round-robin: see
+    :func:`meshpar.compat._shards.strided_local_part`), written into ``out_weight`` when given."""
+    dims = get_parallel()
+    part = strided_local_part(full_weight, partition_dim, per_partition_size, stride, dims.tp_rank, dims.tp)
+    if out_weight is None:
+        return part
+    with torch.no_grad():
+        out_weight.copy_(part)
+    return out_weight
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("tp_mesh", get_parallel().tp_mesh)
-        super().__init__(*args, **kwargs)
+
+def _initialize_parameter_cpu(
+    param: torch.Tensor,
+    partition_dim: int,
+    num_partitions: int,
+    init_method: InitMethod,
+    return_master_param: bool = False,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    stride: int = 1,
+    rank_ordering: list[int] | None = None,
+) -> torch.Tensor | None:
+    """Initialise the full parameter in float32 (then ``param_dtype``) and copy this rank's part into ``param``,
+    which may live on any device; returns the full parameter with ``return_master_param``."""
+    set_tensor_model_parallel_attributes(param, True, partition_dim, stride, num_partitions, rank_ordering)
+    shape = list(param.shape)
+    shape[partition_dim] *= num_partitions
+    master = torch.empty(shape, dtype=torch.float32)
+    init_method(master)
+    master = master.to(param_dtype)
+    create_local_weight(master.to(param.device), partition_dim, param.shape[partition_dim], stride, out_weight=param)
+    return master if return_master_param else None
 
 
-class ParallelEmbedding(_native.ParallelEmbedding):
-    """NxD's ``ParallelEmbedding`` (the signature of NxD's API guide) on the parallel state's tp mesh."""
+class BaseParallelLayer(nn.Module):
+    """Every NxD parallel layer: built without a parallel state it warns and sets up a one-process one. A layer
+    keeps its group as a mesh (``tp_mesh``, which copies and pickles); NxD's group attributes read it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("tp_mesh", get_parallel().tp_mesh)
-        super().__init__(*args, **kwargs)
+    tp_mesh: Any
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        ensure_parallel_state(device)
+
+    @property
+    def tensor_parallel_group(self) -> Any:
+        return self.tp_mesh.get_group()
+
+    @property
+    def tensor_model_parallel_group(self) -> Any:
+        return self.tp_mesh.get_group()
+
+
+def _new_parameter(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+
+class ParallelEmbedding(BaseParallelLayer):
+    """An embedding split over tp by vocabulary rows (``weight`` is ``[vocab/tp, dim]``; ids of other ranks' rows
+    look up zeros and the results are summed over tp) or, with ``shard_across_embedding``, by embedding columns
+    (``[vocab, dim/tp]``, gathered). ``collect_output=False`` returns this rank's part unreduced; under sequence
+    parallelism the sum is reduce-scattered along the sequence (``sequence_dimension``; without one NxD's layout
+    rule: the ``[b, s, h]`` output is transposed to ``[s, b, h]`` and split along dim 0)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        init_method: InitMethod = init.normal_,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        shard_across_embedding: bool = False,
+        pad: bool = False,
+        sequence_parallel_enabled: bool = False,
+        tensor_model_parallel_group: Any = None,
+        use_spmd_rank: bool = False,
+        sequence_dimension: int | None = None,
+        tile_cc: bool = False,
+        rank_ordering: list[int] | None = None,
+        collect_output: bool = True,
+    ) -> None:
+        super().__init__(device=device)
+        if use_spmd_rank:
+            raise NotImplementedError("ParallelEmbedding(use_spmd_rank=True) is NxD's SPMD inference tracing")
+        self.tp_mesh = group_mesh(tensor_model_parallel_group)
+        tp, tp_rank = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
+        self.tensor_model_parallel_size = tp
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+        self.shard_across_embedding, self.pad, self.stride = shard_across_embedding, pad, 1
+        self.sequence_parallel_enabled, self.sequence_dim = sequence_parallel_enabled, sequence_dimension
+        self.tile_cc, self.rank_ordering, self.collect_output = tile_cc, rank_ordering, collect_output
+        self.init_method, self.dtype = init_method, dtype
+        self.pad_size = 0
+        if shard_across_embedding:
+            if pad:
+                self.pad_size = get_padding_length(embedding_dim, tp)
+                self.embedding_dim += self.pad_size
+            self.num_embeddings_per_partition = self.num_embeddings
+            self.embedding_dim_per_partition = divide(self.embedding_dim, tp)
+            self.padding_idx = padding_idx
+            self.per_partition_size, self.weight_partition_dim = self.embedding_dim_per_partition, 1
+        else:
+            if pad:
+                self.pad_size = get_padding_length(num_embeddings, tp)
+                self.num_embeddings += self.pad_size
+            self.start_index, self.end_index = EmbeddingUtility.range_from_global_vocab_size(
+                self.num_embeddings, tp_rank, tp
+            )
+            self.num_embeddings_per_partition = self.end_index - self.start_index
+            self.embedding_dim_per_partition = self.embedding_dim
+            in_range = padding_idx is not None and self.start_index <= padding_idx < self.end_index
+            self.padding_idx = padding_idx - self.start_index if in_range else None
+            self.per_partition_size, self.weight_partition_dim = self.num_embeddings_per_partition, 0
+        shape = (self.num_embeddings_per_partition, self.embedding_dim_per_partition)
+        self.weight = _new_parameter(shape, device, dtype)
+        if self.weight.device.type == "meta":
+            set_tensor_model_parallel_attributes(self.weight, True, self.weight_partition_dim, 1, tp, rank_ordering)
+        else:
+            self.init_weight_cpu()
+
+    def init_weight_cpu(self) -> None:
+        _initialize_parameter_cpu(
+            self.weight, self.weight_partition_dim, self.tensor_model_parallel_size, self.init_method,
+            param_dtype=self.dtype, rank_ordering=self.rank_ordering,
+        )  # fmt: skip
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(
+            ids.long(), self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+            self.sparse,
+        )  # fmt: skip
+
+    def _forward_shard_across_vocab(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.tensor_model_parallel_size > 1:
+            inside = (input_ >= self.start_index) & (input_ < self.end_index)
+            out = self._lookup((input_ - self.start_index) * inside.long())
+            out = out * inside.unsqueeze(-1).to(out.dtype)
+        else:
+            out = self._lookup(input_)
+        if not self.collect_output:
+            return out
+        if self.sequence_parallel_enabled:
+            if self.sequence_dim is None:
+                out, dim = out.transpose(0, 1).contiguous(), 0
+            else:
+                dim = self.sequence_dim
+            return reduce_scatter_to_sequence_parallel_region(out, dim, self.tensor_model_parallel_group)
+        return reduce_from_tensor_model_parallel_region(out, self.tensor_model_parallel_group)
+
+    def _forward_shard_across_embed(self, input_: torch.Tensor) -> torch.Tensor:
+        out = self._lookup(input_)
+        if not self.collect_output:
+            return out
+        return gather_from_tensor_model_parallel_region(out, self.tensor_model_parallel_group)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.pad and self.training:
+            raise RuntimeError("`pad=True` is only supported for inference. Set model.eval()")
+        if not self.shard_across_embedding:
+            return self._forward_shard_across_vocab(input_)
+        out = self._forward_shard_across_embed(input_)
+        if self.pad and self.pad_size > 0 and self.collect_output:
+            out = out.narrow(-1, 0, self.embedding_dim - self.pad_size)
+        return out
+
+    def preshard_hook(self, model_state_dict: dict[str, Any], prefix: str) -> None:
+        """Pad a full checkpoint tensor ``model_state_dict[prefix]`` to the padded size before it is sharded."""
+        if not self.pad or self.pad_size == 0:
+            return
+        size = model_state_dict[prefix].shape[self.weight_partition_dim]
+        full = self.embedding_dim if self.shard_across_embedding else self.num_embeddings
+        if full != size + self.pad_size:
+            raise RuntimeError(f"state dict {prefix} has size {size}; expected {full - self.pad_size}")
+        padding = (0, self.pad_size) if self.shard_across_embedding else (0, 0, 0, self.pad_size)
+        model_state_dict[prefix] = F.pad(model_state_dict[prefix], padding)
+
+
+class LinearWithAsyncCommunication(torch.autograd.Function):
+    """``input @ weight^T + bias`` for this rank's weight shard with the input's tp communication folded in:
+
+    - ``sequence_parallel_enabled``: the input is this rank's sequence shard along ``sequence_dimension``; forward
+      all-gathers it, backward reduce-scatters the input grad;
+    - ``async_grad_allreduce``: the input is replicated; backward sums its grad over the group.
+
+    Both reductions of the input grad run in ``reduce_dtype`` and are returned in the grad's dtype.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        async_grad_allreduce: bool,
+        sequence_parallel_enabled: bool,
+        sequence_dimension: int | None = 0,
+        save_for_backward: bool = True,
+        process_group: Any = None,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        mesh = group_mesh(process_group)
+        dim = 0 if sequence_dimension is None else sequence_dimension
+        gather = sequence_parallel_enabled and mesh.size() > 1
+        ctx.mesh, ctx.dim, ctx.gather = mesh, dim, gather
+        ctx.async_grad_allreduce = async_grad_allreduce and mesh.size() > 1
+        ctx.use_bias, ctx.reduce_dtype = bias is not None, reduce_dtype
+        ctx.compute_weight_gradient = weight.requires_grad
+        ctx.save_for_backward(input, weight)
+        total = _all_gather(input, mesh, dim) if gather else input
+        output = torch.matmul(total, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight = ctx.saved_tensors
+        mesh = ctx.mesh
+        grad_input = grad_output.matmul(weight)
+        dtype = grad_input.dtype
+        if ctx.gather:
+            grad_input = _reduce_scatter(grad_input.to(ctx.reduce_dtype), mesh, ctx.dim).to(dtype)
+        elif ctx.async_grad_allreduce:
+            grad_input = _all_reduce(grad_input.to(ctx.reduce_dtype), mesh).to(dtype)
+        grad_weight = grad_bias = None
+        if ctx.compute_weight_gradient:
+            total = _all_gather(input, mesh, ctx.dim) if ctx.gather else input
+            flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_with_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    async_grad_allreduce: bool,
+    sequence_parallel_enabled: bool,
+    sequence_dimension: int | None = 0,
+    autograd_func_class: type[torch.autograd.Function] = LinearWithAsyncCommunication,
+    save_for_backward: bool = True,
+    process_group: Any = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:class:`LinearWithAsyncCommunication` (or ``autograd_func_class``) with autocast's cast applied to its
+    inputs first and autocast off inside."""
+    args = cast_if_autocast_enabled(
+        input, weight, bias, async_grad_allreduce, sequence_parallel_enabled, sequence_dimension, save_for_backward,
+        process_group, reduce_dtype,
+    )  # fmt: skip
+    verify_casted_dtype(args)
+    with torch.autocast(device_type=input.device.type, enabled=False):
+        return autograd_func_class.apply(*args)
+
+
+class BaseParallelLinear(BaseParallelLayer):
+    """What NxD's linear layers share: the weight init (``init_method`` or ``nn.Linear``'s Kaiming uniform), the
+    bias init and the refusal to train a padded layer."""
+
+    autograd_func_class: type[torch.autograd.Function] = LinearWithAsyncCommunication
+
+    def _init_weight(self, weight: torch.Tensor) -> None:
+        if self.arg_init_method is None:
+            init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            self.arg_init_method(weight)
+
+    def _init_bias(self) -> None:
+        fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        init.uniform_(self.bias, -bound, bound)
+
+    def _check_pad_false_for_training(self) -> None:
+        if self.pad and self.training:
+            raise RuntimeError("`pad=True` is only supported for inference. Set model.eval()")
+
+    def _make_weight(self) -> None:
+        tp = self.tp_mesh.size()
+        self.weight = _new_parameter(self.weight_shape, self.device, self.dtype)
+        self.device = self.weight.device
+        self.master_weight = None
+        if self.device.type == "meta":
+            set_tensor_model_parallel_attributes(
+                self.weight, True, self.weight_partition_dim, self.stride, tp, self.rank_ordering
+            )
+        else:
+            self.init_weight_cpu()
+
+    def init_weight_cpu(self) -> None:
+        self.master_weight = _initialize_parameter_cpu(
+            self.weight, self.weight_partition_dim, self.tp_mesh.size(), self._init_weight, self.keep_master_weight,
+            param_dtype=self.dtype, stride=self.stride, rank_ordering=self.rank_ordering,
+        )  # fmt: skip
+
+    def _make_bias(self) -> None:
+        if self.bias_shape is None:
+            self.register_parameter("bias", None)
+            return
+        self.bias = _new_parameter(self.bias_shape, self.device, self.dtype)
+        if self.bias.device.type != "meta":
+            self._init_bias()
+
+
+def _sequence_dimension(sequence_parallel_enabled: bool, sequence_dimension: int | None) -> int | None:
+    return 0 if sequence_parallel_enabled and sequence_dimension is None else sequence_dimension
+
+
+class ColumnParallelLinear(BaseParallelLinear):
+    """``Y = X A^T + b`` with ``A`` split by output features (``weight`` ``[out/tp, in]``). The input is replicated
+    or, with ``sequence_parallel_enabled``, this rank's sequence shard. The output is this rank's ``[..., out/tp]``
+    or, with ``gather_output``, the full ``[..., out]``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        stride: int = 1,
+        init_method: InitMethod | None = None,
+        sequence_parallel_enabled: bool = False,
+        sequence_dimension: int | None = None,
+        keep_master_weight: bool = False,
+        skip_bias_add: bool = False,
+        pad: bool = False,
+        pad_alignment_size_per_rank: int = 1,
+        keep_padded_output: bool = False,
+        tensor_model_parallel_group: Any = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        rank_ordering: list[int] | None = None,
+    ) -> None:
+        super().__init__(device=device)
+        self.tp_mesh = group_mesh(tensor_model_parallel_group)
+        tp = self.tp_mesh.size()
+        self.input_size, self.output_size, self.add_bias = input_size, output_size, bias
+        self.gather_output, self.arg_init_method, self.rank_ordering = gather_output, init_method, rank_ordering
+        self.pad, self.keep_padded_output, self.pad_size = pad, keep_padded_output, 0
+        if pad:
+            self.pad_size = get_padding_length(output_size, pad_alignment_size_per_rank * tp)
+            self.output_size += self.pad_size
+        self.output_size_per_partition = divide(self.output_size, tp)
+        self.dtype, self.device, self.stride = dtype, device, stride
+        self.keep_master_weight, self.skip_bias_add = keep_master_weight, skip_bias_add
+        if sequence_parallel_enabled and gather_output:
+            raise RuntimeError("ColumnParallelLinear: sequence_parallel_enabled=True requires gather_output=False")
+        self.async_tensor_model_parallel_allreduce = not sequence_parallel_enabled and tp > 1
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.sequence_dimension = _sequence_dimension(sequence_parallel_enabled, sequence_dimension)
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else dtype
+        self.initialize_weight_and_bias()
+        self._forward_impl = linear_with_async_allreduce
+
+    def set_weight_and_bias_config(self) -> None:
+        self.weight_shape = (self.output_size_per_partition, self.input_size)
+        self.weight_partition_dim = 0
+        self.bias_shape = None
+        if self.add_bias:
+            self.bias_shape = (self.output_size if self.gather_output else self.output_size_per_partition,)
+            self.bias_partition_dim = 0
+
+    def initialize_weight_and_bias(self) -> None:
+        self.set_weight_and_bias_config()
+        self._make_weight()
+        self._make_bias()
+        if self.bias is not None and not self.gather_output:
+            set_tensor_model_parallel_attributes(
+                self.bias, True, self.bias_partition_dim, self.stride, self.tp_mesh.size(), self.rank_ordering
+            )
+
+    def forward(
+        self, input: torch.Tensor, slice_indices: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_pad_false_for_training()
+        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel_enabled:
+            x = input  # the linear function handles the input's communication
+        else:
+            x = copy_to_tensor_model_parallel_region(input, self.tensor_parallel_group)
+        weight = self.weight[slice_indices, :] if slice_indices is not None else self.weight
+        output = self._forward_impl(
+            input=x, weight=weight, bias=None, async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
+            sequence_parallel_enabled=self.sequence_parallel_enabled, sequence_dimension=self.sequence_dimension,
+            autograd_func_class=self.autograd_func_class, process_group=self.tensor_parallel_group,
+            reduce_dtype=self.reduce_dtype,
+        )  # fmt: skip
+        bias = self.bias
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+            if self.pad and self.pad_size > 0 and not self.keep_padded_output:
+                # the padded outputs are dropped, and the full bias's padded entries with them
+                output = output.narrow(-1, 0, self.output_size - self.pad_size)
+                bias = bias[: self.output_size - self.pad_size] if bias is not None else None
+        if self.skip_bias_add:
+            return output, bias
+        return output + bias if bias is not None else output
+
+    def preshard_hook(self, model_state_dict: dict[str, Any], prefix: str) -> None:
+        """Pad a full checkpoint weight / bias to the padded output size before it is sharded (bias with the
+        dtype's lowest value, so padded logits never win)."""
+        if not self.pad or self.pad_size == 0:
+            return
+        size = model_state_dict[prefix].shape[0]
+        if self.output_size != size + self.pad_size:
+            raise RuntimeError(f"state dict {prefix} has size {size}; expected {self.output_size - self.pad_size}")
+        tensor = model_state_dict[prefix]
+        if prefix.endswith("weight"):
+            model_state_dict[prefix] = F.pad(tensor, (0, 0, 0, self.pad_size))
+        elif prefix.endswith("bias"):
+            model_state_dict[prefix] = F.pad(tensor, (0, self.pad_size), value=torch.finfo(tensor.dtype).min)
+        else:
+            raise RuntimeError(f"cannot tell how to pad {prefix}: the name must end with weight or bias")
+
+
+class RowParallelLinear(BaseParallelLinear):
+    """``Y = X A^T + b`` with ``A`` split by input features (``weight`` ``[out, in/tp]``, ``bias`` the full
+    ``[out]``). The input is this rank's feature slice (``input_is_parallel``) or the full input, sliced here. The
+    partial products are summed over tp in ``reduce_dtype`` (``reduce_output=False``: returned unsummed) or, with
+    ``sequence_parallel_enabled``, reduce-scattered along ``sequence_dimension``; every rank adds the bias after
+    (under sequence parallelism to its own shard, so the bias grad is partial: NxD's
+    ``allreduce_sequence_parallel_gradients`` sums it)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        stride: int = 1,
+        init_method: InitMethod | None = None,
+        sequence_parallel_enabled: bool = False,
+        sequence_dimension: int | None = None,
+        keep_master_weight: bool = False,
+        skip_bias_add: bool = False,
+        pad: bool = False,
+        reduce_output: bool = True,
+        tensor_model_parallel_group: Any = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        tile_cc: bool = False,
+        rank_ordering: list[int] | None = None,
+    ) -> None:
+        super().__init__(device=device)
+        self.tp_mesh = group_mesh(tensor_model_parallel_group)
+        tp = self.tp_mesh.size()
+        self.input_size, self.output_size, self.add_bias = input_size, output_size, bias
+        self.input_is_parallel, self.pad, self.reduce_output, self.pad_size = input_is_parallel, pad, reduce_output, 0
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else dtype
+        self.tile_cc, self.rank_ordering, self.arg_init_method = tile_cc, rank_ordering, init_method
+        if pad:
+            self.pad_size = get_padding_length(input_size, tp)
+            self.input_size += self.pad_size
+        self.input_size_per_partition = divide(self.input_size, tp)
+        if sequence_parallel_enabled and not input_is_parallel:
+            raise RuntimeError("To enable `sequence_parallel_enabled`, `input_is_parallel` must be `True`")
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.sequence_dimension = _sequence_dimension(sequence_parallel_enabled, sequence_dimension)
+        self.dtype, self.device, self.stride = dtype, device, stride
+        self.keep_master_weight, self.skip_bias_add = keep_master_weight, skip_bias_add
+        self.initialize_weight_and_bias()
+        self._forward_impl = linear_with_async_allreduce
+
+    def set_weight_and_bias_config(self) -> None:
+        self.weight_shape = (self.output_size, self.input_size_per_partition)
+        self.weight_partition_dim = 1
+        self.bias_shape = (self.output_size,) if self.add_bias else None
+
+    def initialize_weight_and_bias(self) -> None:
+        self.set_weight_and_bias_config()
+        self._make_weight()
+        self._make_bias()
+        if self.bias is not None:
+            self.bias.sequence_parallel_enabled = self.sequence_parallel_enabled
+
+    def _init_bias(self) -> None:
+        bound = 1 / math.sqrt(self.input_size_per_partition) if self.input_size_per_partition > 0 else 0
+        init.uniform_(self.bias, -bound, bound)
+
+    def forward(
+        self, input_: torch.Tensor, slice_indices: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_pad_false_for_training()
+        if self.input_is_parallel:
+            x = input_
+        else:
+            if self.pad and self.pad_size > 0:
+                input_ = F.pad(input_, (0, self.pad_size))
+            x = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
+        weight = self.weight[:, slice_indices] if slice_indices is not None else self.weight
+        output = self._forward_impl(
+            input=x, weight=weight, bias=None, async_grad_allreduce=False, sequence_parallel_enabled=False,
+            sequence_dimension=self.sequence_dimension, autograd_func_class=self.autograd_func_class,
+            process_group=self.tensor_parallel_group, reduce_dtype=self.reduce_dtype,
+        )  # fmt: skip
+        if self.reduce_output:
+            dtype = output.dtype
+            output = output.to(self.reduce_dtype)
+            if self.sequence_parallel_enabled:
+                output = reduce_scatter_to_sequence_parallel_region(
+                    output, self.sequence_dimension, self.tensor_parallel_group, dtype
+                )
+            else:
+                output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+            output = output.to(dtype)
+        if self.skip_bias_add:
+            return output, self.bias
+        return output + self.bias if self.bias is not None else output
+
+    def preshard_hook(self, model_state_dict: dict[str, Any], prefix: str) -> None:
+        """Pad a full checkpoint weight's input features to the padded size before it is sharded."""
+        if not self.pad or self.pad_size == 0 or prefix.endswith("bias"):
+            return
+        size = model_state_dict[prefix].shape[1]
+        if self.input_size != size + self.pad_size:
+            raise RuntimeError(f"state dict {prefix} has size {size}; expected {self.input_size - self.pad_size}")
+        model_state_dict[prefix] = F.pad(model_state_dict[prefix], (0, self.pad_size))
+
+
+__all__ = [
+    "CONV_KERNEL_INPUT_CHANNEL_DIMENSION",
+    "CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION",
+    "BaseParallelLayer",
+    "BaseParallelLinear",
+    "ColumnParallelLinear",
+    "LinearWithAsyncCommunication",
+    "ParallelEmbedding",
+    "RowParallelLinear",
+    "create_local_weight",
+    "linear_with_async_allreduce",
+]

@@ -1,22 +1,170 @@
-"""``neuronx_distributed.parallel_layers.mappings``: NxD's one-tensor region functions (the tp group from the
-parallel state; NxD's sequence dimension is 0, ``[s, b, h]``), the same differentiable collectives as apex's view."""
+"""``neuronx_distributed.parallel_layers.mappings``: NxD's differentiable region functions with NxD's signatures
+(an optional ``process_group``, the tp group by default; the sequence functions' ``sequence_dimension``, 0 by
+default as in NxD), on meshpar's tp collectives (:mod:`meshpar.tensor_parallel._collectives`).
 
-from meshpar.compat.apex.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
+Expert-parallel regions are the identity while meshpar has no expert parallelism (every rank holds every expert of
+its tp shard). NxD's SPMD-rank scatters (inference tracing with a rank tensor) are not provided.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh
+from meshpar.parallel_dims import get_parallel
+from meshpar.tensor_parallel._collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
 )
+
+
+def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
+    """The 1-D mesh of ``process_group``: the parallel state's tp mesh for ``None`` or the tp group itself, a mesh
+    over any other group (one of the parallel state's, or the caller's own)."""
+    dims = get_parallel()
+    if process_group is None or process_group == dims.tp_mesh.get_group():
+        return dims.tp_mesh
+    for name in ("pp", "dp"):
+        mesh = getattr(dims, f"{name}_mesh")
+        if process_group == mesh.get_group():
+            return mesh
+    return DeviceMesh.from_group(process_group, dims.device.type)
+
+
+def nonzero_partition_dim_swap(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """NxD's decorator: ``func`` works on dim 0; the wrapper moves ``partition_dim`` there and back."""
+
+    @functools.wraps(func)
+    def wrapped(x: torch.Tensor, partition_dim: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moved = x.transpose(0, partition_dim) if partition_dim != 0 else x
+        out = func(moved, 0, *args, **kwargs)
+        return out.transpose(0, partition_dim) if partition_dim != 0 else out
+
+    return wrapped
+
+
+def copy_to_tensor_model_parallel_region(
+    input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: identity; backward: the grads summed over the group."""
+    return copy_to_tp(input_, group_mesh(process_group))
+
+
+def reduce_from_tensor_model_parallel_region(
+    input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: summed over the group; backward: identity."""
+    return reduce_from_tp(input_, group_mesh(process_group))
+
+
+def reduce_from_context_model_parallel_region(
+    input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Summed over the context-parallel group (one rank while meshpar has no context parallelism: the input), or
+    over ``process_group`` when given."""
+    return input_ if process_group is None else reduce_from_tp(input_, group_mesh(process_group))
+
+
+def scatter_to_tensor_model_parallel_region(
+    input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: this rank's slice of the last dim; backward: all-gathered along it."""
+    return scatter_to_tp(input_, group_mesh(process_group), dim=-1)
+
+
+def scatter_input_channels_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Forward: this tp rank's slice of the channels (dim 1, ``[n, c, h, w]``); backward: all-gathered along it."""
+    return scatter_to_tp(input_, group_mesh(None), dim=1)
+
+
+def gather_from_tensor_model_parallel_region(
+    input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: all-gathered along the last dim; backward: this rank's slice."""
+    return gather_from_tp(input_, group_mesh(process_group), dim=-1)
+
+
+def scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, sequence_dimension: int = 0, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: this rank's slice of the sequence; backward: all-gathered along it."""
+    return scatter_to_tp(input_, group_mesh(process_group), dim=sequence_dimension)
+
+
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor,
+    sequence_dimension: int = 0,
+    to_model_parallel: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    tile_cc: bool = False,
+) -> torch.Tensor:
+    """Forward: the sequence all-gathered. Backward: reduce-scattered (the gathered tensor fed a tensor-parallel
+    region, so each rank's grad is partial) or, with ``to_model_parallel=False``, this rank's slice."""
+    mesh = group_mesh(process_group)
+    if to_model_parallel:
+        return gather_from_sp(input_, mesh, dim=sequence_dimension)
+    return gather_from_tp(input_, mesh, dim=sequence_dimension)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor,
+    sequence_dimension: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Forward: summed over the group, this rank's sequence slice kept (in ``dtype`` when given: NxD reduces in a
+    wider dtype and returns the input's); backward: all-gathered along it."""
+    original = input_.dtype
+    out = reduce_scatter_to_sp(input_, group_mesh(process_group), dim=sequence_dimension)
+    return out.to(dtype if dtype is not None else original)
+
+
+def reduce_scatter_to_tensor_model_parallel_region_with_dim(
+    input_: torch.Tensor, partition_dim: int, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    return reduce_scatter_to_sp(input_, group_mesh(process_group), dim=partition_dim)
+
+
+def gather_from_tensor_model_parallel_region_with_dim(
+    input_: torch.Tensor, gather_dim: int, process_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Forward: all-gathered along ``gather_dim``; backward: this rank's slice."""
+    return gather_from_tp(input_, group_mesh(process_group), dim=gather_dim)
+
+
+def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
+    """Entering an expert-parallel region: the identity (expert-parallel size 1, see the module docstring)."""
+    return x
+
+
+def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
+    """Leaving an expert-parallel region: the identity (expert-parallel size 1)."""
+    return x
+
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
+    "enter_expert_parallel_region",
+    "exit_expert_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region_with_dim",
+    "group_mesh",
+    "nonzero_partition_dim_swap",
+    "reduce_from_context_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_tensor_model_parallel_region_with_dim",
+    "scatter_input_channels_to_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
 ]

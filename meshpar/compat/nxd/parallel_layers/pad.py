@@ -1,5 +1,69 @@
-"""``neuronx_distributed.parallel_layers.pad``."""
+"""``neuronx_distributed.parallel_layers.pad``: pad attention to a head count tp divides.
 
-from meshpar.hf.padding import get_number_of_extra_heads, pad_model
+``pad_model`` is meshpar's (:func:`meshpar.hf.padding.pad_model`) with NxD's layers padded too. Where NxD pads each
+rank's local shard at its end (right for a model whose weights are loaded after padding, wrong for one that already
+holds its weights), meshpar pads the whole sharded dim at its end (the added heads are zero, the real heads keep
+their ranks), so a model padded after its weights were loaded still computes what it computed before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshpar.compat.nxd.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, create_local_weight
+from meshpar.compat.nxd.parallel_layers.utils import copy_tensor_model_parallel_attributes, divide
+from meshpar.hf.padding import get_number_of_extra_heads
+from meshpar.hf.padding import pad_model as _pad_model
+from meshpar.tensor_parallel._collectives import _all_gather
+
+
+@torch.no_grad()
+def _padded_shard(param: nn.Parameter, dim: int, size: int, new_size: int, layer: nn.Module) -> nn.Parameter:
+    """``param`` (this rank's shard along ``dim`` of a ``size``-long dim) as the shard of the same tensor padded with
+    zeros at the end to ``new_size``."""
+    mesh = layer.tp_mesh
+    full = _all_gather(param.detach(), mesh, dim) if mesh.size() > 1 else param.detach()
+    padding = [0, 0] * (full.dim() - 1 - dim) + [0, new_size - size]
+    padded = F.pad(full, padding)
+    local = create_local_weight(padded, dim, divide(new_size, mesh.size()), 1)
+    new = nn.Parameter(local.contiguous(), requires_grad=param.requires_grad)
+    copy_tensor_model_parallel_attributes(new, param)
+    new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
+    return new
+
+
+def _pad_nxd_linear(layer: nn.Module, n_heads: int, padded_heads: int) -> None:
+    column = isinstance(layer, ColumnParallelLinear)
+    size = layer.output_size if column else layer.input_size
+    new_size = divide(size * padded_heads, n_heads)
+    layer.weight = _padded_shard(layer.weight, 0 if column else 1, size, new_size, layer)
+    if column and layer.bias is not None:
+        if layer.gather_output:
+            layer.bias = nn.Parameter(F.pad(layer.bias.detach(), (0, new_size - size)))
+        else:
+            layer.bias = _padded_shard(layer.bias, 0, size, new_size, layer)
+    tp = layer.tp_mesh.size()
+    if column:
+        layer.output_size, layer.output_size_per_partition = new_size, divide(new_size, tp)
+    else:
+        layer.input_size, layer.input_size_per_partition = new_size, divide(new_size, tp)
+
+
+def pad_model(
+    model: nn.Module,
+    tp_degree: int,
+    n_heads: int,
+    wrapped_classes: Iterable[type] = (),
+    pad_hook_fn: Callable[[nn.Module, float], None] | None = None,
+) -> nn.Module:
+    """NxD's ``pad_model(model, tp_degree, n_heads, wrapped_classes=(), pad_hook_fn=None)`` (see the module
+    docstring for how the padding is placed)."""
+    padders = {ColumnParallelLinear: _pad_nxd_linear, RowParallelLinear: _pad_nxd_linear}
+    return _pad_model(model, tp_degree, n_heads, wrapped_classes, pad_hook_fn, layer_padders=padders)
+
 
 __all__ = ["get_number_of_extra_heads", "pad_model"]
