@@ -12,7 +12,7 @@ each dp replica owns.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -260,10 +260,11 @@ class _CheckpointedBlock:
 
 def apply_activation_checkpointing(
     model: torch.nn.Module,
-    block_cls: type | tuple[type, ...],
+    block_cls: type | tuple[type, ...] = (),
     *,
     replay_tp_rng: bool = True,
     compile_blocks: bool = False,
+    check_fn: Callable[[torch.nn.Module], bool] | None = None,
 ) -> torch.nn.Module:
     """Recompute every ``block_cls`` module in backward, replaying the tensor-parallel RNG state (dropout masks in
     sharded regions come out the same). Apply after TP, before FSDP.
@@ -275,9 +276,11 @@ def apply_activation_checkpointing(
     checkpoint outside, its RNG handling stays in eager code: the default generator (which Inductor draws its dropout
     seeds from) and the TP tracker are restored before the recompute, so dropout masks replay exactly.
 
-    ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint (no tracker replay)."""
+    ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint (no tracker replay). ``check_fn`` picks the
+    blocks by a predicate instead of (or besides) their class (NxD's and FSDP's way)."""
     for module in list(model.modules()):
-        if isinstance(module, block_cls) and not isinstance(module, _CheckpointedBlock):
+        chosen = isinstance(module, block_cls) or (check_fn is not None and module is not model and check_fn(module))
+        if chosen and not isinstance(module, _CheckpointedBlock):
             mix_into(module, _CheckpointedBlock, "Checkpointed")  # in place, FQNs kept (meshpar._in_place)
             inner = super(_CheckpointedBlock, module).forward
             module._meshpar_block_forward = torch.compile(inner) if compile_blocks else inner

@@ -18,7 +18,7 @@ model and optimizer together with DCP across any tp / pp / dp layout, ZeRO-1 and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class DistributedOptimizer:
         master_weights: bool = False,
         dp_mesh: DeviceMesh | None = None,
         dims: ParallelDims | None = None,
+        param_groups: Sequence[dict[str, Any]] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if reduce_scatter_grads and not zero1:
@@ -98,7 +99,39 @@ class DistributedOptimizer:
                 self._has_master.add(i)
             else:
                 self._leaves[i] = local
-        self.optimizer = optimizer_cls([self._leaves[i] for i in self.owned], **optimizer_kwargs)
+        group_of, options = self._group_of(param_groups)
+        # the inner optimizer's parameter order (its state_dict numbering): group by group, owned ones only
+        self._inner_order = [i for g in range(len(options)) for i in self.owned if group_of[i] == g]
+        inner_groups = [
+            {"params": [self._leaves[i] for i in self._inner_order if group_of[i] == g], **group_options}
+            for g, group_options in enumerate(options)
+        ]
+        self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
+
+    def _group_of(self, param_groups: Sequence[dict[str, Any]] | None) -> tuple[list[int], list[dict[str, Any]]]:
+        """Each parameter's group index and each group's options (torch's param-group format: ``params`` holds the
+        model's parameter objects, every other key overrides the optimizer's keyword for that group). Without
+        groups: one group of everything. A parameter in no group, in two, or not in the model is refused."""
+        if param_groups is None:
+            return [0] * len(self.named_params), [{}]
+        index = {id(p): i for i, (_, p) in enumerate(self.named_params)}
+        group_of = [-1] * len(self.named_params)
+        options = []
+        for g, group in enumerate(param_groups):
+            options.append({k: v for k, v in group.items() if k != "params"})
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                i = index.get(id(param))
+                if i is None:
+                    raise ValueError(f"param_groups[{g}] holds a parameter the model does not")
+                if group_of[i] != -1:
+                    raise ValueError(f"{self.named_params[i][0]} is in param_groups {group_of[i]} and {g}")
+                group_of[i] = g
+        missing = [self.named_params[i][0] for i, g in enumerate(group_of) if g == -1]
+        if missing:
+            raise ValueError(f"parameters in no param group: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return group_of, options
 
     def _check_zero1_layout(self) -> None:
         """ZeRO-1 assigns owners from the parameter list and pairs every rank's segments in its collectives: refuse
@@ -289,7 +322,7 @@ class DistributedOptimizer:
         """``{"state": {fqn: {name: tensor}}, "param_groups": [...]}`` for the parameters this rank owns."""
         inner = self.optimizer.state_dict()
         state = {}
-        for position, i in enumerate(self.owned):
+        for position, i in enumerate(self._inner_order):
             name, param = self.named_params[i]
             entry = {k: self._wrap_like(v, param) for k, v in inner["state"].get(position, {}).items()}
             if i in self._has_master:
@@ -300,7 +333,7 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         inner_state = {}
-        for position, i in enumerate(self.owned):
+        for position, i in enumerate(self._inner_order):
             name, _ = self.named_params[i]
             if name not in state_dict["state"]:
                 raise KeyError(f"optimizer state for parameter {name!r} is missing from the checkpoint")

@@ -224,7 +224,7 @@ def pad_case() -> None:
     assert checkpoint["w.weight"].shape == (12, H) and checkpoint["w.bias"][10:].max() < -1e30
     row = layers.RowParallelLinear(10, H, pad=True, keep_master_weight=True).eval()
     torch.testing.assert_close(row(torch.randn(B, S, 10)).shape, torch.Size([B, S, H]))
-    with pytest.raises(RuntimeError, match="unexpected|expected"):
+    with pytest.raises(RuntimeError, match=r"expected"):
         column.preshard_hook({"w.weight": torch.randn(11, H)}, "w.weight")
 
 
@@ -299,8 +299,8 @@ def grad_norm_case(zero1: bool) -> None:
         norm = grads.get_grad_norm(mine, zero1_optimizer=True)
     else:
         norm = grads.clip_grad_norm(params, 0.5)
-        torch.testing.assert_close(row.weight.grad, _shard(dense2.weight.grad, 1, 2,
-                                                           parallel_state.get_tensor_model_parallel_rank()))  # fmt: skip
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        torch.testing.assert_close(row.weight.grad, _shard(dense2.weight.grad, 1, 2, tp_rank))
     torch.testing.assert_close(norm.reshape(()), expected, atol=1e-5, rtol=1e-5)
 
 

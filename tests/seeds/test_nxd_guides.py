@@ -74,7 +74,9 @@ def developer_guide_case(tmp: str) -> None:
     parallel_layers.move_model_to_device(model, "cpu")
     weight = model.attn.query.weight
     assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, 0, 1)
-    assert model.attn.dense.weight.partition_dim == 1 and not getattr(model.attn.dense.bias, "tensor_model_parallel", False)
+    assert model.attn.dense.weight.partition_dim == 1 and not getattr(
+        model.attn.dense.bias, "tensor_model_parallel", False
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
     torch.manual_seed(1 + parallel_state.get_data_parallel_rank())

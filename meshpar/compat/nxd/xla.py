@@ -14,7 +14,8 @@ to ``from meshpar.compat.nxd import xla as xm`` (and ``xr``). What each call mea
   in torch_xla), then ``optimizer.step()``; ``reduce_gradients`` is the averaging alone;
 - ``all_reduce(reduce_type, inputs, scale, groups)``: in place for a list, a new tensor for one tensor;
 - ``rendezvous(tag)``: a barrier; ``master_print``: prints on global rank 0; ``save``: ``torch.save`` on rank 0
-  (``master_only=False``: every rank), tensors moved to CPU first; ``add_step_closure``: runs the closure now.
+  (``master_only=False``: every rank), tensors moved to CPU first; ``add_step_closure``: runs the closure now;
+- ``MpDeviceLoader(loader, device)`` (torch_xla's ``parallel_loader``): the loader's batches on ``device``.
 """
 
 from __future__ import annotations
@@ -235,3 +236,31 @@ __all__ = [
     "xla_device",
     "xrt_world_size",
 ]
+
+
+class MpDeviceLoader:
+    """torch_xla's ``parallel_loader.MpDeviceLoader(loader, device)``: iterates ``loader`` with every tensor of each
+    batch moved to ``device``."""
+
+    def __init__(self, loader: Any, device: torch.device | str, **kwargs: Any) -> None:
+        self._loader, self._device = loader, torch.device(device)
+
+    def __iter__(self) -> Any:
+        for batch in self._loader:
+            yield _to_device(batch, self._device)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, dict):
+        return {key: _to_device(value, device) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_device(value, device) for value in data)
+    return data
+
+
+__all__ += ["MpDeviceLoader"]

@@ -54,12 +54,12 @@ def save(checkpoint: dict[str, Any], output_dir: str | os.PathLike, master_dp_on
     dist.barrier()
 
 
-def _agree(error: str | None) -> None:
+def _agree(error: str | None, operation: str = "parallel_layers.load") -> None:
     """Every rank raises if any rank failed (each rank reads only its own file)."""
     failed = first_failure_on_any_rank(error)
     if failed is not None:
         rank, first = failed
-        raise ValueError(f"parallel_layers.load failed on rank {rank}: {first}")
+        raise ValueError(f"{operation} failed on rank {rank}: {first}")
 
 
 def _into_model(model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> None:

@@ -126,6 +126,75 @@ def gather_python_object(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return out
 
 
+def arrange_kv_groups(
+    num_tensor_model_parallel_groups: int = 1,
+    tensor_model_parallel_size: int = 1,
+    kv_shared_group_size: int = 1,
+    sequential_ranks_in_group: bool = True,
+    hardware_type: Any = None,
+) -> list[list[int]]:
+    """The groups of tp ranks that hold the same key/value head when the kv heads are replicated
+    ``kv_shared_group_size`` times: adjacent ranks (each kv head serves the query heads of consecutive ranks, as
+    in the dense model's grouping), per tp group of consecutive global ranks. NxD's other layout (interleaved ranks,
+    ``sequential_ranks_in_group=False`` on Trn1) matches a Trn1-specific weight order meshpar does not produce."""
+    if not sequential_ranks_in_group:
+        raise NotImplementedError("arrange_kv_groups: meshpar replicates each kv head on adjacent tp ranks only")
+    size, m = tensor_model_parallel_size, kv_shared_group_size
+    if size % m != 0:
+        raise ValueError(f"kv_shared_group_size {m} must divide the tp size {size}")
+    return [[g * size + k * m + j for j in range(m)] for g in range(num_tensor_model_parallel_groups)
+            for k in range(size // m)]  # fmt: skip
+
+
+# the kv-shared groups made for the current parallel state: (its ParallelDims, size, this rank's group, all groups)
+_KV_GROUP: list[Any] = []
+
+
+def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = True) -> None:
+    """Make the kv-shared groups (every rank must call it: process groups are collective); one size per state."""
+    dims = get_parallel()
+    if _KV_GROUP and _KV_GROUP[0] is dims:
+        if _KV_GROUP[1] != kv_shared_group_size:
+            raise ValueError(f"a kv group of size {_KV_GROUP[1]} exists; one size for all layers")
+        return
+    groups = []
+    for tp_ranks in dims.group_ranks("tp"):
+        groups += [tp_ranks[i : i + kv_shared_group_size] for i in range(0, dims.tp, kv_shared_group_size)]
+    if dims.tp % kv_shared_group_size != 0:
+        raise ValueError(f"kv_shared_group_size {kv_shared_group_size} must divide tp={dims.tp}")
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    _KV_GROUP[:] = [dims, kv_shared_group_size, mine, groups]
+
+
+def _kv_group_state() -> list[Any]:
+    if not _KV_GROUP or _KV_GROUP[0] is not get_parallel():
+        raise RuntimeError(
+            "the kv-shared group is not initialized (initialize_kv_group, or a GQAQKVColumnParallelLinear)"
+        )
+    return _KV_GROUP
+
+
+def get_kv_shared_group(as_list: bool = False) -> Any:
+    state = _kv_group_state()
+    return state[3] if as_list else state[2]
+
+
+def get_kv_shared_replica_groups() -> list[list[int]]:
+    return _kv_group_state()[3]
+
+
+def get_kv_shared_group_size() -> int:
+    return _kv_group_state()[1]
+
+
+def destroy_kv_group() -> None:
+    _KV_GROUP.clear()
+
+
 def get_rank_info_str() -> str:
     dims = get_parallel()
     return f"[rank_{dist.get_rank()}_pp{dims.pp_rank}_tp{dims.tp_rank}_dp{dims.dp_rank}]"
@@ -137,7 +206,13 @@ def rmsg(msg: str) -> str:
 
 
 __all__ = [
+    "arrange_kv_groups",
+    "destroy_kv_group",
     "destroy_model_parallel",
+    "get_kv_shared_group",
+    "get_kv_shared_group_size",
+    "get_kv_shared_replica_groups",
+    "initialize_kv_group",
     "gather_python_object",
     "get_context_model_parallel_rank",
     "get_context_model_parallel_size",

@@ -27,58 +27,158 @@ from meshpar.pipeline.split import build_stages, plan_stages
 from meshpar.pipeline.trace import traced_stages
 from meshpar.replicas import make_replicas_equal
 
-__all__ = ["NxDPPModel"]
+__all__ = ["INPUTS_ARG_NAME", "LABLES_ARG_NAME", "NxDPPModel"]
+
+
+INPUTS_ARG_NAME = "inputs"  # a manually partitioned pipeline's model input
+LABLES_ARG_NAME = "labels"  # and its labels (NxD's spelling)
 
 
 def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
-    """NxD's ``output_loss_value_spec``: ``(True, False)`` picks from a tuple output, ``{"loss": True, ...}`` from a
-    dict (or HF ``ModelOutput``); ``None``: the output is the loss."""
-    if spec is None:
+    """NxD's ``output_loss_value_spec``: ``True`` (or meshpar's ``None``) the output is the loss; ``(True, False)``
+    picks from a tuple, ``{"loss": True, ...}`` from a dict (or HF ``ModelOutput``, also by a key string)."""
+    if spec is None or spec is True:
         return output
     if isinstance(spec, str):
         return output[spec]
     if isinstance(spec, dict):
         picked = [output[key] for key, take in spec.items() if take]
-        if len(picked) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
-        return picked[0]
-    picked = [o for o, take in zip(output, spec, strict=True) if take]
+    else:
+        picked = [o for o, take in zip(output, spec, strict=True) if take]
     if len(picked) != 1:
         raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
     return picked[0]
 
 
+def _leaf_classes(module: nn.Module | None, leaf_module_cls: Sequence[Any] | None) -> list[type]:
+    """``leaf_module_cls`` as classes (NxD also takes class names: each resolves to the classes of that name among
+    the model's modules) plus NxD's parallel layers, which the tracer never enters (their collectives are leaves)."""
+    from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from meshpar.compat.nxd.parallel_layers import PARALLEL_MODULES
+
+    classes: list[type] = [*PARALLEL_MODULES, GQAQKVColumnParallelLinear]
+    names = {type(m).__name__: type(m) for m in module.modules()} if module is not None else {}
+    for entry in leaf_module_cls or ():
+        if isinstance(entry, str):
+            if entry not in names:
+                raise ValueError(f"leaf_module_cls names {entry!r}, which is the class of no module in the model")
+            classes.append(names[entry])
+        else:
+            classes.append(entry)
+    return classes
+
+
+class _ManualStages(nn.Sequential):
+    """The layers of a manually partitioned pipeline as one module (``layers.0`` ... ``layers.N``): stage ``s``
+    runs its layers in order on the previous stage's output."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.layers(inputs)
+
+
+def _manual_cuts(layers: Sequence[nn.Module], stages: int, partition_fn: Callable[..., Any] | None) -> list[str]:
+    """The cut after each stage's last layer: ``partition_fn(layers, stages)`` maps each layer to its stage (NxD's
+    default: ``len(layers) // stages`` layers each, the remainder on the last stage); stages must be contiguous."""
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    mapping = (partition_fn or PipelineStageModule._partition_evenly)(layers, stages)
+    order = [mapping[layer] for layer in layers]
+    if order != sorted(order) or sorted(set(order)) != list(range(stages)):
+        raise ValueError(
+            f"manual_pp_stage_partition_fn must give every stage 0..{stages - 1} contiguous layers: {order}"
+        )
+    return [f"layers.{i}" for i in range(len(order) - 1) if order[i + 1] != order[i]]
+
+
 class NxDPPModel(PipelineModel):
-    """NxD's pipeline model. Grads after :meth:`run_train` are those of the mean loss over the microbatches, averaged
-    over dp (NxD's default; with ``use_zero1_optimizer`` the optimizer averages them: meshpar's
-    ``DistributedOptimizer(zero1=True)``)."""
+    """NxD's pipeline model, with NxD's arguments in NxD's order. Grads after :meth:`run_train` are those of the mean
+    loss over the microbatches, averaged over dp (NxD's default); with ``use_zero1_optimizer`` the ZeRO-1 optimizer
+    averages them, with ``use_model_wrapper`` (set by ``initialize_parallel_model``) NxD's optimizer wrapper does.
+
+    Arguments of NxD's that tune its XLA runtime (``_all_reduce_send_recv``, ``_fused_send_recv``, ``_fused_fwd_bwd``,
+    ``_mark_step_*``, ``_deallocate_send_tensors``, ``_use_gloo_for_metadata_comm``, ``_turn_off_odd_even_scheduler``,
+    ``_delay_tracing``, ``use_optimizer_wrapper``) change nothing here; ``autowrap_obj_methods``,
+    ``fuse_microbatches`` and ``_debug_mode`` are refused."""
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         transformer_layer_cls: type | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
         output_loss_value_spec: Any = None,
         return_mb_loss: bool = False,
         broadcast_and_average_loss: bool = False,
+        use_zero1_optimizer: bool = False,
+        use_model_wrapper: bool = False,
+        use_optimizer_wrapper: bool = False,
         pipeline_cuts: Sequence[str] | None = None,
         input_names: Sequence[str] | None = None,
-        leaf_module_cls: Sequence[type] | None = None,
+        leaf_module_cls: Sequence[Any] | None = None,
         autowrap_functions: tuple | None = None,
         autowrap_modules: tuple | None = None,
+        autowrap_obj_methods: dict | None = None,
         tracer_cls: Any = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         trace_file_path: str | None = None,
-        use_zero1_optimizer: bool = False,
-        auto_partition: bool = False,
+        return_loss_on_cpu: bool = True,
         deallocate_pipeline_outputs: bool = False,
+        auto_partition: bool = False,
+        fuse_microbatches: bool = False,
+        manual_pp_partition: bool = False,
+        manual_pp_stage_partition_fn: Callable[..., Any] | None = None,
+        manual_pp_loss_fn: Callable[..., torch.Tensor] | None = None,
+        _delay_tracing: bool = False,
+        _turn_off_odd_even_scheduler: bool = False,
+        _all_reduce_send_recv: bool = False,
+        _fused_send_recv: bool = False,
+        _fused_fwd_bwd: bool = False,
+        _mark_step_before_pp_runtime: bool = True,
+        _mark_step_after_pp_runtime: bool = True,
+        _deallocate_send_tensors: bool = True,
+        _use_gloo_for_metadata_comm: bool = False,
+        _debug_mode: bool = False,
+        _debug_pp_size: int = 8,
+        _debug_pp_rank: int = 0,
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         overlap_grad_reduce: bool = False,
         schedule: str = "1f1b",
         dims: ParallelDims | None = None,
     ) -> None:
+        for name, value in (("autowrap_obj_methods", autowrap_obj_methods), ("fuse_microbatches", fuse_microbatches),
+                            ("_debug_mode", _debug_mode)):  # fmt: skip
+            if value:
+                raise NotImplementedError(f"NxDPPModel({name}=...) is not supported by meshpar's pipeline")
+        if return_mb_loss and broadcast_and_average_loss:
+            raise ValueError("NxDPPModel: broadcast_and_average_loss=True requires return_mb_loss=False (as in NxD)")
+        if pipeline_cuts is not None and auto_partition:
+            raise ValueError("NxDPPModel: pass pipeline_cuts or auto_partition=True, not both (as in NxD)")
+        original = module
+        if manual_pp_partition:
+            if not isinstance(module, (list, tuple)):
+                raise ValueError("NxDPPModel(manual_pp_partition=True) takes the model as a list of layers")
+            from meshpar.compat.nxd.pipeline.manual_pipe_stage import refuse_weight_sharing
+
+            refuse_weight_sharing(module)
+            layers = list(module)
+            dims_for_cuts = dims if dims is not None else get_parallel()
+            pipeline_cuts = _manual_cuts(layers, dims_for_cuts.pp, manual_pp_stage_partition_fn)
+            module = _ManualStages(layers)
+            input_names = [INPUTS_ARG_NAME]
+            if manual_pp_loss_fn is not None and loss_fn is None:
+
+                def loss_fn(output: torch.Tensor, **microbatch: torch.Tensor) -> torch.Tensor:
+                    return manual_pp_loss_fn(output, microbatch[LABLES_ARG_NAME])
+
+            elif loss_fn is None:
+                output_loss_value_spec = True
+        elif isinstance(module, (list, tuple)):
+            raise ValueError("NxDPPModel takes a list of layers only with manual_pp_partition=True")
         tracing = {
             "leaf_module_cls": leaf_module_cls,
             "autowrap_functions": autowrap_functions,
@@ -92,10 +192,6 @@ class NxDPPModel(PipelineModel):
                 "NxDPPModel: a traced pipeline (no loss_fn, or a tracing argument) takes no param_init_fn: build the "
                 "model on CPU, or pass loss_fn to split it by structure"
             )
-        if return_mb_loss and broadcast_and_average_loss:
-            raise ValueError("NxDPPModel: broadcast_and_average_loss=True requires return_mb_loss=False (as in NxD)")
-        if pipeline_cuts is not None and auto_partition:
-            raise ValueError("NxDPPModel: pass pipeline_cuts or auto_partition=True, not both (as in NxD)")
         dims = dims if dims is not None else get_parallel()
         if num_microbatches < dims.pp:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
@@ -105,6 +201,10 @@ class NxDPPModel(PipelineModel):
         # tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
         make_replicas_equal(module, dims, over=("pp", "dp"))
         if trace_it:
+            from meshpar.compat.nxd.parallel_layers import PARALLEL_FUNCTIONS
+
+            tracing["leaf_module_cls"] = _leaf_classes(module, leaf_module_cls)
+            tracing["autowrap_functions"] = (*PARALLEL_FUNCTIONS, *(autowrap_functions or ()))
             traced, plan = traced_stages(
                 module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,
                 pipeline_cuts=pipeline_cuts, auto_partition=auto_partition,
@@ -128,7 +228,8 @@ class NxDPPModel(PipelineModel):
                 return loss_fn(output, **microbatch)
             return _pick_loss(output, output_loss_value_spec)
 
-        dp_mode = "overlapped" if overlap_grad_reduce else ("optimizer" if use_zero1_optimizer else "allreduce")
+        optimizer_reduces = use_zero1_optimizer or use_model_wrapper
+        dp_mode = "overlapped" if overlap_grad_reduce else ("optimizer" if optimizer_reduces else "allreduce")
         super().__init__(
             chunks,
             plan,
@@ -137,14 +238,29 @@ class NxDPPModel(PipelineModel):
             loss_fn=picked_loss,
             schedule=schedule,
             dp_mode=dp_mode,
-            # run_train ends with the dp mean of the grads unless the ZeRO-1 optimizer reduces them
-            average_grads_over_dp=not use_zero1_optimizer,
+            # run_train ends with the dp mean of the grads unless an optimizer (wrapper) reduces them
+            average_grads_over_dp=not optimizer_reduces,
             broadcast_loss=broadcast_and_average_loss,
             deallocate_pipeline_outputs=deallocate_pipeline_outputs,
         )
+        self.original_torch_module = original
+        self.transformer_layer_cls = transformer_layer_cls
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
+        self.return_loss_on_cpu = return_loss_on_cpu
+        self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
+        self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
+
+    @property
+    def local_stage_modules(self) -> list[nn.Module]:
+        """This rank's stage modules (NxD's name for :meth:`local_modules`)."""
+        return self.local_modules()
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
         loss = super()._run(forward_only, inputs, keep_outputs)
-        return self.last_losses if self.return_mb_loss else loss
+        result = self.last_losses if self.return_mb_loss else loss
+        if self.return_loss_on_cpu and result is not None:
+            if isinstance(result, list):
+                return [value.detach().cpu() for value in result]
+            return result.detach().cpu()
+        return result

@@ -1,0 +1,132 @@
+"""``neuronx_distributed.optimizer.zero_redundancy_optimizer``: NxD's ZeRO-1 optimizer (torch_xla's
+``ZeroRedundancyOptimizer`` arguments) on meshpar's :class:`meshpar.optim.DistributedOptimizer`.
+
+It is handed the raw (not dp-averaged) grads, as NxD's is: ``step`` reduce-scatters them over dp so each rank
+receives the averaged grads of the parameters it owns, clips them to ``max_norm`` over the whole model (tp shards,
+replicas and pipeline stages counted once each; ``grad_norm`` keeps the norm), steps its share and all-gathers the
+updated parameters. Parameter groups keep their own options. Options that tune torch_xla's buckets or its
+compiler (``pin_layout``, ``coalesce_cc``, ``bucket_cap_mb_*``, ``use_grad_acc_hook``, ``lazy_init``) change nothing
+here; ``optimizer_dtype`` / ``higher_cc_precision`` keep fp32 master copies of low-precision parameters and reduce
+in fp32. ``sharding_groups`` must be the data-parallel groups (the default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from meshpar.compat.nxd.parallel_layers import parallel_state
+from meshpar.optim import DistributedOptimizer
+from meshpar.parallel_dims import get_parallel
+
+
+def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(group, params=list(group["params"])) for group in params]
+    return [{"params": params}]
+
+
+class NeuronZero1Optimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        optimizer_dtype: torch.dtype | None = None,
+        grad_clipping: bool = True,
+        max_norm: float | None = None,
+        pin_layout: bool = True,
+        sharding_groups: list[list[int]] | None = None,
+        grad_norm_groups: list[list[int]] | None = None,
+        lazy_init: bool = False,
+        coalesce_cc: bool = False,
+        save_master_weights: bool = False,
+        use_grad_acc_hook: bool = False,
+        higher_cc_precision: bool = False,
+        **defaults: Any,
+    ) -> None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("initialize_model_parallel need to be called before creating NeuronZero1Optimizer")
+        dims = get_parallel()
+        if sharding_groups is not None and sorted(map(sorted, sharding_groups)) != sorted(
+            map(sorted, dims.group_ranks("dp"))
+        ):
+            raise NotImplementedError(
+                "NeuronZero1Optimizer(sharding_groups=...): meshpar shards optimizer state over the data-parallel "
+                "groups only; leave sharding_groups unset"
+            )
+        groups = _groups(params)
+        named = [(f"param_{i}", p) for i, p in enumerate(p for group in groups for p in group["params"])]
+        master = optimizer_dtype is not None or higher_cc_precision
+        self.zero = DistributedOptimizer(
+            named, optimizer_class, zero1=True, reduce_scatter_grads=dims.dp > 1, master_weights=master,
+            reduce_dtype=torch.float32 if higher_cc_precision else None, dims=dims, param_groups=groups, **defaults,
+        )  # fmt: skip
+        self.grad_clipping, self.max_norm = grad_clipping, 1.0 if max_norm is None else max_norm
+        self.save_master_weights = save_master_weights
+        self._grad_norm: torch.Tensor | None = None
+
+    # the torch.optim.Optimizer surface schedulers and NxD's wrapper read
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.zero.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.zero.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.zero.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.zero.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.zero.optimizer.defaults = value
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global grad norm of the last step, before clipping (``None`` before a step or without clipping)."""
+        return self._grad_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.grad_clipping:
+            self._grad_norm = self.zero.clip_grad_norm(self.max_norm).detach().clone()
+        self.zero.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.zero.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.zero.init_state()
+        self.zero.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"NeuronZero1Optimizer({self.zero.optimizer!r})"
+
+
+class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
+    """NxD's ZeRO-1 optimizer for models with expert parallelism: with expert-parallel size 1 (meshpar has no
+    expert parallelism yet) the expert parameters are sharded over dp like the others, so it is the plain one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if parallel_state.get_expert_model_parallel_size() != 1:
+            raise NotImplementedError("NeuronEPZero1Optimizer: meshpar has no expert parallelism yet")
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["NeuronEPZero1Optimizer", "NeuronZero1Optimizer"]

@@ -1,0 +1,233 @@
+"""``neuronx_distributed.trainer.checkpoint``: NxD's ``save_checkpoint`` / ``load_checkpoint`` / ``has_checkpoint`` /
+``finalize_checkpoint`` in NxD's directory layout, crash-safe.
+
+``save_checkpoint(dir, tag, model=..., optimizer=..., scheduler=..., user_content=...)`` writes
+
+    dir/tag/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt    this rank's model shards (dp rank 0 of each replica set)
+    dir/tag/optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt    the optimizer's (every dp rank with ZeRO-1, else dp rank 0)
+    dir/tag/scheduler.pt, dir/tag/user_content.pt         from global rank 0
+    dir/tag/done                                          written last, once every rank's files are in place
+    dir/newest                                            the newest complete tag
+
+Every file is written to a temporary name and renamed, and a tag counts only once its ``done`` marker exists, so a
+save killed half way leaves the previous checkpoint as the newest one. Each file records the tp / pp / dp layout it
+was written at; loading at another layout is refused on every rank (this format does not reshard, as NxD's does not:
+:mod:`meshpar.checkpoint` does). ``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
+(``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers`` /
+``use_zero1_dcp`` (Neuron's serialisation and its throttling) change nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
+from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
+from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
+from meshpar.parallel_dims import get_parallel
+
+_DONE = "done"
+_NEWEST = "newest"
+
+
+class CheckpointIOState:
+    """NxD's handle on asynchronous saves: here every save has finished when ``save_checkpoint`` returns."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+
+    def wait_all(self) -> None:
+        return None
+
+
+def _layout() -> dict[str, int]:
+    dims = get_parallel()
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+
+
+def _file(kind: str, per_dp_rank: bool) -> str:
+    dims = get_parallel()
+    dp_rank = dims.dp_rank if per_dp_rank else 0
+    return f"{kind}/dp_rank_{dp_rank:02d}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
+
+
+def _write(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _complete_tags(root: Path) -> list[str]:
+    """Complete tags, oldest first (by their ``done`` marker's time)."""
+    if not root.is_dir():
+        return []
+    marked = [d for d in root.iterdir() if (d / _DONE).is_file()]
+    return [d.name for d in sorted(marked, key=lambda d: ((d / _DONE).stat().st_mtime_ns, d.name))]
+
+
+def has_checkpoint(checkpoint_dir_str: str) -> bool:
+    return bool(_complete_tags(Path(checkpoint_dir_str)))
+
+
+def _is_zero1(optimizer: Any, zero1_optimizer: bool) -> bool:
+    if isinstance(optimizer, NxDOptimizer):
+        return bool(optimizer.nxd_config["optimizer_config"]["zero_one_enabled"])
+    if isinstance(optimizer, dict):
+        return zero1_optimizer
+    return isinstance(optimizer, NeuronZero1Optimizer)
+
+
+def _model_state(model: Any) -> dict[str, Any]:
+    if isinstance(model, dict):
+        return model
+    local = getattr(model, "local_state_dict", None)
+    return local() if callable(local) else model.state_dict()
+
+
+def save_checkpoint(
+    checkpoint_dir_str: str,
+    tag: str,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
+    avoid_saving_lower_precision_weights: bool = False,
+) -> None:
+    """Save under ``checkpoint_dir_str/tag`` (see the module docstring); every rank must call it."""
+    if not dist.is_initialized():
+        raise RuntimeError("save_checkpoint needs torch.distributed (NxD's checkpoints are per rank)")
+    dims = get_parallel()
+    root, tag = Path(checkpoint_dir_str), str(tag)
+    directory = root / tag
+    if dist.get_rank() == 0 and (directory / _DONE).exists():
+        (directory / _DONE).unlink()  # overwriting a tag: it is incomplete until this save ends
+    dist.barrier()
+    layout = _layout()
+    if optimizer is not None:
+        zero1 = _is_zero1(optimizer, zero1_optimizer)
+        state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+        if zero1 or dims.dp_rank == 0:
+            _write(directory / _file("optim", zero1), {"layout": layout, "state": _local(state)})
+    if model is not None and dims.dp_rank == 0:
+        _write(directory / _file("model", False), {"layout": layout, "state": _local(_model_state(model))})
+    if dist.get_rank() == 0:
+        if scheduler is not None:
+            _write(directory / "scheduler.pt", scheduler.state_dict())
+        if user_content is not None:
+            _write(directory / "user_content.pt", _local(user_content))
+    dist.barrier()  # every rank's files are in place
+    if dist.get_rank() == 0:
+        (directory / _DONE).write_text(tag)
+        newest = root / f".{_NEWEST}.tmp"
+        newest.write_text(tag)
+        os.replace(newest, root / _NEWEST)
+        if num_kept_ckpts is not None:
+            for old in _complete_tags(root)[: max(0, len(_complete_tags(root)) - num_kept_ckpts)]:
+                if old != tag:
+                    shutil.rmtree(root / old, ignore_errors=True)
+    dist.barrier()
+
+
+def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
+    file = directory / relative
+    if not file.exists():
+        return f"{file} does not exist (saved at another layout, or without this part)", None
+    payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
+    if payload.get("layout") != _layout():
+        return (
+            f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints do not "
+            "reshard (meshpar.checkpoint does)"
+        ), None
+    return None, payload["state"]
+
+
+def load_checkpoint(
+    path: str,
+    tag: str | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+    use_zero1_dcp: bool = False,
+) -> Any:
+    """Load the complete tag ``tag`` (default: the newest) into what is given; returns the saved ``user_content``
+    (``None`` if none was saved). A missing tag, part or layout mismatch is refused on every rank."""
+    if not dist.is_initialized():
+        raise RuntimeError("load_checkpoint needs torch.distributed (NxD's checkpoints are per rank)")
+    root = Path(path)
+    tags = _complete_tags(root)
+    error = None
+    if tag is None:
+        if not tags:
+            error = f"no complete checkpoint under {root}"
+        tag = tags[-1] if tags else ""
+    elif str(tag) not in tags:
+        error = f"{root / str(tag)} is not a complete checkpoint (complete: {tags})"
+    _agree(error, "load_checkpoint")
+    directory = root / str(tag)
+    if optimizer is not None:
+        zero1 = _is_zero1(optimizer, False) or (
+            isinstance(optimizer, dict) and (directory / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").exists()
+        )
+        error, state = _read(directory, _file("optim", zero1))
+        if error is None and not isinstance(optimizer, dict):
+            try:
+                optimizer.load_state_dict(state)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                error = f"loading the optimizer state: {exc}"
+        elif error is None:
+            optimizer.clear()
+            optimizer.update(state)
+        _agree(error, "load_checkpoint")
+    if model is not None:
+        error, state = _read(directory, _file("model", False))
+        if error is None:
+            try:
+                _load_model(model, state, strict)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                error = f"loading the model: {exc}"
+        _agree(error, "load_checkpoint")
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
+    content = directory / "user_content.pt"
+    user_content = torch.load(content, map_location="cpu", weights_only=False) if content.exists() else None
+    dist.barrier()
+    return user_content
+
+
+def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
+    if isinstance(model, dict):
+        model.clear()
+        model.update(state)
+        return
+    if callable(getattr(model, "local_modules", None)) and not hasattr(model, "nxd_config"):
+        from meshpar.compat.nxd.trainer.model import _load_local
+
+        _load_local(model.local_modules(), state, strict)
+        return
+    if hasattr(model, "nxd_config") and model.pp_enabled:
+        model.load_state_dict(state, strict=strict)
+        return
+    _into_model(model, state, strict)
+
+
+def finalize_checkpoint() -> None:
+    """Wait for pending asynchronous saves: none here (saves are synchronous)."""
+    return None
+
+
+__all__ = ["CheckpointIOState", "finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,112 @@
+"""``neuronx_distributed.trainer.model``: ``NxDModel``, the module ``initialize_parallel_model`` returns: the model
+(or its ``NxDPPModel``) with NxD's ``run_train`` / ``run_eval``, and module views over this rank's stages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class NxDModel(nn.Module):
+    def __init__(self, module: nn.Module, nxd_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.module = module
+        self.nxd_config = nxd_config
+        self.pp_enabled = nxd_config["pipeline_parallel_size"] > 1
+        if not self.pp_enabled:
+            self.train()
+
+    def __repr__(self) -> str:
+        return f"NxDModel({self.module!r})"
+
+    def local_modules(self) -> list[nn.Module]:
+        return self.module.local_stage_modules if self.pp_enabled else [self.module]
+
+    def original_module(self) -> nn.Module:
+        return self.module.original_torch_module if self.pp_enabled else self.module
+
+    def run_train(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward and backward: the pipeline's ``run_train``, or the model's loss (its output) backpropagated."""
+        if self.pp_enabled:
+            return self.module.run_train(*args, **kwargs)
+        loss = self.forward(*args, **kwargs)
+        loss.backward()
+        return loss
+
+    def run_eval(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pp_enabled:
+            raise RuntimeError("`run_eval` should be used only when pipeline parallel is enabled.")
+        return self.module.run_eval(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        if self.pp_enabled:
+            yield from self.module.local_named_parameters()
+        else:
+            yield from self.module.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.pp_enabled:
+            for stage in self.module.local_modules():
+                yield from stage.named_buffers(*args, **kwargs)
+        else:
+            yield from self.module.named_buffers(*args, **kwargs)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        if self.pp_enabled:
+            for stage in self.module.local_modules():
+                yield from stage.named_children()
+        else:
+            yield from self.module.named_children()
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        if self.pp_enabled:
+            yield from self.module.local_named_modules()
+        else:
+            yield from self.module.named_modules(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.local_state_dict() if self.pp_enabled else self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        if self.pp_enabled:
+            return _load_local(self.module.local_modules(), state_dict, strict)
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.original_module().dtype
+
+    @property
+    def config(self) -> Any:
+        return self.original_module().config
+
+    @property
+    def name_or_path(self) -> str:
+        return self.original_module().name_or_path
+
+
+def _load_local(stages: list[nn.Module], state_dict: dict[str, Any], strict: bool) -> None:
+    """Each local stage takes its own keys (stages keep the model's FQNs); with ``strict`` every key must land."""
+    used: set[str] = set()
+    for stage in stages:
+        own = {key: value for key, value in state_dict.items() if key in stage.state_dict()}
+        stage.load_state_dict(own, strict=strict)
+        used |= own.keys()
+    unused = sorted(set(state_dict) - used)
+    if strict and unused:
+        raise RuntimeError(f"keys that no local pipeline stage holds: {unused[:5]}")
+
+
+__all__ = ["NxDModel"]

@@ -1,0 +1,293 @@
+"""NxD's trainer API through the view against a dense single-process run: ``neuronx_distributed_config``,
+``initialize_parallel_model`` (plain and pipelined), ``initialize_parallel_optimizer`` (with and without ZeRO-1,
+param groups, clipping, sequence-parallel norms), a few training steps equal to dense (loss, and the parameters after
+every step), the checkpoint API (save / has / load / finalize, num_kept_ckpts, a save interrupted before its
+``done`` marker, a layout mismatch refused on every rank), and the GQA QKV layer against dense grouped-query
+attention projections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshpar.testing import run_distributed
+
+H, FF, V, S = 16, 32, 24, 8
+
+
+class Block(nn.Module):
+    def __init__(self, parallel: bool, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        from meshpar.compat.nxd.modules.rms_norm import RMSNorm
+        from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+        self.sp = sequence_parallel
+        self.norm = RMSNorm(H, sequence_parallel_enabled=sequence_parallel) if parallel else nn.RMSNorm(H, eps=1e-5)
+        if parallel:
+            self.up = ColumnParallelLinear(H, FF, gather_output=False, sequence_parallel_enabled=sequence_parallel,
+                                           sequence_dimension=1 if sequence_parallel else None)  # fmt: skip
+            self.down = RowParallelLinear(FF, H, input_is_parallel=True, sequence_parallel_enabled=sequence_parallel,
+                                          sequence_dimension=1 if sequence_parallel else None)  # fmt: skip
+        else:
+            self.up, self.down = nn.Linear(H, FF), nn.Linear(FF, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Embedding, blocks, head and the loss inside forward (NxD's model convention)."""
+
+    def __init__(self, parallel: bool, layers: int = 4, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(Block(parallel, sequence_parallel) for _ in range(layers))
+        self.head = nn.Linear(H, V)
+        self.sp = sequence_parallel
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.sp:
+            from meshpar.compat.nxd.parallel_layers import mappings
+
+            h = mappings.scatter_to_sequence_parallel_region(h, 1)
+        for layer in self.layers:
+            h = layer(h)
+        if self.sp:
+            from meshpar.compat.nxd.parallel_layers import mappings
+
+            h = mappings.gather_from_sequence_parallel_region(h, 1, to_model_parallel=False)
+        return F.cross_entropy(self.head(h).reshape(-1, V), labels.reshape(-1))
+
+
+def _dense_copy(model: nn.Module, dense: nn.Module) -> None:
+    """Give the parallel model the dense model's weights (each tp shard its part)."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
+    full = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = full[name]
+            if getattr(param, "tensor_model_parallel", False):
+                value = value.chunk(tp, param.partition_dim)[rank]
+            param.copy_(value)
+
+
+def _assert_matches(model: nn.Module, dense: nn.Module) -> None:
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
+    full = dict(dense.named_parameters())
+    for name, param in model.named_parameters():
+        value = full[name].detach()
+        if getattr(param, "tensor_model_parallel", False):
+            value = value.chunk(tp, param.partition_dim)[rank]
+        torch.testing.assert_close(param.detach(), value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None) -> None:
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    pipeline_config = {"transformer_layer_cls": Block, "num_microbatches": 2, "output_loss_value_spec": True,
+                       "input_names": ["ids", "labels"], "broadcast_and_average_loss": True,
+                       "use_zero1_optimizer": zero1}  # fmt: skip
+    config = nxd.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 0.05},
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    dense = Net(parallel=False)
+
+    def build() -> nn.Module:
+        module = Net(parallel=True, sequence_parallel=sequence_parallel)
+        _dense_copy(module, dense)
+        return module
+
+    model = nxd.initialize_parallel_model(config, build)
+    decay = [p for n, p in model.named_parameters() if "norm" not in n and "bias" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n or "bias" in n]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, groups, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    dense_groups = [
+        {
+            "params": [p for n, p in dense.named_parameters() if "norm" not in n and "bias" not in n],
+            "weight_decay": 0.1,
+        },
+        {"params": [p for n, p in dense.named_parameters() if "norm" in n or "bias" in n], "weight_decay": 0.0},
+    ]
+    dense_optimizer = torch.optim.AdamW(dense_groups, lr=1e-2)
+    dense_scheduler = torch.optim.lr_scheduler.LambdaLR(dense_optimizer, lambda step: 1.0 / (1 + step))
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        ids, labels = torch.randint(0, V, (4 * dp, S)), torch.randint(0, V, (4 * dp, S))
+        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+        if pp > 1:
+            loss = model.run_train(ids=ids[mine], labels=labels[mine])
+        else:
+            loss = model.run_train(ids[mine], labels[mine])
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss /= dp
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        # dense: the mean loss over the dp replicas and (at pp > 1) the two microbatches of each
+        pieces = [(ids[r * 4 + k * 2 : r * 4 + k * 2 + 2], labels[r * 4 + k * 2 : r * 4 + k * 2 + 2])
+                  for r in range(dp) for k in range(2)]  # fmt: skip
+        dense_loss = torch.stack([dense(i, lab) for i, lab in pieces]).mean()
+        dense_loss.backward()
+        dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+        dense_optimizer.step()
+        dense_scheduler.step()
+        dense_optimizer.zero_grad()
+        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(optimizer.grad_norm.reshape(()).cpu(), dense_norm, atol=1e-5, rtol=1e-4)
+        _assert_matches(model, dense)
+    if tmp is None:
+        return
+    nxd.save_checkpoint(tmp, "step3", model=model, optimizer=optimizer, scheduler=scheduler, user_content={"step": 3})
+    assert nxd.has_checkpoint(tmp)
+    fresh = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, sequence_parallel=sequence_parallel))
+    fresh_groups = [{"params": [p for n, p in fresh.named_parameters() if "norm" not in n and "bias" not in n],
+                     "weight_decay": 0.1},
+                    {"params": [p for n, p in fresh.named_parameters() if "norm" in n or "bias" in n],
+                     "weight_decay": 0.0}]  # fmt: skip
+    fresh_optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, fresh_groups, lr=1e-2)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda step: 1.0 / (1 + step))
+    content = nxd.load_checkpoint(tmp, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
+    nxd.finalize_checkpoint()
+    assert content == {"step": 3} and fresh_scheduler.last_epoch == 3
+    _assert_matches(fresh, dense)
+    # one more step from the loaded state equals one more dense step
+    torch.manual_seed(7)
+    ids, labels = torch.randint(0, V, (4 * dp, S)), torch.randint(0, V, (4 * dp, S))
+    mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+    if pp > 1:
+        fresh.run_train(ids=ids[mine], labels=labels[mine])
+    else:
+        fresh.run_train(ids[mine], labels[mine])
+    fresh_optimizer.step()
+    pieces = [(ids[r * 4 + k * 2 : r * 4 + k * 2 + 2], labels[r * 4 + k * 2 : r * 4 + k * 2 + 2])
+              for r in range(dp) for k in range(2)]  # fmt: skip
+    torch.stack([dense(i, lab) for i, lab in pieces]).mean().backward()
+    torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+    dense_optimizer.step()
+    _assert_matches(fresh, dense)
+
+
+@pytest.mark.parametrize(
+    "tp,pp,zero1,sequence_parallel",
+    [(2, 1, False, False), (2, 1, True, False), (2, 1, False, True), (2, 2, False, False), (1, 2, True, False)],
+)
+def test_nxd_trainer_trains_like_dense_and_resumes(tp: int, pp: int, zero1: bool, sequence_parallel: bool,
+                                                   tmp_path) -> None:  # fmt: skip
+    run_distributed(train_case, 4, tp, pp, zero1, sequence_parallel, str(tmp_path))
+
+
+def checkpoint_bookkeeping_case(tmp: str) -> list[str]:
+    import os
+
+    import meshpar.compat.nxd as nxd
+
+    config = nxd.neuronx_distributed_config(tensor_parallel_size=2)
+    model = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, layers=1))
+    assert not nxd.has_checkpoint(tmp)
+    for step in range(3):
+        nxd.save_checkpoint(tmp, f"step{step}", model=model, num_kept_ckpts=2)
+    kept = sorted(d for d in os.listdir(tmp) if d.startswith("step"))
+    with open(os.path.join(tmp, "newest")) as newest:
+        assert kept == ["step1", "step2"] and newest.read() == "step2"
+    # a save that died before its done marker: the newest complete tag still loads
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.join(tmp, "step3", "model"))
+    torch.distributed.barrier()
+    assert nxd.load_checkpoint(tmp, model=model) is None
+    errors = []
+    for tag in ("step3", "missing"):
+        try:
+            nxd.load_checkpoint(tmp, tag=tag, model=model)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_nxd_checkpoint_bookkeeping(tmp_path) -> None:
+    errors = run_distributed(checkpoint_bookkeeping_case, 4, str(tmp_path))[0]
+    assert len(errors) == 2 and all("not a complete checkpoint" in e for e in errors)
+
+
+def other_layout_case(tmp: str, tp: int) -> None:
+    import meshpar.compat.nxd as nxd
+
+    config = nxd.neuronx_distributed_config(tensor_parallel_size=tp)
+    model = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, layers=1))
+    if tp == 2:
+        nxd.save_checkpoint(tmp, "t", model=model)
+    else:
+        nxd.load_checkpoint(tmp, model=model)
+
+
+def test_nxd_checkpoint_at_another_layout_is_refused_on_every_rank(tmp_path) -> None:
+    run_distributed(other_layout_case, 4, str(tmp_path), 2)
+    with pytest.raises(AssertionError, match="do not reshard") as info:
+        run_distributed(other_layout_case, 4, str(tmp_path), 4)
+    assert str(info.value).count("ValueError: load_checkpoint failed on rank") == 4
+
+
+def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
+    """q / k / v of GQAQKVColumnParallelLinear at tp=4 equal the dense projections' heads each rank needs, and after
+    a backward through a per-rank grouped attention the weight grads are the dense grads of each rank's heads."""
+    from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
+    rank, tp = parallel_state.get_tensor_model_parallel_rank(), 4
+    heads, d = 8, 4
+    multiplier = max(1, tp // kv_heads)
+    torch.manual_seed(5)
+    layer = GQAQKVColumnParallelLinear(
+        H, [heads * d, kv_heads * d], bias=True, gather_output=False, keep_master_weight=True,
+        kv_size_multiplier=multiplier, fuse_qkv=fuse_qkv,
+    )  # fmt: skip
+    if fuse_qkv:
+        master = layer.master_weight_qkv
+        wq, wk, wv = master.split([heads * d, kv_heads * d, kv_heads * d])
+        bias = layer.bias_qkv
+    else:
+        wq, wk, wv = layer.master_weight_q, layer.master_weight_k, layer.master_weight_v
+    x = torch.randn(2, S, H)
+    q, k, v = layer(x)
+    kv_per_rank = kv_heads * multiplier // tp
+    my_kv = [rank // multiplier] if multiplier > 1 else list(range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
+    dense_q, dense_k, dense_v = (x @ wq.t()), (x @ wk.t()), (x @ wv.t())
+    q_bias, k_bias, v_bias = (bias.split([heads * d // tp, kv_per_rank * d, kv_per_rank * d]) if fuse_qkv
+                              else (layer.bias_q, layer.bias_k, layer.bias_v))  # fmt: skip
+    torch.testing.assert_close(q - q_bias, dense_q[..., rank * heads * d // tp : (rank + 1) * heads * d // tp])
+    kv_cols = torch.cat([torch.arange(h * d, (h + 1) * d) for h in my_kv])
+    torch.testing.assert_close(k - k_bias, dense_k[..., kv_cols])
+    torch.testing.assert_close(v - v_bias, dense_v[..., kv_cols])
+    # a grouped attention on this rank's heads, summed: its backward gives the dense grads of the heads it holds
+    q_heads = (q - q_bias).view(2, S, heads // tp, d)
+    k_heads = (k - k_bias).view(2, S, -1, d).repeat_interleave(heads // tp // len(my_kv), dim=2)
+    (q_heads * k_heads).sum().backward()
+    wq_d, wk_d = wq.clone().requires_grad_(), wk.clone().requires_grad_()
+    qd = (x @ wq_d.t()).view(2, S, heads, d)
+    kd = (x @ wk_d.t()).view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
+    (qd * kd).sum().backward()
+    grad = layer.weight_qkv.grad if fuse_qkv else torch.cat([layer.weight_q.grad, layer.weight_k.grad])
+    q_rows = heads * d // tp
+    torch.testing.assert_close(grad[:q_rows], wq_d.grad[rank * q_rows : (rank + 1) * q_rows], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grad[q_rows : q_rows + kv_per_rank * d], wk_d.grad[kv_cols], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fuse_qkv,kv_heads", [(True, 2), (False, 2), (True, 4), (False, 8)])
+def test_nxd_gqa_qkv_linear_equals_dense_heads(fuse_qkv: bool, kv_heads: int) -> None:
+    run_distributed(gqa_case, 4, fuse_qkv, kv_heads)
