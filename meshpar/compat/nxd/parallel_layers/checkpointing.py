@@ -10,6 +10,7 @@ another tp / pp is refused on every rank. For checkpoints that load into any lay
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,43 @@ from meshpar.failure import first_failure_on_any_rank
 from meshpar.parallel_dims import ParallelDims, get_parallel
 
 _FILE = "checkpoint.pt"
+
+# NxD's environment switch to skip the barriers around its saves (saves here always end with one)
+NXD_SKIP_RENDEZVOUS = "NXD_SKIP_RENDEZVOUS"
+
+# NxD's type of a layer's ``preshard_hook(model_state_dict, prefix)``
+PreShardHookFn = Callable[[nn.Module, dict, str], bool]
+
+
+def ensure_directory_exists(filename: str | os.PathLike) -> None:
+    """Create ``filename``'s directory if it does not exist."""
+    Path(filename).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _preshard(module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
+    if hasattr(module, "preshard_hook"):
+        module.preshard_hook(state, prefix + "weight")
+        return
+    for name, child in module.named_children():
+        _preshard(child, state, prefix + name + ".")
+
+
+def get_sharded_model_dict(model: nn.Module, model_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A full (dense) state dict turned, in place, into this tp rank's: each layer's ``preshard_hook`` pads what it
+    pads, then every ``tensor_model_parallel`` tensor is cut to this rank's part (with its stride)."""
+    from meshpar.compat.nxd.parallel_layers.layers import create_local_weight
+
+    model = getattr(model, "original_torch_module", model)
+    _preshard(model, model_state_dict)
+    tp = get_parallel().tp
+    for name, param in model.state_dict(keep_vars=True).items():
+        if getattr(param, "tensor_model_parallel", False) and name in model_state_dict:
+            if param.partition_dim not in (0, 1):
+                raise ValueError(f"{name}: partition_dim {param.partition_dim}; NxD shards dims 0 and 1 only")
+            full = model_state_dict[name]
+            per_rank = full.shape[param.partition_dim] // tp
+            model_state_dict[name] = create_local_weight(full, param.partition_dim, per_rank, param.partition_stride)
+    return model_state_dict
 
 
 def _rank_dir(path: str | os.PathLike, dims: ParallelDims, dp_rank: int | None) -> Path:

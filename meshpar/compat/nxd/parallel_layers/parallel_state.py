@@ -196,13 +196,117 @@ def destroy_kv_group() -> None:
 
 
 def get_rank_info_str() -> str:
+    if not model_parallel_is_initialized():
+        return "model_parallel_uninitialized"
     dims = get_parallel()
-    return f"[rank_{dist.get_rank()}_pp{dims.pp_rank}_tp{dims.tp_rank}_dp{dims.dp_rank}]"
+    return f"DP_{dims.dp_rank}_TP_{dims.tp_rank}_PP_{dims.pp_rank}"
 
 
 def rmsg(msg: str) -> str:
-    """``msg`` prefixed with this rank's place in the mesh (NxD's log helper)."""
-    return f"{get_rank_info_str()} {msg}" if model_parallel_is_initialized() else msg
+    """``msg`` prefixed with this rank's place in the mesh (NxD's log helper; -1 without a parallel state)."""
+    pp = tp = dp = cp = -1
+    if model_parallel_is_initialized():
+        dims = get_parallel()
+        pp, tp, dp, cp = dims.pp_rank, dims.tp_rank, dims.dp_rank, 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"[rank_{rank}_pp{pp}_tp{tp}_dp{dp}_cp{cp}] {msg}"
+
+
+def rmsg_ep(msg: str) -> str:
+    dims = get_parallel()
+    return f"[pp{dims.pp_rank}|ep0|tp{dims.tp_rank}|dp{dims.dp_rank}] {msg}"
+
+
+# -- the context- and expert-parallel groups: one rank each while meshpar has neither -------------------------------
+def _singletons() -> list[list[int]]:
+    return [[rank] for rank in range(dist.get_world_size())]
+
+
+def _own_group() -> dist.ProcessGroup:
+    """This rank alone: the context- and expert-parallel group at size 1 (made once per parallel state; every rank
+    makes every one-rank group, as c10d requires, the first time any of these getters runs on all ranks)."""
+    dims = get_parallel()
+    if not _SINGLE or _SINGLE[0] is not dims:
+        mine, _ = dist.new_subgroups_by_enumeration(_singletons())
+        _SINGLE[:] = [dims, mine]
+    return _SINGLE[1]
+
+
+_SINGLE: list[Any] = []
+
+
+def get_context_model_parallel_group(as_list: bool = False) -> Any:
+    return _singletons() if as_list else _own_group()
+
+
+def get_context_model_parallel_replica_groups() -> list[list[int]]:
+    return _singletons()
+
+
+def get_expert_model_parallel_group(as_list: bool = False) -> Any:
+    return _singletons() if as_list else _own_group()
+
+
+def get_expert_model_parallel_replica_groups() -> list[list[int]]:
+    return _singletons()
+
+
+def get_expert_data_parallel_replica_groups() -> list[list[int]]:
+    return get_data_parallel_replica_groups()
+
+
+def get_zero1_sharding_groups() -> list[list[int]]:
+    """The groups ZeRO-1 shards optimizer state over: the data-parallel groups (with context-parallel size 1)."""
+    return get_data_parallel_replica_groups()
+
+
+def get_expert_parallel_rank_from_global_rank(rank: int, expert_parallel_group: Any = None) -> int:
+    """A global rank's expert-parallel rank: 0 (expert-parallel size 1)."""
+    if not 0 <= rank < dist.get_world_size():
+        raise ValueError(f"rank {rank} is not in the world of {dist.get_world_size()}")
+    return 0
+
+
+def get_experts_for_expert_parallel_rank(
+    expert_parallel_rank: int,
+    total_number_of_experts: int,
+    expert_model_parallel_size: int,
+    expert_distribution: list[list[int]] | None = None,
+) -> list[int]:
+    """The experts expert-parallel rank ``expert_parallel_rank`` holds: its contiguous share, or its entry of
+    ``expert_distribution`` (which must cover every expert)."""
+    if total_number_of_experts % expert_model_parallel_size != 0:
+        raise ValueError(f"{total_number_of_experts} experts do not divide over {expert_model_parallel_size} ranks")
+    if not 0 <= expert_parallel_rank < expert_model_parallel_size:
+        raise ValueError(f"expert_parallel_rank {expert_parallel_rank} >= {expert_model_parallel_size}")
+    if expert_distribution:
+        if len(expert_distribution) != expert_model_parallel_size:
+            raise ValueError("expert_distribution needs one list per expert-parallel rank")
+        if {e for experts in expert_distribution for e in experts} != set(range(total_number_of_experts)):
+            raise ValueError(f"expert_distribution must cover the experts 0..{total_number_of_experts - 1}")
+        return list(expert_distribution[expert_parallel_rank])
+    per_rank = total_number_of_experts // expert_model_parallel_size
+    return list(range(expert_parallel_rank * per_rank, (expert_parallel_rank + 1) * per_rank))
+
+
+def get_aot_mode() -> bool:
+    """NxD's ahead-of-time (inference compilation) mode: never on here."""
+    return False
+
+
+def _pipeline_neighbour_groups(step: int) -> list[list[int]]:
+    dims = get_parallel()
+    return [[ranks[i], ranks[(i + step) % dims.pp]] for ranks in dims.group_ranks("pp") for i in range(dims.pp)]
+
+
+def get_next_rank_replica_groups() -> list[list[int]]:
+    """Each pipeline rank with the next one (a ring)."""
+    return _pipeline_neighbour_groups(1)
+
+
+def get_prev_rank_replica_groups() -> list[list[int]]:
+    """Each pipeline rank with the previous one (a ring)."""
+    return _pipeline_neighbour_groups(-1)
 
 
 __all__ = [
@@ -233,4 +337,16 @@ __all__ = [
     "is_global_rank_zero",
     "model_parallel_is_initialized",
     "rmsg",
+    "rmsg_ep",
+    "get_aot_mode",
+    "get_context_model_parallel_group",
+    "get_context_model_parallel_replica_groups",
+    "get_expert_data_parallel_replica_groups",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_replica_groups",
+    "get_expert_parallel_rank_from_global_rank",
+    "get_experts_for_expert_parallel_rank",
+    "get_next_rank_replica_groups",
+    "get_prev_rank_replica_groups",
+    "get_zero1_sharding_groups",
 ]

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any, ParamSpec, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 _LEVELS = {"off": logging.FATAL + 1, "fatal": logging.FATAL, "error": logging.ERROR, "warning": logging.WARNING,
            "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}  # fmt: skip
@@ -18,6 +23,19 @@ def get_log_level() -> int:
     if name not in _LEVELS:
         raise ValueError(f"NXD_LOG_LEVEL={name!r}; expected one of {sorted(_LEVELS)}")
     return _LEVELS[name]
+
+
+class PackagePathFilter(logging.Filter):
+    """Adds ``record.relativepath``: the record's file relative to the longest ``sys.path`` entry holding it."""
+
+    def filter(self, record: Any) -> bool:
+        record.relativepath = None
+        for root in sorted(map(os.path.abspath, sys.path), key=len, reverse=True):
+            root = root if root.endswith(os.sep) else root + os.sep
+            if record.pathname.startswith(root):
+                record.relativepath = os.path.relpath(record.pathname, root)
+                break
+        return True
 
 
 class _RankZeroFilter(logging.Filter):
@@ -36,4 +54,4 @@ def get_logger(name: str = "neuronx_distributed", rank0_only: bool = True) -> lo
     return logger
 
 
-__all__ = ["get_log_level", "get_logger"]
+__all__ = ["P", "PackagePathFilter", "T", "get_log_level", "get_logger"]
