@@ -40,19 +40,24 @@ class FakeReceive:
 
     def __init__(self, box: Mailboxes, src: int, dst: int, tag: int, metas: tuple | None) -> None:
         self.box, self.src, self.dst, self.tag, self.metas = box, src, dst, tag, metas
-        box.posted[(src, dst)].append((tag, "header" if metas is None else "payload"))
+        with box.cond:
+            box.posted[(src, dst)].append((tag, "header" if metas is None else "payload"))
 
     @property
     def has_header(self) -> bool:
         return self.metas is None
 
     def header_arrived(self) -> bool:
-        return self.has_header and bool(self.box.messages[(self.src, self.dst, self.tag)])
+        # under the lock and without creating the key: a defaultdict insert racing the sender's (a GC pause between
+        # its lookup and its store lets another thread in) could replace the list the sender appended to
+        with self.box.cond:
+            return self.has_header and bool(self.box.messages.get((self.src, self.dst, self.tag)))
 
     def resolve(self) -> None:
         if self.has_header:
             self.metas = self.box.take(self.src, self.dst, self.tag)
-            self.box.posted[(self.src, self.dst)].append((self.tag, "payload"))
+            with self.box.cond:
+                self.box.posted[(self.src, self.dst)].append((self.tag, "payload"))
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         self.resolve()
