@@ -102,8 +102,8 @@ class PipelineModel(nn.Module):
         deallocate_pipeline_outputs: bool = False,
     ) -> None:
         super().__init__()
-        if num_microbatches < dims.pp:
-            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
+        if num_microbatches < dims.pp and len(chunks) > 1:
+            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp} with virtual stages")
         check_pipeline_schedule(schedule, len(chunks))
         self.dims, self.plan = dims, plan
         self.chunks = nn.ModuleList(chunks)

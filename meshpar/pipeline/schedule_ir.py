@@ -31,14 +31,16 @@ RankActions = dict[int, list[Action]]
 
 
 def check_schedule_args(pp: int, v: int, m: int, forward_only: bool = False) -> None:
-    """Sizes a schedule can run. A training schedule needs ``m >= pp``; forward-only runs (evaluation, generation
-    of a single prompt) take any ``m``: their forwards depend on nothing later, so fewer microbatches only idle."""
+    """Sizes a schedule can run. An interleaved training schedule (``v > 1``) needs ``m >= pp``: each chunk's
+    round must fill the pipeline before the next chunk's starts. Plain 1F1B / GPipe / ZB-H1 and forward-only runs
+    take any ``m`` (NxD's 1F1B does too): with fewer microbatches than stages the later ranks only idle longer."""
     if pp < 1 or v < 1 or m < 1:
         raise ValueError(f"pp, virtual_pipeline_size and num_microbatches must be >= 1, got {pp}, {v}, {m}")
     check_virtual_pipeline_size(pp, v)
-    if pp > 1 and m < pp and not forward_only:
+    if pp > 1 and m < pp and not forward_only and v > 1:
         raise ValueError(
-            f"num_microbatches={m} is smaller than pp={pp}: every stage would idle; use at least {pp} microbatches"
+            f"num_microbatches={m} is smaller than pp={pp}: interleaved 1F1B needs at least {pp} microbatches (one "
+            "round per chunk)"
         )
 
 

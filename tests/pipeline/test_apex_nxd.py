@@ -242,7 +242,7 @@ def bad_inputs_case(kind: str) -> None:
     model = PipeGPT(layers=2)
     loss = {"loss_fn": lambda out, **_: out.sum()}  # the structural split (without a loss_fn NxDPPModel traces)
     if kind == "few_microbatches":
-        NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=1, **loss)
+        NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=1, virtual_pipeline_size=2, **loss)
     elif kind == "indivisible_batch":
         pm = NxDPPModel(model, transformer_layer_cls=Block, num_microbatches=3, input_names=["ids"], **loss)
         pm.run_train(ids=torch.zeros(4, 8, dtype=torch.long), labels=torch.zeros(4, 8, dtype=torch.long))
@@ -259,7 +259,7 @@ def bad_inputs_case(kind: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("few_microbatches", "num_microbatches=1 must be >= pp=2"),
+        ("few_microbatches", "num_microbatches=1 must be >= pp=2 with virtual_pipeline_size > 1"),
         ("indivisible_batch", "batch size 4 is not divisible into 3 microbatches"),
         ("too_many_stages", "2 layers cannot fill 4 pipeline stages"),
         ("chunks_vs_virtual_size", "3 model chunks on this rank, but .* virtual_pipeline_model_parallel_size=2"),

@@ -68,16 +68,24 @@ def _leaf_classes(module: nn.Module | None, leaf_module_cls: Sequence[Any] | Non
     return classes
 
 
-class _ManualStages(nn.Sequential):
+class _ManualStages(nn.Module):
     """The layers of a manually partitioned pipeline as one module (``layers.0`` ... ``layers.N``): stage ``s``
-    runs its layers in order on the previous stage's output."""
+    runs its layers in order on the previous stage's output. NxD passes stage outputs as lists: a one-tensor list
+    or tuple crosses a cut as its tensor (the next layer takes either, as NxD's do)."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*layers)
+        self.layers = _UnwrappingSequential(*layers)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.layers(inputs)
+
+
+class _UnwrappingSequential(nn.Sequential):
+    def forward(self, x: Any) -> Any:
+        for layer in self:
+            x = layer(x)
+        return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
 
 
 def _manual_cuts(layers: Sequence[nn.Module], stages: int, partition_fn: Callable[..., Any] | None) -> list[str]:
@@ -193,8 +201,10 @@ class NxDPPModel(PipelineModel):
                 "model on CPU, or pass loss_fn to split it by structure"
             )
         dims = dims if dims is not None else get_parallel()
-        if num_microbatches < dims.pp:
-            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp}")
+        if num_microbatches < dims.pp and virtual_pipeline_size > 1:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} must be >= pp={dims.pp} with virtual_pipeline_size > 1"
+            )
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
         check_pipeline_schedule(schedule, virtual_pipeline_size)
         # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule;

@@ -1,0 +1,113 @@
+"""NxD's manually partitioned pipeline (a model given as a list of layers, ``manual_pp_partition=True``) against a
+dense single-process run: NxD's even split (remainder on the last stage) and a custom ``partition_fn``, at pp2 x dp2
+and pp4, losses and the parameters after SGD steps equal to dense; refusals for shared weights across stages, a
+non-contiguous partition and a list without ``manual_pp_partition``; the scheduler-free surface of
+``PipelineStageModule``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshpar.testing import run_distributed
+
+H, CLASSES = 8, 5
+
+
+def _layers() -> list[nn.Module]:
+    torch.manual_seed(1234)
+    linears = [nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, CLASSES)]
+    return [linears[0], nn.Tanh(), linears[1], nn.ReLU(), linears[2], nn.Tanh(), linears[3], nn.Identity()]
+
+
+def manual_case(pp: int, custom: bool) -> None:
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    dense = nn.Sequential(*_layers())
+    layers = _layers()
+
+    def partition(layers: list[nn.Module], stages: int) -> dict[nn.Module, int]:  # the first stage takes one layer
+        return {
+            layer: (0 if i == 0 else 1 + (i - 1) * (stages - 1) // (len(layers) - 1)) for i, layer in enumerate(layers)
+        }
+
+    partition_fn = partition if custom else None
+    model = NxDPPModel(
+        layers,
+        num_microbatches=2,
+        manual_pp_partition=True,
+        manual_pp_stage_partition_fn=partition_fn,
+        manual_pp_loss_fn=nn.CrossEntropyLoss(),
+        broadcast_and_average_loss=True,
+    )  # fmt: skip  (at pp4: fewer microbatches than stages, as NxD's own manual-pipeline test runs)
+    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    for step in range(3):
+        torch.manual_seed(step)
+        inputs, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
+        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+        loss = model.run_train(inputs=inputs[mine], labels=labels[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
+        dense_loss = torch.stack([nn.functional.cross_entropy(dense(inputs[p]), labels[p]) for p in pieces]).mean()
+        dense_loss.backward()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        assert loss.device.type == "cpu"  # return_loss_on_cpu, NxD's default
+        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
+    dense_params = dict(dense.named_parameters())
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.detach(), dense_params[name.removeprefix("layers.")].detach(), msg=name)
+
+
+@pytest.mark.parametrize("pp,custom", [(2, False), (4, False), (2, True), (4, True)])
+def test_nxd_manual_pipeline_trains_like_dense(pp: int, custom: bool) -> None:
+    run_distributed(manual_case, 4, pp, custom)
+
+
+def refusal_case(kind: str) -> None:
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    layers = [nn.Linear(H, H) for _ in range(4)]
+    kwargs = {"num_microbatches": 2, "manual_pp_partition": True, "manual_pp_loss_fn": nn.MSELoss()}
+    if kind == "shared":
+        PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[-1], "weight")], "tied")
+        NxDPPModel(layers, **kwargs)
+    elif kind == "scattered":
+        NxDPPModel(layers, manual_pp_stage_partition_fn=lambda ls, n: {m: i % 2 for i, m in enumerate(ls)}, **kwargs)
+    elif kind == "list_without_manual":
+        NxDPPModel(layers, num_microbatches=2)
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [("shared", "share weights"), ("scattered", "contiguous"), ("list_without_manual", "manual_pp_partition=True")],
+)
+def test_nxd_manual_pipeline_refusals(kind: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_distributed(refusal_case, 2, kind)
+
+
+def test_pipeline_stage_module_partitions_like_nxd() -> None:
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    layers = [nn.Linear(H, H) for _ in range(7)]
+    mapping = PipelineStageModule._partition_evenly(layers, 3)
+    assert [mapping[layer] for layer in layers] == [0, 0, 1, 1, 2, 2, 2]
+    stage = PipelineStageModule(layers, num_stages=3, stage_index=2)
+    assert list(stage.stage_modules) == layers[4:]
+    x = torch.randn(2, H)
+    torch.testing.assert_close(stage(x), layers[6](layers[5](layers[4](x))))
+    PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[6], "weight")], "tied")
+    first = PipelineStageModule(layers, num_stages=3, stage_index=0)
+    assert first.shared_weights_on_pp_stages == {"tied": [[0, 2], [layers[0], "weight"]]}
+    with pytest.raises(ValueError, match="cannot fill"):
+        PipelineStageModule._partition_evenly(layers[:2], 3)
