@@ -331,3 +331,56 @@ def xm_case() -> None:
 
 def test_nxd_xla_shim() -> None:
     run_distributed(xm_case, 4)
+
+
+def conv_case(partition_pad: bool) -> None:
+    """Output-channel-parallel conv feeding an input-channel-parallel conv (NxD's conv block) equals the dense pair:
+    outputs, the input grad and each rank's part of the kernel and bias grads."""
+    from meshpar.compat.nxd.parallel_layers import layers, parallel_state
+
+    channels = 6 if partition_pad else 8  # 6 channels over tp=4: padded to 8
+    for tp in _tp_sizes():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        torch.manual_seed(6)
+        first = layers.OutputChannelParallelConv2d(3, channels, 3, padding=1, gather_output=False,
+                                                   keep_master_weight=True, partition_pad=partition_pad)  # fmt: skip
+        second = layers.InputChannelParallelConv2d(channels, 4, 3, stride=2, input_is_parallel=True,
+                                                   keep_master_weight=True, partition_pad=partition_pad)  # fmt: skip
+        assert first.weight.partition_dim == 0 and second.weight.partition_dim == 1
+        real = first.out_channels - first.partition_pad_size
+        dense1, dense2 = nn.Conv2d(3, real, 3, padding=1), nn.Conv2d(real, 4, 3, stride=2)
+        with torch.no_grad():
+            dense1.weight.copy_(first.master_weight[:real])
+            dense1.bias.copy_(first.master_bias[:real])
+            dense2.weight.copy_(second.master_weight[:, :real])
+            dense2.bias.copy_(second.bias)
+            # padded channels: zero kernels in, zero kernels out (what a preshard-padded checkpoint holds)
+            per_rank = first.channels_per_partition
+            mine = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+            first.weight[mine >= real] = 0
+            first.bias[mine >= real] = 0
+            second.weight[:, mine >= real] = 0
+        x = torch.randn(2, 3, 9, 9)
+        xp, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = second(torch.relu(first(xp))), dense2(torch.relu(dense1(xd)))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        torch.testing.assert_close(xp.grad, xd.grad, atol=1e-5, rtol=1e-4)
+        keep = mine < real
+        torch.testing.assert_close(first.weight.grad[keep], dense1.weight.grad[mine[keep]], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(first.bias.grad[keep], dense1.bias.grad[mine[keep]], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(second.weight.grad[:, keep], dense2.weight.grad[:, mine[keep]], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(second.bias.grad, dense2.bias.grad, atol=1e-4, rtol=1e-4)
+        gathered = layers.OutputChannelParallelConv2d(3, channels, 1, keep_master_weight=True,
+                                                      partition_pad=partition_pad)  # fmt: skip
+        y = torch.randn(1, 3, 4, 4)
+        expected = F.conv2d(y, gathered.master_weight, gathered.master_bias)[:, :channels]
+        torch.testing.assert_close(gathered(y), expected, atol=1e-5, rtol=1e-5)
+        _reset()
+
+
+@pytest.mark.parametrize("partition_pad", [False, True])
+def test_nxd_parallel_convs_equal_dense(partition_pad: bool) -> None:
+    run_distributed(conv_case, 4, partition_pad)

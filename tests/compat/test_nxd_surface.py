@@ -49,20 +49,9 @@ NOT_PROVIDED: dict[str, str] = {
             "shard_checkpoint",
         )
     },
-    **{
-        f"parallel_layers.layers.{name}": "tensor-parallel conv layers: not yet in meshpar"
-        for name in (
-            "BaseParallelConv",
-            "Conv2dWithInputGradAllReduce",
-            "InputChannelParallelConv2d",
-            "OutputChannelParallelConv2d",
-            "conv2d_with_weight_grad_allreduce",
-        )
-    },
     "parallel_layers.layers.SPMDRank": _INFERENCE,
     "parallel_layers.mappings.scatter_to_process_group_spmd": _INFERENCE,
     "parallel_layers.mappings.round_robin_scatter_to_process_group_spmd": _INFERENCE,
-    "parallel_layers.pad.generate_padding_mask": "Trn1 / Trn2 head layouts of NxD's inference padding",
     **{
         f"parallel_layers.parallel_state.{name}": _TOPOLOGY
         for name in (

@@ -55,10 +55,6 @@ from meshpar.tensor_parallel._collectives import _all_gather, _all_reduce, _redu
 
 InitMethod = Callable[[torch.Tensor], Any]
 
-# NxD's names for a conv kernel's channel dims ([out, in, kh, kw])
-CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION = 0
-CONV_KERNEL_INPUT_CHANNEL_DIMENSION = 1
-
 
 def create_local_weight(
     full_weight: torch.Tensor,
@@ -592,10 +588,26 @@ class RowParallelLinear(BaseParallelLinear):
         model_state_dict[prefix] = F.pad(model_state_dict[prefix], (0, self.pad_size))
 
 
+# NxD's tensor-parallel convolutions live in this module's namespace too (written in ._conv)
+from meshpar.compat.nxd.parallel_layers._conv import (  # noqa: E402
+    CONV_KERNEL_INPUT_CHANNEL_DIMENSION,
+    CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION,
+    BaseParallelConv,
+    Conv2dWithInputGradAllReduce,
+    InputChannelParallelConv2d,
+    OutputChannelParallelConv2d,
+    conv2d_with_weight_grad_allreduce,
+)
+
 __all__ = [
     "CONV_KERNEL_INPUT_CHANNEL_DIMENSION",
     "CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION",
+    "BaseParallelConv",
     "BaseParallelLayer",
+    "Conv2dWithInputGradAllReduce",
+    "InputChannelParallelConv2d",
+    "OutputChannelParallelConv2d",
+    "conv2d_with_weight_grad_allreduce",
     "BaseParallelLinear",
     "ColumnParallelLinear",
     "LinearWithAsyncCommunication",

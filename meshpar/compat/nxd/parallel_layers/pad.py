@@ -53,6 +53,36 @@ def _pad_nxd_linear(layer: nn.Module, n_heads: int, padded_heads: int) -> None:
         layer.input_size, layer.input_size_per_partition = new_size, divide(new_size, tp)
 
 
+def generate_padding_mask(
+    num_heads: int,
+    num_heads_with_pad: int,
+    num_kv_heads: int,
+    tp_degree: int,
+    tp_rank: int,
+    hardware_type: object = None,
+) -> torch.Tensor:
+    """Which of tp rank ``tp_rank``'s query heads are real (True) and which padding (False), when ``num_heads``
+    query heads padded to ``num_heads_with_pad`` share ``num_kv_heads`` kv heads replicated up to ``tp_degree``.
+    The kv heads' replica layout decides it: Trn1 cycles the kv heads over the ranks, Trn2 puts a head's replicas on
+    adjacent ranks (the layout meshpar's ``GQAQKVColumnParallelLinear`` uses, and the default here)."""
+    from meshpar.compat.nxd.utils.utils import hardware
+
+    kind = hardware.TRN2 if hardware_type is None else hardware_type
+    per_rank = num_heads_with_pad // tp_degree
+    per_kv_head = num_heads // num_kv_heads
+    if kind == hardware.TRN1:
+        group = tp_rank // num_kv_heads  # which cycle of kv heads this rank is in
+        mask = torch.arange(per_rank * group, per_rank * (group + 1)) < per_kv_head
+    elif kind == hardware.TRN2:
+        replicas = max(tp_degree // num_kv_heads, 1)
+        replica = tp_rank % replicas
+        kv_per_rank = num_kv_heads * replicas // tp_degree
+        mask = torch.arange(per_rank * replica, per_rank * (replica + 1)) < per_kv_head * kv_per_rank
+    else:
+        raise RuntimeError(f"Unexpected hardware_type {hardware_type} received in padding mask generation.")
+    return mask
+
+
 def pad_model(
     model: nn.Module,
     tp_degree: int,
@@ -66,4 +96,4 @@ def pad_model(
     return _pad_model(model, tp_degree, n_heads, wrapped_classes, pad_hook_fn, layer_padders=padders)
 
 
-__all__ = ["get_number_of_extra_heads", "pad_model"]
+__all__ = ["generate_padding_mask", "get_number_of_extra_heads", "pad_model"]

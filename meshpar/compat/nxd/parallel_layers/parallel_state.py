@@ -130,20 +130,27 @@ def arrange_kv_groups(
     num_tensor_model_parallel_groups: int = 1,
     tensor_model_parallel_size: int = 1,
     kv_shared_group_size: int = 1,
-    sequential_ranks_in_group: bool = True,
+    sequential_ranks_in_group: bool = False,
     hardware_type: Any = None,
 ) -> list[list[int]]:
-    """The groups of tp ranks that hold the same key/value head when the kv heads are replicated
-    ``kv_shared_group_size`` times: adjacent ranks (each kv head serves the query heads of consecutive ranks, as
-    in the dense model's grouping), per tp group of consecutive global ranks. NxD's other layout (interleaved ranks,
-    ``sequential_ranks_in_group=False`` on Trn1) matches a Trn1-specific weight order meshpar does not produce."""
-    if not sequential_ranks_in_group:
-        raise NotImplementedError("arrange_kv_groups: meshpar replicates each kv head on adjacent tp ranks only")
+    """The groups of global ranks holding the same key/value heads when they are replicated
+    ``kv_shared_group_size`` times in each tp group of consecutive ranks. NxD's two layouts: a head on adjacent
+    ranks (``hardware_type`` Trn2, or ``sequential_ranks_in_group``: blocks of consecutive ranks), or, by default
+    (Trn1), the heads cycled so that each group takes every ``tp / kv_shared_group_size``-th rank. meshpar's own
+    layers use the adjacent layout (:func:`initialize_kv_group`)."""
+    from meshpar.compat.nxd.utils.utils import hardware
+
     size, m = tensor_model_parallel_size, kv_shared_group_size
     if size % m != 0:
         raise ValueError(f"kv_shared_group_size {m} must divide the tp size {size}")
-    return [[g * size + k * m + j for j in range(m)] for g in range(num_tensor_model_parallel_groups)
-            for k in range(size // m)]  # fmt: skip
+    adjacent = sequential_ranks_in_group or hardware_type == hardware.TRN2
+    groups = []
+    for base in range(0, num_tensor_model_parallel_groups * size, size):
+        if adjacent:
+            groups += [list(range(base + k * m, base + (k + 1) * m)) for k in range(size // m)]
+        else:
+            groups += [list(range(base + j, base + size, size // m)) for j in range(size // m)]
+    return groups
 
 
 # the kv-shared groups made for the current parallel state: (its ParallelDims, size, this rank's group, all groups)
@@ -151,7 +158,10 @@ _KV_GROUP: list[Any] = []
 
 
 def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = True) -> None:
-    """Make the kv-shared groups (every rank must call it: process groups are collective); one size per state."""
+    """Make the kv-shared groups (every rank must call it: process groups are collective); one size per state.
+    They are blocks of adjacent tp ranks, the layout ``GQAQKVColumnParallelLinear`` replicates heads in."""
+    if not sequential_ranks_in_group:
+        raise NotImplementedError("initialize_kv_group: meshpar replicates each kv head on adjacent tp ranks only")
     dims = get_parallel()
     if _KV_GROUP and _KV_GROUP[0] is dims:
         if _KV_GROUP[1] != kv_shared_group_size:

@@ -192,7 +192,9 @@ def verify_casted_dtype(value: Any) -> None:
         return
     if isinstance(value, torch.Tensor):
         if value.dtype != _autocast_dtype():
-            raise TypeError(f"expected a tensor in {_autocast_dtype()} under autocast, got {value.dtype}")
+            raise TypeError(
+                f"Datatype of tensor is expected to be {_autocast_dtype()}, got {value.dtype} instead (under autocast)"
+            )
     elif isinstance(value, collections.abc.Mapping):
         for key, item in value.items():
             verify_casted_dtype(key)
