@@ -29,7 +29,6 @@ MODULES_NOT_PROVIDED: dict[str, str] = {
     "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (meshpar.checkpoint saves ZeRO-1 state with DCP)",
     "parallel_layers.comm": "torch_xla collective helpers over replica-group lists",
     "parallel_layers.layers_utils": "private helpers of NxD's layers",
-    "pipeline.comm": _RUNTIME,
     "pipeline.partition": _RUNTIME,
     "pipeline.scheduler": _RUNTIME,
     "pipeline.timeline": _RUNTIME,

@@ -86,7 +86,7 @@ def _assert_matches(model: nn.Module, dense: nn.Module) -> None:
         value = full[name].detach()
         if getattr(param, "tensor_model_parallel", False):
             value = value.chunk(tp, param.partition_dim)[rank]
-        torch.testing.assert_close(param.detach(), value, atol=2e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(param.detach(), value, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None) -> None:

@@ -137,16 +137,23 @@ class PaddedAttention(SelfAttention):
 
 
 def pad_case() -> None:
+    """The API guide's recipe, NxD's 1-axis padding: every rank's query / key / value shard grows from 2 to 4 rows
+    (zeros at its end) and the output dense's input columns likewise, so the projections chained through the padded
+    dims compute what they computed before; the hook gets the ratio."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
     torch.manual_seed(0)
-    dense = SelfAttention(heads=2)  # 2 heads of size 4 at tp=4
-    model = PaddedAttention(heads=2)
-    copy_dense_into(model, dense.state_dict())
+    model = PaddedAttention(heads=2)  # 2 heads of size 4 at tp=4: half a head per rank before padding
+    before = model.query.weight.detach().clone()
+    x = torch.randn(2, SEQ, H)
+    chained = model.dense(model.value(x)).detach()
     seen = []
     model = pad_model(model, 4, 2, wrapped_classes=[PaddedAttention], pad_hook_fn=lambda m, r: seen.append(r))
     assert seen == [2.0] and model.query.weight.shape == (16 // 4, H) and model.query.output_size == 16
-    x = torch.randn(2, SEQ, H)
-    torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.query.weight[:2], before)
+    assert not model.query.weight[2:].any() and not model.dense.weight[:, 2:].any()
+    assert model.query.weight.tensor_model_parallel and model.dense.weight.partition_dim == 1
+    torch.testing.assert_close(model.dense(model.value(x)), chained, atol=1e-6, rtol=1e-5)
+    model(x)  # the recipe's heads per rank (1 padded head of 4) run through attention
 
 
 def test_pad_model_api_guide_recipe() -> None:

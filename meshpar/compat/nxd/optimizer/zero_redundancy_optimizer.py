@@ -12,14 +12,23 @@ in fp32. ``sharding_groups`` must be the data-parallel groups (the default).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshpar.compat.nxd.parallel_layers import parallel_state
+from meshpar.failure import first_failure_on_any_rank
 from meshpar.optim import DistributedOptimizer
 from meshpar.parallel_dims import get_parallel
+
+
+def _layout() -> dict[str, int]:
+    dims = get_parallel()
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -67,15 +76,20 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self.grad_clipping, self.max_norm = grad_clipping, 1.0 if max_norm is None else max_norm
         self.save_master_weights = save_master_weights
         self._grad_norm: torch.Tensor | None = None
+        # the groups the caller sees hold the model's parameters (as torch_xla's do); their options (an LR
+        # scheduler's lr, say) are copied to the inner optimizer's groups at each step
+        inner = self.zero.optimizer.param_groups
+        self.param_groups = [{**{k: v for k, v in inner_group.items() if k != "params"}, "params": group["params"]}
+                             for group, inner_group in zip(groups, inner, strict=True)]  # fmt: skip
 
-    # the torch.optim.Optimizer surface schedulers and NxD's wrapper read
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.zero.param_groups
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer stepping this rank's share (torch_xla's name)."""
+        return self.zero.optimizer
 
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.zero.optimizer.param_groups = value
+    def _sync_options(self) -> None:
+        for group, inner in zip(self.param_groups, self.zero.optimizer.param_groups, strict=True):
+            inner.update({k: v for k, v in group.items() if k != "params"})
 
     @property
     def state(self) -> Any:
@@ -103,17 +117,51 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sync_options()
         if self.grad_clipping:
             self._grad_norm = self.zero.clip_grad_norm(self.max_norm).detach().clone()
         self.zero.step()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
+        self._sync_options()  # the groups' options as the caller last set them (a scheduler steps after step())
         return self.zero.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The state and the groups' options (an lr a scheduler set, say), as torch's optimizers load them."""
         self.zero.init_state()
         self.zero.load_state_dict(state_dict)
+        for group, inner in zip(self.param_groups, self.zero.optimizer.param_groups, strict=True):
+            group.update({k: v for k, v in inner.items() if k != "params"})
+
+    def _shard_file(self, output_dir: str) -> Path:
+        dims = get_parallel()
+        name = f"zero1_dp_rank_{dims.dp_rank:02d}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
+        return Path(output_dir) / name
+
+    def save_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
+        """Each rank writes its share of the optimizer state (atomically) under ``output_dir``; then a barrier."""
+        file = self._shard_file(output_dir)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.tmp")
+        torch.save({"layout": _layout(), "state": self.state_dict()}, tmp)
+        os.replace(tmp, file)
+        dist.barrier()
+
+    def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
+        """Load what :meth:`save_sharded_state_dict` wrote at this layout (refused on every rank otherwise)."""
+        file = self._shard_file(output_dir)
+        error, payload = None, None
+        if not file.exists():
+            error = f"{file} does not exist (saved at another layout?)"
+        else:
+            payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
+            if payload["layout"] != _layout():
+                error = f"{file} was saved at {payload['layout']}, this run is {_layout()}"
+        failed = first_failure_on_any_rank(error)
+        if failed is not None:
+            raise ValueError(f"load_sharded_state_dict failed on rank {failed[0]}: {failed[1]}")
+        self.load_state_dict(payload["state"])
 
     def __repr__(self) -> str:
         return f"NeuronZero1Optimizer({self.zero.optimizer!r})"

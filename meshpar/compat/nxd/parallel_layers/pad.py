@@ -1,9 +1,10 @@
 """``neuronx_distributed.parallel_layers.pad``: pad attention to a head count tp divides.
 
-``pad_model`` is meshpar's (:func:`meshpar.hf.padding.pad_model`) with NxD's layers padded too. Where NxD pads each
-rank's local shard at its end (right for a model whose weights are loaded after padding, wrong for one that already
-holds its weights), meshpar pads the whole sharded dim at its end (the added heads are zero, the real heads keep
-their ranks), so a model padded after its weights were loaded still computes what it computed before.
+``pad_model`` is meshpar's (:func:`meshpar.hf.padding.pad_model`) with NxD's layers padded NxD's way: each rank's
+local shard grows by ``padded / n_heads`` with zeros at its end (a column-parallel layer's output rows, a
+row-parallel layer's input columns), so every rank keeps the rows it had and a column -> row chain computes what it
+computed before, whatever each rank feeds it. (Heads that were split across ranks before padding stay split: pad
+before loading weights laid out for the padded model, as NxD intends.)
 """
 
 from __future__ import annotations
@@ -14,43 +15,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshpar.compat.nxd.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear, create_local_weight
-from meshpar.compat.nxd.parallel_layers.utils import copy_tensor_model_parallel_attributes, divide
+from meshpar.compat.nxd.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
 from meshpar.hf.padding import get_number_of_extra_heads
 from meshpar.hf.padding import pad_model as _pad_model
-from meshpar.tensor_parallel._collectives import _all_gather
 
 
 @torch.no_grad()
-def _padded_shard(param: nn.Parameter, dim: int, size: int, new_size: int, layer: nn.Module) -> nn.Parameter:
-    """``param`` (this rank's shard along ``dim`` of a ``size``-long dim) as the shard of the same tensor padded with
-    zeros at the end to ``new_size``."""
-    mesh = layer.tp_mesh
-    full = _all_gather(param.detach(), mesh, dim) if mesh.size() > 1 else param.detach()
-    padding = [0, 0] * (full.dim() - 1 - dim) + [0, new_size - size]
-    padded = F.pad(full, padding)
-    local = create_local_weight(padded, dim, divide(new_size, mesh.size()), 1)
-    new = nn.Parameter(local.contiguous(), requires_grad=param.requires_grad)
-    copy_tensor_model_parallel_attributes(new, param)
+def _padded_locally(param: nn.Parameter, dim: int, ratio: float) -> nn.Parameter:
+    """``param`` (this rank's shard) with zeros appended along ``dim`` to ``ratio`` times its size."""
+    size = param.shape[dim]
+    extra = round(size * ratio) - size
+    padding = [0, 0] * (param.dim() - 1 - dim) + [0, extra]
+    new = nn.Parameter(F.pad(param.detach(), padding).contiguous(), requires_grad=param.requires_grad)
     new.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
     return new
 
 
+@torch.no_grad()
 def _pad_nxd_linear(layer: nn.Module, n_heads: int, padded_heads: int) -> None:
+    ratio = padded_heads / n_heads
     column = isinstance(layer, ColumnParallelLinear)
-    size = layer.output_size if column else layer.input_size
-    new_size = divide(size * padded_heads, n_heads)
-    layer.weight = _padded_shard(layer.weight, 0 if column else 1, size, new_size, layer)
-    if column and layer.bias is not None:
-        if layer.gather_output:
-            layer.bias = nn.Parameter(F.pad(layer.bias.detach(), (0, new_size - size)))
-        else:
-            layer.bias = _padded_shard(layer.bias, 0, size, new_size, layer)
+    layer.weight = _padded_locally(layer.weight, 0 if column else 1, ratio)
     tp = layer.tp_mesh.size()
     if column:
-        layer.output_size, layer.output_size_per_partition = new_size, divide(new_size, tp)
+        local = layer.weight.shape[0]
+        if layer.bias is not None:
+            if layer.gather_output:  # the full bias follows the gathered layout: each rank's part, then its zeros
+                parts = [_padded_locally(nn.Parameter(p), 0, ratio) for p in layer.bias.detach().chunk(tp)]
+                layer.bias = nn.Parameter(torch.cat([p.detach() for p in parts]))
+            else:
+                layer.bias = _padded_locally(layer.bias, 0, ratio)
+        layer.output_size, layer.output_size_per_partition = local * tp, local
     else:
-        layer.input_size, layer.input_size_per_partition = new_size, divide(new_size, tp)
+        local = layer.weight.shape[1]
+        layer.input_size, layer.input_size_per_partition = local * tp, local
 
 
 def generate_padding_mask(
@@ -91,7 +89,7 @@ def pad_model(
     pad_hook_fn: Callable[[nn.Module, float], None] | None = None,
 ) -> nn.Module:
     """NxD's ``pad_model(model, tp_degree, n_heads, wrapped_classes=(), pad_hook_fn=None)`` (see the module
-    docstring for how the padding is placed)."""
+    docstring for where the zeros go)."""
     padders = {ColumnParallelLinear: _pad_nxd_linear, RowParallelLinear: _pad_nxd_linear}
     return _pad_model(model, tp_degree, n_heads, wrapped_classes, pad_hook_fn, layer_padders=padders)
 
