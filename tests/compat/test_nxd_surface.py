@@ -30,7 +30,6 @@ MODULES_NOT_PROVIDED: dict[str, str] = {
     "parallel_layers.comm": "torch_xla collective helpers over replica-group lists",
     "parallel_layers.layers_utils": "private helpers of NxD's layers",
     "pipeline.partition": _RUNTIME,
-    "pipeline.scheduler": _RUNTIME,
     "pipeline.timeline": _RUNTIME,
     "trainer.checkpoint_storage": "NxD's storage backends (S3, shared memory); checkpoints go to a filesystem path",
 }
