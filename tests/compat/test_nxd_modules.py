@@ -95,3 +95,44 @@ def test_cumsum_and_logger_behave_as_nxds(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("NXD_LOG_LEVEL", "loud")
     with pytest.raises(ValueError, match="NXD_LOG_LEVEL"):
         logger.get_log_level()
+
+
+def test_nxd_rotary_helpers_match_the_reference_formulations() -> None:
+    """NxD's interleaved-pair rotation equals multiplying by e^(i angle) in complex numbers; its Llama 3.1 scaling
+    keeps high frequencies, divides low ones by the factor and stays between the two; transformer_overrides'
+    half-rotation equals transformers' Llama rotary embedding."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rotary
+
+    from meshpar.compat.nxd.modules.attention.utils import (
+        apply_rotary_polar_compatible,
+        apply_scaling,
+        precompute_freqs_cis,
+    )
+    from meshpar.compat.nxd.overrides.transformer_overrides import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    b, s, h, d = 2, 7, 3, 8
+    q, k = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
+    angles = precompute_freqs_cis(d, s, theta=500.0)
+    assert angles.shape == (s, d // 2) and angles.dtype == torch.float32
+    per_token = angles[torch.arange(s).expand(b, s)]  # [b, s, d / 2]: the table at each token's position
+    q_rot, k_rot = apply_rotary_polar_compatible(q, k, per_token)
+    torch.testing.assert_close(apply_rotary_polar_compatible(k, q, per_token)[0], k_rot)
+    rotation = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+    expected = torch.view_as_real(torch.view_as_complex(q.reshape(b, s, h, d // 2, 2)) * rotation).reshape(q.shape)
+    torch.testing.assert_close(q_rot, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        apply_rotary_polar_compatible(q, k, per_token.double())
+    freqs = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    scaled = apply_scaling(freqs)
+    wavelen = 2 * torch.pi / freqs
+    torch.testing.assert_close(scaled[wavelen < 8192 / 4], freqs[wavelen < 8192 / 4])
+    torch.testing.assert_close(scaled[wavelen > 8192], freqs[wavelen > 8192] / 8)
+    assert bool(((scaled <= freqs) & (scaled >= freqs / 8)).all())
+    cos, sin = torch.randn(s, d), torch.randn(s, d)
+    positions = torch.arange(s).expand(b, s)
+    q4, k4 = q.transpose(1, 2), k.transpose(1, 2)  # [b, h, s, d]
+    ours = apply_rotary_pos_emb(q4, k4, cos, sin, positions, flash_attn=False)
+    theirs = hf_rotary(q4, k4, cos[positions], sin[positions])
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])

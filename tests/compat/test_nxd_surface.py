@@ -17,8 +17,6 @@ _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 _TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative drafts) with no CPU/CUDA meaning"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 MODULES_NOT_PROVIDED: dict[str, str] = {
-    "modules.attention": "Llama-3 RoPE helpers for NxD's inference models",
-    "modules.attention.utils": "Llama-3 RoPE helpers for NxD's inference models",
     "modules.lora": "LoRA: meshpar has no LoRA support",
     "modules.lora.config": "LoRA: meshpar has no LoRA support",
     "modules.lora.layer": "LoRA: meshpar has no LoRA support",
