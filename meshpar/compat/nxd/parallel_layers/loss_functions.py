@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from meshpar.compat.nxd.parallel_layers.mappings import traced_as_call
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel import parallel_cross_entropy as _native_parallel_cross_entropy
 
 
+@traced_as_call
 def parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0, **kwargs: object
 ) -> torch.Tensor:

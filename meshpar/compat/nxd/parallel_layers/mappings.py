@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 
 from meshpar._compat import DeviceMesh
 from meshpar.parallel_dims import get_parallel
@@ -25,6 +26,21 @@ from meshpar.tensor_parallel._collectives import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+
+
+def traced_as_call(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Under torch.fx tracing, ``func`` becomes one call in the graph instead of being traced into (its collectives
+    and checks cannot be traced): NxD's tracer autowraps its parallel functions only when a model calls them by
+    their module-level names; this also covers a model that imports them inside ``forward``."""
+
+    @functools.wraps(func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", wrapped, args, kwargs)
+        return func(*args, **kwargs)
+
+    return wrapped
 
 
 def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
@@ -52,6 +68,7 @@ def nonzero_partition_dim_swap(func: Callable[..., torch.Tensor]) -> Callable[..
     return wrapped
 
 
+@traced_as_call
 def copy_to_tensor_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -59,6 +76,7 @@ def copy_to_tensor_model_parallel_region(
     return copy_to_tp(input_, group_mesh(process_group))
 
 
+@traced_as_call
 def reduce_from_tensor_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -74,6 +92,7 @@ def reduce_from_context_model_parallel_region(
     return input_ if process_group is None else reduce_from_tp(input_, group_mesh(process_group))
 
 
+@traced_as_call
 def scatter_to_tensor_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -86,6 +105,7 @@ def scatter_input_channels_to_tensor_model_parallel_region(input_: torch.Tensor)
     return scatter_to_tp(input_, group_mesh(None), dim=1)
 
 
+@traced_as_call
 def gather_from_tensor_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
