@@ -8,6 +8,8 @@ import importlib
 import re
 from pathlib import Path
 
+from tests.compat._surface import read_surface
+
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parents[1] / "docs" / "compat.md"
 
@@ -16,13 +18,7 @@ NOT_PROVIDED: dict[str, str] = {}
 
 
 def surface() -> dict[str, list[str]]:
-    modules = {}
-    for line in (HERE / "apex_surface.txt").read_text().splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        module, names = line.split(":", 1)
-        modules[module.strip()] = names.split()
-    return modules
+    return read_surface(HERE / "apex_surface.txt")
 
 
 def test_every_apex_name_imports_from_its_apex_path() -> None:

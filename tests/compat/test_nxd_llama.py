@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshpar.testing import run_distributed
+from tests.seeds._dense import assert_params_match, copy_dense_into
 
 V, H, HEADS, KV_HEADS, FF, LAYERS, S = 32, 16, 4, 2, 24, 4, 8
 HEAD = H // HEADS
@@ -131,31 +132,6 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
 
 
-def _copy_from_dense(model: nn.Module, dense: nn.Module) -> None:
-    from meshpar.compat.nxd.parallel_layers import parallel_state
-
-    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
-    full = dict(dense.named_parameters())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = full[name]
-            if getattr(param, "tensor_model_parallel", False):
-                value = value.chunk(tp, param.partition_dim)[rank]
-            param.copy_(value)
-
-
-def _check_against(model: nn.Module, dense: nn.Module) -> None:
-    from meshpar.compat.nxd.parallel_layers import parallel_state
-
-    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
-    full = dict(dense.named_parameters())
-    for name, param in model.named_parameters():
-        value = full[name].detach()
-        if getattr(param, "tensor_model_parallel", False):
-            value = value.chunk(tp, param.partition_dim)[rank]
-        torch.testing.assert_close(param.detach(), value, atol=3e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def llama_case(tp: int, pp: int) -> None:
     import meshpar.compat.nxd as nxd
     from meshpar.compat.nxd.parallel_layers import parallel_state
@@ -176,7 +152,7 @@ def llama_case(tp: int, pp: int) -> None:
     def build() -> nn.Module:
         torch.manual_seed(1)
         module = Llama(parallel=True)
-        _copy_from_dense(module, dense)
+        copy_dense_into(module, dict(dense.named_parameters()))
         return module
 
     model = nxd.initialize_parallel_model(config, build)
@@ -202,7 +178,7 @@ def llama_case(tp: int, pp: int) -> None:
         dense_optimizer.step()
         dense_optimizer.zero_grad()
         torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=2e-5, rtol=1e-5)
-        _check_against(model, dense)
+        assert_params_match(model, dict(dense.named_parameters()), atol=3e-5)
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])

@@ -9,6 +9,8 @@ import importlib
 import re
 from pathlib import Path
 
+from tests.compat._surface import read_surface
+
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parents[1] / "docs" / "compat.md"
 
@@ -95,13 +97,7 @@ NOT_PROVIDED: dict[str, str] = {
 
 
 def surface() -> dict[str, list[str]]:
-    modules = {}
-    for line in (HERE / "nxd_surface.txt").read_text().splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        module, names = line.split(":", 1)
-        modules[module.strip()] = names.split()
-    return modules
+    return read_surface(HERE / "nxd_surface.txt")
 
 
 def test_every_nxd_name_imports_from_its_nxd_path() -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshpar.testing import run_distributed
+from tests.seeds._dense import assert_params_match, copy_dense_into
 
 H, FF, V, S = 16, 32, 24, 8
 
@@ -63,32 +64,6 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, V), labels.reshape(-1))
 
 
-def _dense_copy(model: nn.Module, dense: nn.Module) -> None:
-    """Give the parallel model the dense model's weights (each tp shard its part)."""
-    from meshpar.compat.nxd.parallel_layers import parallel_state
-
-    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
-    full = dict(dense.named_parameters())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = full[name]
-            if getattr(param, "tensor_model_parallel", False):
-                value = value.chunk(tp, param.partition_dim)[rank]
-            param.copy_(value)
-
-
-def _assert_matches(model: nn.Module, dense: nn.Module) -> None:
-    from meshpar.compat.nxd.parallel_layers import parallel_state
-
-    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
-    full = dict(dense.named_parameters())
-    for name, param in model.named_parameters():
-        value = full[name].detach()
-        if getattr(param, "tensor_model_parallel", False):
-            value = value.chunk(tp, param.partition_dim)[rank]
-        torch.testing.assert_close(param.detach(), value, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None) -> None:
     import meshpar.compat.nxd as nxd
     from meshpar.compat.nxd.parallel_layers import parallel_state
@@ -105,7 +80,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
 
     def build() -> nn.Module:
         module = Net(parallel=True, sequence_parallel=sequence_parallel)
-        _dense_copy(module, dense)
+        copy_dense_into(module, dict(dense.named_parameters()))
         return module
 
     model = nxd.initialize_parallel_model(config, build)
@@ -149,7 +124,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
         dense_optimizer.zero_grad()
         torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(optimizer.grad_norm.reshape(()).cpu(), dense_norm, atol=1e-5, rtol=1e-4)
-        _assert_matches(model, dense)
+        assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
     if tmp is None:
         return
     nxd.save_checkpoint(tmp, "step3", model=model, optimizer=optimizer, scheduler=scheduler, user_content={"step": 3})
@@ -164,7 +139,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
     content = nxd.load_checkpoint(tmp, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
     nxd.finalize_checkpoint()
     assert content == {"step": 3} and fresh_scheduler.last_epoch == 3
-    _assert_matches(fresh, dense)
+    assert_params_match(fresh, dict(dense.named_parameters()), atol=2e-5)
     # one more step from the loaded state equals one more dense step
     torch.manual_seed(7)
     ids, labels = torch.randint(0, V, (4 * dp, S)), torch.randint(0, V, (4 * dp, S))
@@ -179,7 +154,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
     torch.stack([dense(i, lab) for i, lab in pieces]).mean().backward()
     torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
     dense_optimizer.step()
-    _assert_matches(fresh, dense)
+    assert_params_match(fresh, dict(dense.named_parameters()), atol=2e-5)
 
 
 @pytest.mark.parametrize(

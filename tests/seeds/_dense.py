@@ -34,9 +34,11 @@ def copy_dense_into(module: nn.Module, dense: dict[str, torch.Tensor], rename=la
             param.copy_(apex_shard(param, value))
 
 
-def assert_params_match(module: nn.Module, dense: dict[str, torch.Tensor], rename=lambda name: name) -> None:
+def assert_params_match(
+    module: nn.Module, dense: dict[str, torch.Tensor], rename=lambda name: name, atol: float = 1e-5, rtol: float = 1e-4
+) -> None:
     for name, param in module.named_parameters():
-        value = dense[rename(name)]
+        value = dense[rename(name)].detach()
         if not isinstance(param, DTensor):
             value = apex_shard(param, value)
-        torch.testing.assert_close(full(param.detach()), value, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(full(param.detach()), value, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
