@@ -92,12 +92,19 @@ def takes_use_cache(model: nn.Module) -> bool:
     return "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def folds_choices(model: nn.Module) -> bool:
+    """Whether the model's forward folds a ``[batch, choices, seq]`` batch into the base model's batch (HF's
+    multiple-choice heads)."""
+    return type(model).__name__.endswith("ForMultipleChoice")
+
+
 @contextlib.contextmanager
 def dense_probe(model: nn.Module, grad: bool = False) -> Iterator[tuple[Callable[..., object], torch.Tensor]]:
     """A forward of the dense model on a tiny batch of token ids, in eval mode with the RNG untouched (each module's
     mode restored after), for reading what it does: yields (the function that runs it, with any extra keyword
     arguments such as labels; the ids)."""
-    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), (1, 4), generator=torch.Generator().manual_seed(0))
+    shape = (1, 2, 4) if folds_choices(model) else (1, 4)  # a multiple-choice head reads [batch, choices, seq]
+    ids = torch.randint(0, getattr(model.config, "vocab_size", 2), shape, generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(iter(model.parameters())).device)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()

@@ -59,7 +59,14 @@ from meshpar.replicas import make_replicas_equal
 _log = logging.getLogger(__name__)
 
 # heads whose loss the last pipeline stage computes from the head's output
-PIPELINE_TASKS = ("causal_lm", "masked_lm", "token_classification", "sequence_classification", "question_answering")
+PIPELINE_TASKS = (
+    "causal_lm",
+    "masked_lm",
+    "token_classification",
+    "sequence_classification",
+    "multiple_choice",
+    "question_answering",
+)
 
 
 def _check_existing_mesh(config: ParallelConfig) -> None:
@@ -239,10 +246,7 @@ class ParallelizedModel(nn.Module):
                 "pipeline stages; use pipeline_parallel_size 1 (tensor and data parallelism work for it)"
             )
         if self.plan.task not in PIPELINE_TASKS:
-            why = {
-                "multiple_choice": "its forward folds the choices into the batch before the base model, which the "
-                "stages before the head do not do",
-            }.get(self.plan.task, "meshpar has no loss of its own for it to compute on the last stage")
+            why = "meshpar has no loss of its own for it to compute on the last stage"
             raise ValueError(
                 f"pipeline parallelism runs heads meshpar computes the loss of on the last stage ({PIPELINE_TASKS}); "
                 f"{type(model).__name__} has a {self.plan.task!r} head: {why}; use pipeline_parallel_size 1 (tensor "

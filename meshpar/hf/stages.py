@@ -41,7 +41,7 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name, dense_probe
+from meshpar.hf.hf_plan import base_model_name, dense_probe, folds_choices
 from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
@@ -675,6 +675,10 @@ def decoder_stage_forward(
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
     inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
     inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
+    if self.meshpar_fold_choices and not self.meshpar_last_stage:
+        # a multiple-choice head's forward folds [batch, choices, seq] into [batch * choices, seq] before the base
+        # model; stages before the head run the base model alone, so they fold as it does
+        inputs = {k: v.flatten(0, 1) if torch.is_tensor(v) else v for k, v in inputs.items()}
     received = None if runtime.first else x
     return _run_stage(self, runtime, layout, self.meshpar_last_stage, received, inputs, self.meshpar_sequence_shards)
 
@@ -695,6 +699,8 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
     ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding exercises the model's own mask building on every stage
+    if folds_choices(model):  # one row of two choices
+        ids, mask = ids.unsqueeze(0), mask.unsqueeze(0)
     device = next(iter(model.parameters())).device
     ids, mask = ids.to(device), mask.to(device)
     modes = [(m, m.training) for m in model.modules()]
@@ -737,6 +743,7 @@ def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_sha
         )
     stage.meshpar_layout = layout
     stage.meshpar_sequence_shards = sequence_shards
+    stage.meshpar_fold_choices = folds_choices(stage)
     # the last stage holds the head: the LM head, or a classifier outside the base model (the other stages hold none)
     stage.meshpar_last_stage = _output_embeddings(stage) is not None or bool(head_modules(stage, layout.base))
     return mix_into(stage, _DecoderStage, "PipelineStage")
