@@ -111,3 +111,26 @@ def test_pipeline_stage_module_partitions_like_nxd() -> None:
     assert first.shared_weights_on_pp_stages == {"tied": [[0, 2], [layers[0], "weight"]]}
     with pytest.raises(ValueError, match="cannot fill"):
         PipelineStageModule._partition_evenly(layers[:2], 3)
+
+
+def pipeline_checkpoint_case(tmp: str) -> None:
+    """NxD's checkpoint API on a bare NxDPPModel: each rank saves its stage, a fresh pipeline loads it back."""
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    kwargs = {"num_microbatches": 2, "manual_pp_partition": True, "manual_pp_loss_fn": nn.CrossEntropyLoss()}
+    model = NxDPPModel(_layers(), **kwargs)
+    nxd.save_checkpoint(tmp, "t", model=model)
+    torch.manual_seed(99)
+    fresh = NxDPPModel([nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, H), nn.Tanh(),
+                        nn.Linear(H, CLASSES), nn.Identity()], **kwargs)  # fmt: skip
+    nxd.load_checkpoint(tmp, model=fresh)
+    saved = dict(model.local_named_parameters())
+    for name, param in fresh.local_named_parameters():
+        torch.testing.assert_close(param, saved[name], msg=name)
+
+
+def test_nxd_checkpoint_of_a_pipeline_model(tmp_path) -> None:
+    run_distributed(pipeline_checkpoint_case, 4, str(tmp_path))

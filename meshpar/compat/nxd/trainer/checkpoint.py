@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
+from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
 from meshpar.parallel_dims import get_parallel
+from meshpar.pipeline.model import PipelineModel
 
 _DONE = "done"
 _NEWEST = "newest"
@@ -210,19 +212,16 @@ def load_checkpoint(
 
 
 def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
+    """``state`` (this rank's saved shards) into a dict, an ``NxDModel``, a pipeline's local stages or a module."""
     if isinstance(model, dict):
         model.clear()
         model.update(state)
-        return
-    if callable(getattr(model, "local_modules", None)) and not hasattr(model, "nxd_config"):
-        from meshpar.compat.nxd.trainer.model import _load_local
-
-        _load_local(model.local_modules(), state, strict)
-        return
-    if hasattr(model, "nxd_config") and model.pp_enabled:
+    elif isinstance(model, NxDModel) and model.pp_enabled:
         model.load_state_dict(state, strict=strict)
-        return
-    _into_model(model, state, strict)
+    elif isinstance(model, PipelineModel):
+        _load_local(model.local_modules(), state, strict)
+    else:
+        _into_model(model, state, strict)
 
 
 def finalize_checkpoint() -> None:
