@@ -266,3 +266,39 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
 @pytest.mark.parametrize("fuse_qkv,kv_heads", [(True, 2), (False, 2), (True, 4), (False, 8)])
 def test_nxd_gqa_qkv_linear_equals_dense_heads(fuse_qkv: bool, kv_heads: int) -> None:
     run_distributed(gqa_case, 4, fuse_qkv, kv_heads)
+
+
+def _init_own(module: nn.Module, device: torch.device) -> None:
+    """NxD's param_init_fn(module, device): this module's own parameters, seeded by name and shape."""
+    for name, param in module.named_parameters(recurse=False):
+        generator = torch.Generator().manual_seed(len(name) * 31 + sum(param.shape))
+        with torch.no_grad():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def meta_init_case() -> None:
+    """model_init_config's meta_device_init: the model is built on meta, then every module re-initialised by
+    param_init_fn on CPU, NxD's parallel attributes kept; without a param_init_fn a meta model is refused."""
+    import meshpar.compat.nxd as nxd
+
+    config = nxd.neuronx_distributed_config(
+        tensor_parallel_size=2, model_init_config={"meta_device_init": True, "param_init_fn": _init_own}
+    )
+    model = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, layers=2))
+    for name, param in model.named_parameters():
+        assert not param.is_meta, name
+        expected = torch.randn(param.shape, generator=torch.Generator().manual_seed(
+            len(name.rsplit(".", 1)[-1]) * 31 + sum(param.shape))) * 0.1  # fmt: skip
+        torch.testing.assert_close(param.detach(), expected, msg=name)
+    assert model.module.layers[0].up.weight.tensor_model_parallel
+    loss = model.run_train(torch.randint(0, V, (2, S)), torch.randint(0, V, (2, S)))
+    assert torch.isfinite(loss)
+    nxd.parallel_state.destroy_model_parallel()
+    bare = nxd.neuronx_distributed_config(tensor_parallel_size=2)
+    bare["model_init_config"]["meta_device_init"] = True
+    with pytest.raises(ValueError, match="param_init_fn"):
+        nxd.initialize_parallel_model(bare, lambda: Net(parallel=True, layers=1))
+
+
+def test_nxd_meta_device_init() -> None:
+    run_distributed(meta_init_case, 2)

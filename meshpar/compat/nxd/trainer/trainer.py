@@ -157,11 +157,6 @@ def initialize_parallel_model(
         pipeline_config = dict(nxd_config["pipeline_config"] or {})
         pipeline_config.update(param_init_fn=param_init_fn, use_model_wrapper=True)
         model = NxDPPModel(model, **pipeline_config)
-    elif init["meta_device_init"]:
-        model.to_empty(device=xla.xla_device())
-        for module in model.modules():
-            if param_init_fn is not None:
-                param_init_fn(module)
     model = get_model_sequential(model, xla.xla_device(), init["sequential_move_factor"], param_init_fn)
     if nxd_config["pad_model"]:
         if not is_hf_pretrained_model(base_model):

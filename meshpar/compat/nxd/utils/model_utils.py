@@ -188,8 +188,18 @@ def init_on_device(
 
 def get_model_sequential(model: nn.Module, device: torch.device | str, sequential_move_factor: int = 11,
                          param_init_fn: Callable[..., Any] | None = None) -> nn.Module:  # fmt: skip
-    """NxD moves a large model to the device in groups of ranks to bound host memory; here the model is moved in
-    one go (each process holds only its own shards)."""
+    """The model on ``device``, as NxD's trainer places it: a pipeline's stages are already built on their device;
+    any other model is first re-initialised on CPU by ``param_init_fn(module, device)`` when one is given (a model
+    built on meta gets its values that way), then moved. (NxD moves ranks in groups of ``sequential_move_factor`` to
+    bound host memory; each process here holds only its own shards and moves at once.)"""
+    from meshpar.pipeline.model import PipelineModel
+
+    if isinstance(model, PipelineModel):
+        return model
+    if param_init_fn is not None:
+        reinit_model(model, torch.device("cpu"), param_init_fn)
+    elif any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model was built on meta: give model_init_config a param_init_fn(module, device)")
     move_model_to_device(model, device)
     return model
 
