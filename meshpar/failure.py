@@ -62,6 +62,11 @@ def is_shared_refusal(error: BaseException) -> bool:
     return bool(getattr(error, "_meshpar_shared_refusal", False))
 
 
+def process_groups_aborted() -> bool:
+    """Whether this process aborted its process groups after a failure."""
+    return _aborted_after is not None
+
+
 def require_process_groups(what: str) -> None:
     """Raise :class:`ProcessGroupsAbortedError` if this process aborted its process groups after a failure."""
     if _aborted_after is not None:
