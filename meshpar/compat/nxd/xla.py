@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpar.compat.nxd.parallel_layers.utils import move_all_tensor_to_cpu
 from meshpar.parallel_dims import get_parallel, is_initialized
 
 REDUCE_SUM = "sum"
@@ -189,22 +190,12 @@ def optimizer_step(
     return optimizer.step(**(optimizer_args or {}))
 
 
-def _to_cpu(data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.detach().cpu()
-    if isinstance(data, dict):
-        return {key: _to_cpu(value) for key, value in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_cpu(value) for value in data)
-    return data
-
-
 def save(data: Any, file_or_path: Any, master_only: bool = True, global_master: bool = False) -> None:
     """``torch.save`` of ``data`` with its tensors on CPU, by rank 0 (``master_only``; ``global_master=False``:
     local rank 0 of each host) or by every rank; then a barrier."""
     writer = (get_ordinal() == 0) if global_master else is_master_ordinal(local=True)
     if not master_only or writer:
-        torch.save(_to_cpu(data), file_or_path)
+        torch.save(move_all_tensor_to_cpu(data), file_or_path)
     if _running():
         dist.barrier()
 

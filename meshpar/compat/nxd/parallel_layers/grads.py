@@ -120,10 +120,12 @@ def bucket_allreduce_gradients(grads_list: list[torch.Tensor], reduce_over_ep_gr
             _reduce_bucket(bucket, group, dims.dp)
 
 
-def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, dp: int) -> None:
+def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, divide_by: int = 1) -> None:
+    """Sum the tensors of ``bucket`` over ``group`` in place, in one flat all-reduce, then divide by ``divide_by``."""
     flat = torch.cat([grad.reshape(-1) for grad in bucket])
     dist.all_reduce(flat, group=group)
-    flat /= dp
+    if divide_by != 1:
+        flat /= divide_by
     offset = 0
     for grad in bucket:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -142,12 +144,7 @@ def allreduce_sequence_parallel_gradients(optimizer: Any) -> None:
              if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]  # fmt: skip
     if dims.tp == 1 or not grads:
         return
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, group=dims.tp_mesh.get_group())
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    _reduce_bucket(grads, dims.tp_mesh.get_group())
 
 
 def allreduce_context_parallel_gradients(optimizer: Any) -> None:
