@@ -66,6 +66,7 @@ class Net(nn.Module):
 
 def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None) -> None:
     import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd import xla
     from meshpar.compat.nxd.parallel_layers import parallel_state
 
     pipeline_config = {"transformer_layer_cls": Block, "num_microbatches": 2, "output_loss_value_spec": True,
@@ -76,7 +77,8 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 0.05},
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
-    dense = Net(parallel=False)
+    device = xla.xla_device()  # the process's GPU where it has one (tests/compat/test_nxd_cuda.py), else the CPU
+    dense = Net(parallel=False).to(device)
 
     def build() -> nn.Module:
         module = Net(parallel=True, sequence_parallel=sequence_parallel)
@@ -101,7 +103,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     for step in range(3):
         torch.manual_seed(100 + step)
-        ids, labels = torch.randint(0, V, (4 * dp, S)), torch.randint(0, V, (4 * dp, S))
+        ids, labels = torch.randint(0, V, (4 * dp, S)).to(device), torch.randint(0, V, (4 * dp, S)).to(device)
         mine = slice(4 * dp_rank, 4 * dp_rank + 4)
         if pp > 1:
             loss = model.run_train(ids=ids[mine], labels=labels[mine])
@@ -122,8 +124,8 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
         dense_optimizer.step()
         dense_scheduler.step()
         dense_optimizer.zero_grad()
-        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(optimizer.grad_norm.reshape(()).cpu(), dense_norm, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach().cpu(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(optimizer.grad_norm.reshape(()).cpu(), dense_norm.cpu(), atol=1e-5, rtol=1e-4)
         assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
     if tmp is None:
         return
@@ -142,7 +144,7 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
     assert_params_match(fresh, dict(dense.named_parameters()), atol=2e-5)
     # one more step from the loaded state equals one more dense step
     torch.manual_seed(7)
-    ids, labels = torch.randint(0, V, (4 * dp, S)), torch.randint(0, V, (4 * dp, S))
+    ids, labels = torch.randint(0, V, (4 * dp, S)).to(device), torch.randint(0, V, (4 * dp, S)).to(device)
     mine = slice(4 * dp_rank, 4 * dp_rank + 4)
     if pp > 1:
         fresh.run_train(ids=ids[mine], labels=labels[mine])
