@@ -73,6 +73,13 @@ def all_reduce_wait(x: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(x)
 
 
+def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with its dim ``dim`` split into ``names`` of ``sizes`` (outer first), a new process group per new
+    dim (a collective call on every rank). Private in torch 2.13 (``DeviceMesh._unflatten``), as torchtitan uses it
+    to carve its expert dims out of dp."""
+    return mesh._unflatten(mesh.mesh_dim_names.index(dim), sizes, names)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without an autograd node (``DTensor._local_tensor``, private); a plain tensor as is."""
     return t._local_tensor if isinstance(t, DTensor) else t

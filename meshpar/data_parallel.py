@@ -28,15 +28,19 @@ def allreduce_gradients(
     dp_mesh: DeviceMesh,
     *,
     reduce_dtype: torch.dtype | None = None,
+    divisor: int | None = None,
 ) -> None:
     """Average the grads of ``parameters`` over the dp group, flattened into one bucket per dtype
-    (``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32).
+    (``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32). ``divisor`` (default: the group's size) is
+    what the sum is divided by: expert grads are summed over the expert-data-parallel group but divided by all of
+    dp, whose replicas' losses they already hold (the all-to-all brought them).
 
     A parameter may have a grad on some dp ranks and none on others (an expert no token of this rank's batch was
     routed to): it counts as zeros where missing, and every rank ends with the same averaged grad, or with ``None``
     where no rank had one (as the dense step on the whole batch): one "has a grad" flag per parameter rides in the
     same all-reduce (:func:`meshpar.grad_sync.pack_grads`)."""
-    if dp_mesh.size() == 1:
+    divisor = dp_mesh.size() if divisor is None else divisor
+    if dp_mesh.size() == 1 and divisor == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for param in dict.fromkeys(p for p in parameters if p.requires_grad):
@@ -45,8 +49,9 @@ def allreduce_gradients(
         local = local_tensor(bucket[0])
         flat = grad_buffer([local_tensor(p).numel() for p in bucket], reduce_dtype or local.dtype, local.device)
         missing = pack_grads(bucket, flat)
-        dist.all_reduce(flat, group=dp_mesh.get_group())
-        flat /= dp_mesh.size()
+        if dp_mesh.size() > 1:
+            dist.all_reduce(flat, group=dp_mesh.get_group())
+        flat /= divisor
         unpack_grads(bucket, flat, missing)
 
 
@@ -75,24 +80,43 @@ class DataParallelGrads:
 
     ``chunks`` are the model chunks (one module for an unpipelined model); a parameter two chunks share belongs to
     the first. With dp == 1 every mode does nothing.
+
+    Under expert parallelism (``expert_dp_mesh``: the expert-data-parallel group, see
+    :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an ``"ep"`` dim, are summed over that
+    group after backward and divided by dp, in the all-reduce modes; FSDP2 and ZeRO-1 do not take them.
     """
 
-    def __init__(self, mode: str, dp_mesh: DeviceMesh, chunks: Sequence[torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        mode: str,
+        dp_mesh: DeviceMesh,
+        chunks: Sequence[torch.nn.Module],
+        *,
+        expert_dp_mesh: DeviceMesh | None = None,
+    ) -> None:
         if mode not in DP_MODES:
             raise ValueError(f"unknown data-parallel mode {mode!r}; one of {DP_MODES}")
         self.mode = mode
         self.dp_mesh = dp_mesh
+        self.expert_dp_mesh = expert_dp_mesh
         self.chunks = list(chunks)
+        experts = [p for chunk in self._chunk_parameters(experts=True) for p in chunk]
+        if experts and (expert_dp_mesh is None or mode in ("fsdp", "optimizer")):
+            raise ValueError(
+                "expert-parallel weights need the expert-data-parallel group and the all-reduce modes"
+                + (f"; mode {mode!r} (FSDP2 / ZeRO-1) does not take them yet" if expert_dp_mesh is not None else "")
+            )
         overlapped = mode == "overlapped" and dp_mesh.size() > 1
         self.syncs = [OverlappedGradSync(params, dp_mesh) for params in self._chunk_parameters()] if overlapped else []
 
-    def _chunk_parameters(self) -> list[list[torch.nn.Parameter]]:
+    def _chunk_parameters(self, experts: bool = False) -> list[list[torch.nn.Parameter]]:
+        """Each chunk's own parameters: the dense ones, or (``experts``) the expert-parallel ones."""
         claimed: set[int] = set()
         per_chunk = []
         for chunk in self.chunks:
             own = [p for p in chunk.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in own)
-            per_chunk.append(own)
+            per_chunk.append([p for p in own if is_expert_parallel(p) == experts])
         return per_chunk
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -115,6 +139,15 @@ class DataParallelGrads:
             # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
             params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(params, self.dp_mesh)
+        if self.expert_dp_mesh is not None:
+            experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk)
+            allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.dp_mesh.size())
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is sharded over an ep dim (an expert weight under expert parallelism)."""
+    mesh = getattr(param, "device_mesh", None)
+    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
 
 
 class _ZeroGradsForUnused(torch.autograd.Function):

@@ -3,6 +3,20 @@
 Rank layout follows Megatron: tp varies fastest, then pp, then dp. With world size 8 and
 ``tp=2, pp=2, dp=2`` the tp groups are ``[0, 1], [2, 3], ...``, the pp groups ``[0, 2], [1, 3], ...`` and the
 dp groups ``[0, 4], [1, 5], ...``. This is exactly the row-major order of a mesh of shape ``(dp, pp, tp)``.
+
+Expert parallelism (``ep``) is carved out of dp, as in Megatron-Core and torchtitan: the dp dim is split into
+``("edp", "ep")`` with ep varying fastest, so with dp=4 and ep=2 the dp ranks ``[0, 1]`` and ``[2, 3]`` of each
+(pp, tp) position form the ep groups and ``[0, 2]``, ``[1, 3]`` the expert-data-parallel groups. Experts are sharded
+over ``("ep", "tp")`` (:attr:`ParallelDims.expert_mesh`), everything else keeps its tp layout; the batch is still split
+over all of dp (ep does not split it again), and an expert's grads are reduced over edp only.
+
+::
+
+    dp=4, pp=1, tp=2, ep=2 (8 ranks)      dense weights: tp shards, replicated over dp
+        dp:   0     1     2     3         experts:       over (ep, tp): E / (ep * tp) whole experts per rank
+      tp0 [  0  |  2 ] [  4  |  6 ]       ep groups  (tp0): [0, 2], [4, 6]   edp groups (tp0): [0, 4], [2, 6]
+      tp1 [  1  |  3 ] [  5  |  7 ]       ep groups  (tp1): [1, 3], [5, 7]   edp groups (tp1): [1, 5], [3, 7]
+          '--ep--'     '--ep--'
 """
 
 from __future__ import annotations
@@ -16,12 +30,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, init_device_mesh
+from meshpar._compat import DeviceMesh, init_device_mesh, unflatten_mesh_dim
 from meshpar.failure import require_process_groups
 
 logger = logging.getLogger(__name__)
 
 MESH_DIM_NAMES = ("dp", "pp", "tp")
+EXPERT_DIM_NAMES = ("edp", "ep")  # the dp dim split for expert parallelism, ep fastest
 
 
 def check_virtual_pipeline_size(pp: int, virtual_pipeline_size: int | None) -> None:
@@ -39,6 +54,7 @@ def _check_positive(name: str, value: int) -> None:
 class _BuiltMesh:
     world: dist.ProcessGroup | None  # the default group the mesh's groups belong to
     mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None  # (edp, ep, pp, tp), dp split in two; None when ep == 1
     extra_groups: dict[str, dist.ProcessGroup | None]  # see ParallelDims.pipeline_ends_group
 
 
@@ -47,12 +63,12 @@ class _BuiltMesh:
 # destroy_model_parallel / initialize_model_parallel) would pile them up. Freeing them is not safe: torch treats
 # equal meshes as one (DTensor's sharding cache hands back specs holding an equal mesh built earlier), so a freed
 # mesh's groups would still be reached. Reusing the mesh of an equal layout is what torch assumes anyway.
-_BUILT_MESHES: dict[tuple[str, int, int, int], _BuiltMesh] = {}
+_BUILT_MESHES: dict[tuple[str, int, int, int, int], _BuiltMesh] = {}
 
 
 @dataclass
 class ParallelDims:
-    """Sizes of the three parallel dimensions and, once built, the mesh over them.
+    """Sizes of the three parallel dimensions (and of ep, carved out of dp) and, once built, the mesh over them.
 
     Validation happens in ``__post_init__`` and uses only local information, so a wrong layout raises on every
     rank before any process group or collective is created.
@@ -64,7 +80,9 @@ class ParallelDims:
     world_size: int
     virtual_pipeline_size: int | None = None
     seed: int = 1234
+    ep: int = 1  # expert parallelism: a divisor of dp (see the module docstring)
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     # process groups that are not mesh dims, created once per mesh (see pipeline_ends_group)
     _extra_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -85,6 +103,13 @@ class ParallelDims:
                 f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} does not equal the world "
                 f"size {self.world_size}; pass dp=-1 to use the rest of the world for data parallelism"
             )
+        _check_positive("ep", self.ep)
+        if self.dp % self.ep:
+            raise ValueError(
+                f"expert parallel size {self.ep} does not divide the data parallel size {self.dp} (ep is carved out of "
+                f"dp: the experts of each ep group are spread over ep of its dp replicas); use ep in "
+                f"{{{', '.join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)}}}"
+            )
         if self.virtual_pipeline_size is not None:
             _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
             check_virtual_pipeline_size(self.pp, self.virtual_pipeline_size)
@@ -93,13 +118,16 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the ``(dp, pp, tp)`` mesh, or take the one built earlier in this process for the same layout (a
         collective call on every rank the first time). See ``_BUILT_MESHES`` for why meshes are reused, not freed."""
-        key = (device_type, self.dp, self.pp, self.tp)
+        key = (device_type, self.dp, self.pp, self.tp, self.ep)
         built = _BUILT_MESHES.get(key)
         if built is None or built.world is not dist.GroupMember.WORLD:  # none yet, or torch.distributed restarted
             mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
-            built = _BuiltMesh(dist.GroupMember.WORLD, mesh, {})
+            experts = None
+            if self.ep > 1:
+                experts = unflatten_mesh_dim(mesh, "dp", (self.dp // self.ep, self.ep), EXPERT_DIM_NAMES)
+            built = _BuiltMesh(dist.GroupMember.WORLD, mesh, experts, {})
             _BUILT_MESHES[key] = built
-        self.mesh, self._extra_groups = built.mesh, built.extra_groups
+        self.mesh, self._expert_mesh, self._extra_groups = built.mesh, built.expert_mesh, built.extra_groups
         return self.mesh
 
     def _require_mesh(self) -> DeviceMesh:
@@ -128,6 +156,35 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         return self._require_mesh()["dp"]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The 2-D ``("ep", "tp")`` mesh that expert weights are sharded over (``[Shard(0), Shard(0)]``: split into ep
+        blocks of experts, each block over tp); the tp mesh itself when ep == 1."""
+        self._require_mesh()
+        return self._expert_mesh["ep", "tp"] if self._expert_mesh is not None else self.tp_mesh
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The ep group of this rank (1-D), ``None`` when ep == 1."""
+        self._require_mesh()
+        return self._expert_mesh["ep"] if self._expert_mesh is not None else None
+
+    @property
+    def edp_mesh(self) -> DeviceMesh:
+        """The expert-data-parallel group: the dp ranks holding the same experts, over which expert grads are
+        reduced (all of dp when ep == 1)."""
+        self._require_mesh()
+        return self._expert_mesh["edp"] if self._expert_mesh is not None else self.dp_mesh
+
+    @property
+    def expert_dp_mesh(self) -> DeviceMesh | None:
+        """:attr:`edp_mesh` under expert parallelism, ``None`` without it (what :class:`DataParallelGrads` takes)."""
+        return self.edp_mesh if self.ep > 1 else None
+
+    @property
+    def ep_rank(self) -> int:
+        return self._expert_mesh.get_local_rank("ep") if self._expert_mesh is not None else 0
 
     def _local_rank(self, dim: str) -> int:
         return self._require_mesh().get_local_rank(dim)
@@ -274,13 +331,15 @@ def init_parallel(
     backend: str | None = None,
     seed: int = 1234,
     timeout: datetime.timedelta | None = None,
+    ep: int = 1,
 ) -> ParallelDims:
     """Initialise ``torch.distributed`` if needed and build meshpar's ``(dp, pp, tp)`` mesh.
 
-    ``dp=-1`` takes the rest of the world. The backend defaults to ``nccl`` on CUDA and ``gloo`` on CPU. All sizes
-    are checked against the world size before any process group is created, so a wrong layout raises the same
-    ``ValueError`` on every rank instead of hanging in a collective. ``seed`` seeds the default generator identically
-    on every rank (so every rank builds the same dense weights) and the tensor-parallel RNG tracker per tp rank.
+    ``dp=-1`` takes the rest of the world; ``ep`` (expert parallelism) is carved out of dp and must divide it. The
+    backend defaults to ``nccl`` on CUDA and ``gloo`` on CPU. All sizes are checked against the world size before
+    any process group is created, so a wrong layout raises the same ``ValueError`` on every rank instead of hanging
+    in a collective. ``seed`` seeds the default generator identically on every rank (so every rank builds the same
+    dense weights) and the tensor-parallel RNG tracker per tp rank.
     """
     global _PARALLEL
     require_process_groups("init_parallel")
@@ -292,7 +351,7 @@ def init_parallel(
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims(
-        dp=dp, pp=pp, tp=tp, world_size=world_size, virtual_pipeline_size=virtual_pipeline_size, seed=seed
+        dp=dp, pp=pp, tp=tp, world_size=world_size, virtual_pipeline_size=virtual_pipeline_size, seed=seed, ep=ep
     )
     if not dist.is_initialized():
         _init_process_group(backend, device_type, timeout)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from meshpar._compat import DeviceMesh
 from meshpar.data import move_model_to_device
 from meshpar.data_parallel import apply_activation_checkpointing, apply_fsdp
 from meshpar.materialize import is_meta, make_replicas_agree, materialize_sharded
@@ -74,7 +75,8 @@ def apply_recipe(
     with warnings.catch_warnings():
         # plan keys for modules another pipeline stage holds
         warnings.filterwarnings("ignore", message="Parallelize plan key")
-        parallelize_module(module, dims.tp_mesh, dict(recipe.tp_plan))
+        for mesh, plan in _plans_by_mesh(recipe.tp_plan, dims):
+            parallelize_module(module, mesh, plan)
     if not from_meta:
         move_model_to_device(module, dims.device)  # what tp left where the model was built
     for fixup in recipe.fixups:
@@ -97,6 +99,20 @@ def apply_recipe(
         # instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled)
         apply_fsdp(module, dims.dp_mesh, block_cls=classes or None, reshard_after_forward=dims.pp == 1)
     return module
+
+
+def _plans_by_mesh(
+    tp_plan: Mapping[str, ParallelStyle], dims: ParallelDims
+) -> list[tuple[DeviceMesh, dict[str, ParallelStyle]]]:
+    """The plan split by the mesh each style shards over: tp, unless the style names another with
+    ``mesh_for(dims)`` (experts over ``("ep", "tp")`` under expert parallelism)."""
+    by_mesh: dict[object, tuple[DeviceMesh, dict[str, ParallelStyle]]] = {"tp": (dims.tp_mesh, {})}
+    for pattern, style in tp_plan.items():
+        mesh_for = getattr(style, "mesh_for", None)
+        mesh = mesh_for(dims) if mesh_for is not None else dims.tp_mesh
+        key = "tp" if mesh is by_mesh["tp"][0] or mesh_for is None else mesh.mesh_dim_names
+        by_mesh.setdefault(key, (mesh, {}))[1][pattern] = style
+    return list(by_mesh.values())
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:

@@ -16,6 +16,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = -1  # -1: the rest of the world
+    # experts sharded over ep dp replicas (carved out of dp, which must be a multiple; tokens routed by all-to-all)
+    expert_parallel_size: int = 1
     virtual_pipeline_size: int = 1
     num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
@@ -38,7 +40,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
             self.num_microbatches = self.pipeline_parallel_size
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "num_microbatches"):
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "expert_parallel_size",
+            "virtual_pipeline_size",
+            "num_microbatches",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"config key {name!r} must be a positive int, got {value!r}")

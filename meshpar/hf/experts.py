@@ -20,6 +20,8 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar._in_place import mix_into
+from meshpar.expert_parallel import combine, dispatch, experts_touched
+from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import (
     all_gather,
     copy_to_tp,
@@ -33,9 +35,12 @@ from meshpar.tensor_parallel.style import LocalParameters
 
 
 class _LocalExperts:
-    """Mixin for a transformers experts module whose expert weights are ``Shard(0)`` DTensors over tp."""
+    """Mixin for a transformers experts module whose expert weights are ``Shard(0)`` DTensors over tp, or over
+    ``("ep", "tp")`` under expert parallelism (``ep_mesh`` set: routes travel by all-to-all,
+    :mod:`meshpar.expert_parallel`)."""
 
     tp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh | None
     num_experts: int
     # tokens arrive as sequence shards (sequence parallelism): gathered on entry, the output reduce-scattered back
     sequence_parallel: bool
@@ -55,11 +60,22 @@ class _LocalExperts:
             top_k_index = all_gather(top_k_index, mesh, 0)
         else:
             hidden_states, top_k_weights = copy_to_tp(hidden_states, mesh), copy_to_tp(top_k_weights, mesh)
-        local = self.num_experts // mesh.size()
-        start = mesh.get_local_rank() * local
-        elsewhere = (top_k_index < start) | (top_k_index >= start + local)
-        local_index = torch.where(elsewhere, local, top_k_index - start)
-        weights = top_k_weights.masked_fill(elsewhere, 0.0)
+        if self.ep_mesh is not None:
+            out = self._forward_routed(hidden_states, top_k_index, top_k_weights)
+        else:
+            local = self.num_experts // mesh.size()
+            start = mesh.get_local_rank() * local
+            elsewhere = (top_k_index < start) | (top_k_index >= start + local)
+            local_index = torch.where(elsewhere, local, top_k_index - start)
+            weights = top_k_weights.masked_fill(elsewhere, 0.0)
+            out = self._local_forward(hidden_states, local_index, weights, local)
+        return reduce_scatter_to_sp(out, mesh, 0) if self.sequence_parallel else reduce_from_tp(out, mesh)
+
+    def _local_forward(
+        self, hidden_states: torch.Tensor, local_index: torch.Tensor, weights: torch.Tensor, local: int
+    ) -> torch.Tensor:
+        """The model's own experts forward on this rank's ``local`` experts (local ids; id ``local`` is the
+        sentinel of a route handled elsewhere, which transformers' forwards skip)."""
         shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
         previous = (self.num_experts, getattr(self, "_is_expert_parallel", None))
         try:
@@ -67,12 +83,29 @@ class _LocalExperts:
             if previous[1] is not None:
                 self._is_expert_parallel = True  # transformers' grouped forwards then mask the sentinel routes
             with parameters_replaced(self, shards):
-                out = super().forward(hidden_states, local_index, weights)  # type: ignore[misc]
+                return super().forward(hidden_states, local_index, weights)  # type: ignore[misc]
         finally:
             self.num_experts = previous[0]
             if previous[1] is not None:
                 self._is_expert_parallel = previous[1]
-        return reduce_scatter_to_sp(out, mesh, 0) if self.sequence_parallel else reduce_from_tp(out, mesh)
+
+    def _forward_routed(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert parallelism: this tp coordinate's routes go to the ep ranks holding their experts, each row runs
+        there as one route (its weight applied by the model's own forward), and the rows come back summed per token
+        (:mod:`meshpar.expert_parallel`); the result is this tp rank's partial output."""
+        ep_mesh, tp = self.ep_mesh, self.tp_mesh.size()
+        rows, local_index, weights, routes = dispatch(
+            hidden_states, top_k_index, top_k_weights, num_experts=self.num_experts, ep_mesh=ep_mesh,
+            tp_rank=self.tp_mesh.get_local_rank(), tp=tp,
+        )  # fmt: skip
+        local = self.num_experts // (ep_mesh.size() * tp)
+        if rows.shape[0]:
+            out = self._local_forward(rows, local_index.unsqueeze(-1), weights.unsqueeze(-1), local)
+        else:  # no route reached this rank's experts: their grads are zeros, as the dense model's rows of them
+            out = experts_touched(rows, [p.to_local() for p in self._parameters.values() if p is not None])
+        return combine(out, routes, ep_mesh)
 
     def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Experts handed one block of (already weighted) tokens per expert, ``[experts * tokens, hidden]`` in expert
@@ -83,6 +116,11 @@ class _LocalExperts:
             raise NotImplementedError(
                 f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
                 "'sequence_parallel' off"
+            )
+        if self.ep_mesh is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: experts handed blocks of tokens per expert (one block per expert for every "
+                "token) cannot be expert-parallel; use expert_parallel_size 1"
             )
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
@@ -113,9 +151,21 @@ class ExpertsOverTP(ParallelStyle):
         self.features = features
         self.sequence_parallel = sequence_parallel
 
+    def mesh_for(self, dims: ParallelDims) -> DeviceMesh:
+        """The mesh the experts are sharded over: ``("ep", "tp")`` under expert parallelism, else tp
+        (:func:`meshpar.recipe.apply_recipe` applies the style with it)."""
+        return dims.expert_mesh
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        expert_parallel = device_mesh.ndim == 2  # ("ep", "tp"): see ParallelDims.expert_mesh
+        tp_mesh = device_mesh["tp"] if expert_parallel else device_mesh
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
+        if expert_parallel and not _whole_experts_possible(module, experts):
+            raise ValueError(
+                f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight ({experts} experts; "
+                "identity experts or weights not stacked over them cannot be routed); use expert_parallel_size 1"
+            )
         if self.features is not None and not _whole_experts_possible(module, experts):
             if self.sequence_parallel:
                 raise ValueError(
@@ -124,9 +174,10 @@ class ExpertsOverTP(ParallelStyle):
                 )
             return _experts_by_features(module, device_mesh, self.features, self.src_data_rank)
         if not isinstance(experts, int) or experts % tp:
+            over = f"ep x tp = {tp}" if expert_parallel else f"tp={tp}"
             raise ValueError(
-                f"{cls.__name__}: {experts} experts cannot be split into whole experts over tp={tp}; use a tp that "
-                "divides the number of experts"
+                f"{cls.__name__}: {experts} experts cannot be split into whole experts over {over}; use sizes whose "
+                "product divides the number of experts"
             )
         others = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != experts]
         others += [n for n, child in module.named_children() if any(True for _ in child.parameters())]
@@ -135,10 +186,12 @@ class ExpertsOverTP(ParallelStyle):
                 f"{cls.__name__}: only modules whose parameters are all stacked over the experts can be sharded "
                 f"into whole experts ({others} are not)"
             )
+        placements = [Shard(0)] * device_mesh.ndim  # ep blocks of experts, each block split over tp
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, distribute_parameter(param, device_mesh, [Shard(0)], self.src_data_rank))
+            setattr(module, name, distribute_parameter(param, device_mesh, placements, self.src_data_rank))
         mix_into(module, _LocalExperts, "TensorParallel")
-        module.tp_mesh, module.sequence_parallel = device_mesh, self.sequence_parallel
+        module.tp_mesh, module.sequence_parallel = tp_mesh, self.sequence_parallel
+        module.ep_mesh = device_mesh["ep"] if expert_parallel else None
         return module
 
 

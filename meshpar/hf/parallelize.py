@@ -74,11 +74,12 @@ def _check_existing_mesh(config: ParallelConfig) -> None:
     if not is_initialized():
         return
     dims = get_parallel()
-    wanted = (config.tensor_parallel_size, config.pipeline_parallel_size)
-    if (dims.tp, dims.pp) != wanted:
+    wanted = (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size)
+    if (dims.tp, dims.pp, dims.ep) != wanted:
         raise ValueError(
-            f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, which the config (tp={wanted[0]}, "
-            f"pp={wanted[1]}) contradicts; call meshpar.destroy_parallel() first to parallelize with another layout"
+            f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, ep={dims.ep}, which the config (tp={wanted[0]}, "
+            f"pp={wanted[1]}, ep={wanted[2]}) contradicts; call meshpar.destroy_parallel() first to parallelize with "
+            "another layout"
         )
 
 
@@ -91,6 +92,7 @@ def _init_mesh(config: ParallelConfig) -> ParallelDims:
         dp=config.data_parallel_size,
         virtual_pipeline_size=config.virtual_pipeline_size if config.pipeline_parallel_size > 1 else None,
         seed=config.seed,
+        ep=config.expert_parallel_size,
     )
 
 
@@ -146,7 +148,9 @@ class ParallelizedModel(nn.Module):
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
-            self.data_parallel = DataParallelGrads(self.dp_mode, self.dims.dp_mesh, [self.module])
+            self.data_parallel = DataParallelGrads(
+                self.dp_mode, self.dims.dp_mesh, [self.module], expert_dp_mesh=self.dims.expert_dp_mesh
+            )
         else:
             self.pipeline = self._split(model)
             self.module = None

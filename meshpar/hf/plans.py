@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
+from meshpar.hf.experts import ExpertsOverTP
 from meshpar.hf.hf_plan import (
+    _EXPERT_COUNTS,
     attention_heads,
     base_model_name,
     check_heads,
@@ -26,6 +28,7 @@ from meshpar.hf.hf_plan import (
     kv_group_fixup,
     layer_container,
     resolve_entries,
+    text_config,
 )
 from meshpar.hf.sequence_parallel import sequence_parallel_styles
 from meshpar.hf.stages import inferred_pipeline_layout, pipeline_layout
@@ -275,6 +278,7 @@ def plan_for(
     (transformers' own, or meshpar's table in the same format: GPT-2, BERT, OPT, GPT-J); at tp=1 nothing needs
     sharding. A model with none of these is refused: meshpar does not guess from module names."""
     tp, sequence_parallel = _sizes(layout, sequence_parallel)
+    ep = _expert_parallel_size(layout)
     if isinstance(plan, HFPlan):
         _check_ties(model, plan)
         return plan
@@ -282,9 +286,13 @@ def plan_for(
         built = user_plan(model, plan, tp)
     else:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if tp == 1 and not sequence_parallel:  # nothing to shard: data and pipeline parallelism need no plan
+        if tp == 1 and not sequence_parallel and ep == 1:  # nothing to shard: dp and pp need no plan
             name = model_type or type(model).__name__
             built = HFPlan(name, task_of(model), {}, ties=_head_ties(model), layers=layer_container(model))
+        elif tp == 1 and not sequence_parallel and hf_tp_plan(model):  # expert parallelism alone: the experts
+            built = metadata_plan(model, tp)
+            built.styles = {p: style for p, style in built.styles.items() if isinstance(style, ExpertsOverTP)}
+            built.fixups = []
         elif hf_tp_plan(model):
             built = metadata_plan(model, tp, sequence_parallel)
         else:
@@ -295,7 +303,33 @@ def plan_for(
             )
     built.head = _vocab_head(model, built.styles)
     _check_ties(model, built)
+    if ep > 1:
+        _check_expert_parallel(model, built, ep, tp)
     return built
+
+
+def _expert_parallel_size(layout: object) -> int:
+    if isinstance(layout, dict):
+        return int(layout.get("expert_parallel_size", 1))
+    return int(getattr(layout, "expert_parallel_size", getattr(layout, "ep", 1)))
+
+
+def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> None:
+    """Expert parallelism needs experts modules in the plan, and whole experts for every one of the ep x tp ranks
+    (checked before any process group exists)."""
+    experts = [pattern for pattern, style in plan.styles.items() if isinstance(style, ExpertsOverTP)]
+    if not experts:
+        raise ValueError(
+            f"expert_parallel_size={ep}: {type(model).__name__} has no experts module in its plan (expert parallelism "
+            "shards the stacked experts of a mixture-of-experts model); use expert_parallel_size 1"
+        )
+    text = text_config(model.config)
+    count = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+    if count is not None and count % (ep * tp):
+        raise ValueError(
+            f"{type(model).__name__}: {count} experts cannot be split into whole experts over ep x tp = {ep} x {tp}; "
+            "use an ep x tp that divides the number of experts"
+        )
 
 
 def plan_summary(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:

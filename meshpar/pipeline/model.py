@@ -115,7 +115,9 @@ class PipelineModel(nn.Module):
         self.broadcast_loss = broadcast_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.average_grads_over_dp = average_grads_over_dp
-        self.data_parallel = DataParallelGrads(dp_mode, dims.dp_mesh, [chunk.stage for chunk in self.chunks])
+        self.data_parallel = DataParallelGrads(
+            dp_mode, dims.dp_mesh, [chunk.stage for chunk in self.chunks], expert_dp_mesh=dims.expert_dp_mesh
+        )
         self.last_losses: list[torch.Tensor] = []
         self.last_outputs: list[Any] = []
 

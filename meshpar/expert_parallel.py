@@ -1,0 +1,118 @@
+"""Expert parallelism: routing tokens to the ranks that hold their experts, and their outputs back (dropless).
+
+Experts are stacked ``[num_experts, ...]`` and sharded over the ``("ep", "tp")`` mesh
+(:attr:`meshpar.parallel_dims.ParallelDims.expert_mesh`): ``num_experts / (ep * tp)`` whole experts per rank, in
+blocks ordered ep-major, so rank ``(e, t)`` holds block ``b = e * tp + t``. The tp ranks of an ep rank see the same
+tokens (tp does not split the batch); each of them sends only the routes whose expert lies in a block of its own tp
+coordinate, so no route travels twice, and the partial outputs are summed over tp afterwards (one all-reduce, as the
+tp-only layout does).
+
+One MoE layer, per rank::
+
+    routes (token, k) -> keep those for blocks of my tp coordinate -> sort by destination ep rank
+    all-to-all: counts (host ints), then token rows and their routing weights        (dispatch)
+    the experts run on what arrived (local expert ids, weights applied as the model applies them)
+    all-to-all: the expert outputs back in the order they were sent                  (combine)
+    index_add into [tokens, hidden]; the caller sums over tp
+
+Backward runs the same all-to-alls with the counts swapped. Nothing is dropped: every route runs, however many
+tokens an expert gets (Megatron-Core's and torchtitan's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` (``send`` counts per rank, in rank order) exchanged over ``group``; the grads go back the same
+    way with the counts swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], mesh: DeviceMesh) -> torch.Tensor:
+    """Differentiable all-to-all of the rows of ``x`` over the 1-D ``mesh``: ``send[r]`` rows to rank ``r``,
+    ``recv[r]`` rows from it (dim 0 in rank order on both sides)."""
+    return _AllToAll.apply(x, send, recv, mesh.get_group())
+
+
+@dataclass
+class Routes:
+    """How the kept routes of one MoE layer left this rank (what :func:`combine` needs to bring them back)."""
+
+    tokens: torch.Tensor  # the token each sent row came from, in send order
+    send: list[int]  # rows sent to each ep rank
+    recv: list[int]  # rows received from each ep rank
+    num_tokens: int
+
+
+def dispatch(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    num_experts: int,
+    ep_mesh: DeviceMesh,
+    tp_rank: int = 0,
+    tp: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routes]:
+    """Send each route ``(token, k)`` whose expert lies in a block of this tp coordinate to the ep rank holding it.
+
+    ``hidden`` is ``[tokens, hidden]``, ``top_k_index`` / ``top_k_weights`` ``[tokens, k]`` with global expert ids.
+    Returns the received rows, their experts' local ids (``0 .. num_experts / (ep * tp) - 1``) and routing weights
+    (one route per row), and the :class:`Routes` for :func:`combine`."""
+    ep = ep_mesh.size()
+    local = num_experts // (ep * tp)
+    k = top_k_index.shape[-1]
+    flat_index = top_k_index.reshape(-1)
+    block = flat_index // local
+    kept = torch.nonzero(block % tp == tp_rank).squeeze(-1)
+    destination = block[kept] // tp
+    # by destination rank, then expert: what each rank receives from one source is grouped by expert
+    order = torch.argsort(destination * num_experts + flat_index[kept], stable=True)
+    kept = kept[order]
+    send_counts = torch.bincount(destination[order], minlength=ep)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=ep_mesh.get_group())
+    send, recv = send_counts.tolist(), recv_counts.tolist()  # the rows' sizes: a host sync, as in Megatron-Core
+    tokens = kept // k
+    rows = all_to_all(hidden[tokens], send, recv, ep_mesh)
+    weights = all_to_all(top_k_weights.reshape(-1)[kept].unsqueeze(-1), send, recv, ep_mesh).squeeze(-1)
+    local_index = _exchange((flat_index[kept] % local).unsqueeze(-1), send, recv, ep_mesh.get_group()).squeeze(-1)
+    return rows, local_index, weights, Routes(tokens, send, recv, hidden.shape[0])
+
+
+def combine(expert_output: torch.Tensor, routes: Routes, ep_mesh: DeviceMesh) -> torch.Tensor:
+    """The experts' (weighted) output rows back to the ranks their tokens came from, summed per token:
+    ``[tokens, hidden]`` (zeros for tokens none of whose routes this tp coordinate handled)."""
+    back = all_to_all(expert_output, routes.recv, routes.send, ep_mesh)
+    out = back.new_zeros((routes.num_tokens, *back.shape[1:]))
+    return out.index_add(0, routes.tokens, back)
+
+
+def experts_touched(output: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
+    """``output`` made to depend on every expert parameter with a zero weight, so that experts that received no
+    rows still get a (zero) grad: the dense model's stacked expert weights always get one, and an optimizer treats a
+    zero grad (moments decay, weight decay applies) differently from a missing one."""
+    touch = sum(p.reshape(-1)[:1].sum() for p in parameters) * 0.0
+    return output + touch.to(output.dtype)
