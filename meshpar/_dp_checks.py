@@ -16,6 +16,12 @@ def is_dp_sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ())
 
 
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Sharded over an ``ep`` dim (an expert weight under expert parallelism): dp ranks hold different experts, and
+    its grads are reduced over the expert-data-parallel group only."""
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+
+
 def refuse_dp_sharded(parameters: Iterable[torch.Tensor], who: str) -> None:
     """Raise if a parameter is already sharded over the ``dp`` mesh dim (FSDP2 reduce-scatters its own grads)."""
     for param in parameters:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DeviceMesh, local_tensor
-from meshpar._dp_checks import is_dp_sharded
+from meshpar._dp_checks import is_dp_sharded, is_expert_parallel
 from meshpar._in_place import mix_into
 from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
 
@@ -142,12 +142,6 @@ class DataParallelGrads:
         if self.expert_dp_mesh is not None:
             experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk)
             allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.dp_mesh.size())
-
-
-def is_expert_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` is sharded over an ep dim (an expert weight under expert parallelism)."""
-    mesh = getattr(param, "device_mesh", None)
-    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
 
 
 class _ZeroGradsForUnused(torch.autograd.Function):

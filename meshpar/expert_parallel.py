@@ -91,14 +91,19 @@ def dispatch(
     # by destination rank, then expert: what each rank receives from one source is grouped by expert
     order = torch.argsort(destination * num_experts + flat_index[kept], stable=True)
     kept = kept[order]
-    send_counts = torch.bincount(destination[order], minlength=ep)
+    # rows per (destination rank, local expert): each receiver learns how many rows of each of its experts come
+    # from each source, so the rows need no expert ids beside them (Megatron-Core's tokens per local expert)
+    send_counts = torch.bincount(
+        flat_index[kept] // local // tp * local + flat_index[kept] % local, minlength=ep * local
+    )
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep_mesh.get_group())
-    send, recv = send_counts.tolist(), recv_counts.tolist()  # the rows' sizes: a host sync, as in Megatron-Core
+    per_rank = send_counts.view(ep, local).sum(-1), recv_counts.view(ep, local).sum(-1)
+    send, recv = per_rank[0].tolist(), per_rank[1].tolist()  # the rows' sizes: a host sync, as in Megatron-Core
+    local_index = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep), recv_counts)
     tokens = kept // k
     rows = all_to_all(hidden[tokens], send, recv, ep_mesh)
     weights = all_to_all(top_k_weights.reshape(-1)[kept].unsqueeze(-1), send, recv, ep_mesh).squeeze(-1)
-    local_index = _exchange((flat_index[kept] % local).unsqueeze(-1), send, recv, ep_mesh.get_group()).squeeze(-1)
     return rows, local_index, weights, Routes(tokens, send, recv, hidden.shape[0])
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, local_tensor
-from meshpar._dp_checks import check_same_across_dp, refuse_dp_sharded
+from meshpar._dp_checks import check_same_across_dp, is_expert_parallel, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
 from meshpar.parallel_dims import ParallelDims
@@ -137,6 +137,12 @@ class DistributedOptimizer:
         """ZeRO-1 assigns owners from the parameter list and pairs every rank's segments in its collectives: refuse
         dp-sharded (FSDP2) parameters, and check once that all dp ranks list the same parameters."""
         refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
+        experts = [name for name, p in self.named_params if is_expert_parallel(p)]
+        if experts:  # dp ranks hold different experts under one name: an owner's update would overwrite the others'
+            raise ValueError(
+                f"DistributedOptimizer(zero1=True) does not take expert-parallel weights yet ({experts[0]} and "
+                f"{len(experts) - 1} more are sharded over ep, so dp ranks hold different experts); use zero1=False"
+            )
         check_same_across_dp(
             [(name, tuple(local_tensor(p).shape), str(p.dtype)) for name, p in self.named_params],
             self.dp_mesh.get_group(),

@@ -79,6 +79,11 @@ class ParallelConfig:
                 "config keys 'pipeline_schedule': 'zero_bubble' and 'fsdp' exclude each other: FSDP2 reduces a "
                 "module's grads when its input grad is done, before a zero-bubble schedule computes the weight grads"
             )
+        if self.expert_parallel_size > 1 and self.fsdp:
+            raise ValueError(
+                "config keys 'expert_parallel_size' > 1 and 'fsdp' cannot be combined yet: FSDP2 would shard the "
+                "experts over all of dp, whose ranks hold different experts under expert parallelism"
+            )
         if self.fsdp and self.overlap_grad_reduce:
             raise ValueError(
                 "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "

@@ -19,6 +19,7 @@ _COLLECTIVE_NAMES = {
     "allreduce_": "all_reduce",
     "_allgather_base_": "all_gather_into_tensor",
     "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "alltoall_base_": "all_to_all_single",
 }
 
 

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 import meshpar
+from meshpar import checkpoint
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
+from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
+from meshpar.testing.dispatch import AtenOps
 from tests.hf._configs import batch, build
 
 
@@ -71,3 +74,116 @@ def test_expert_parallel_matches_dense(family: str) -> None:
 def test_expert_parallel_composes_with_tp_and_pp(ep: int, tp: int, pp: int) -> None:
     results = run_distributed(expert_parallel_case, 4, "mixtral", ep, tp, pp)
     assert all(r["expert_params"] > 0 for r in results), results
+
+
+def save_case(directory: str, ep: int, tp: int) -> dict[str, torch.Tensor] | None:
+    """One AdamW step at (ep, tp), saved; the whole parameters and Adam moments (rank 0)."""
+    setup_parallel(tp=tp, ep=ep)
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    model = meshpar.parallelize(build("mixtral"), config)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    dims = model.dims
+    share = 4 // dims.dp
+    data = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in batch("mixtral").items()}
+    model.train_step(**data)
+    optimizer.step()
+    checkpoint.save(directory, model, optimizer, step=1)
+    return _whole(model, optimizer)
+
+
+def load_case(directory: str, ep: int, tp: int) -> dict[str, torch.Tensor] | None:
+    setup_parallel(tp=tp, ep=ep)
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    model = meshpar.parallelize(build("mixtral"), config)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    checkpoint.load(directory, model, optimizer)
+    return _whole(model, optimizer)
+
+
+def _whole(model: torch.nn.Module, optimizer: DistributedOptimizer) -> dict[str, torch.Tensor] | None:
+    module = model.local_modules()[0]
+    whole = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.named_parameters()}
+    for name, entry in optimizer.state_dict()["state"].items():
+        moment = entry["exp_avg"]
+        whole[f"{name}.exp_avg"] = moment.full_tensor() if isinstance(moment, DTensor) else moment
+    return {k: v.detach().clone() for k, v in whole.items()} if torch.distributed.get_rank() == 0 else None
+
+
+def test_expert_parallel_checkpoints_reshard(tmp_path) -> None:
+    """Saved at ep2 x tp2 (one expert per rank), loaded at ep1 x tp4 and in one process: every parameter and Adam
+    moment equals the saved one (the experts are stored in the model's own [experts, ...] shapes)."""
+    saved = run_distributed(save_case, 4, str(tmp_path), 2, 2)[0]
+    assert any("experts" in name for name in saved)
+    for world, ep, tp in [(4, 1, 4), (1, 1, 1), (4, 4, 1)]:
+        loaded = run_distributed(load_case, world, str(tmp_path), ep, tp)[0]
+        assert loaded.keys() == saved.keys()
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{name} at ep={ep} tp={tp}")
+
+
+def collectives_case(ep: int, tp: int) -> dict[str, int]:
+    setup_parallel(tp=tp, ep=ep)
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    model = meshpar.parallelize(build("mixtral"), config)
+    dims = model.dims
+    share = 4 // dims.dp
+    data = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in batch("mixtral").items()}
+    with AtenOps() as ops:
+        model.train_step(**data)
+    return dict(ops.collective_names)
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
+def test_all_to_alls_per_moe_layer_are_pinned(ep: int, tp: int) -> None:
+    """Per MoE layer: forward, one exchange of the row counts per (rank, local expert), one of the rows and one of
+    their routing weights (dispatch), one of the outputs (combine); backward, the three row exchanges reversed."""
+    counts = run_distributed(collectives_case, 4, ep, tp)
+    layers = build("mixtral").config.num_hidden_layers
+    assert all(c["all_to_all_single"] == 7 * layers for c in counts), counts
+
+
+def refusal_case(family: str, config: dict) -> str:
+    try:
+        meshpar.parallelize(build(family), config)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "family,config,says",
+    [
+        ("mixtral", {"expert_parallel_size": 3}, "over ep x tp = 3 x 1"),
+        (
+            "mixtral",
+            {"expert_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+            "does not divide the data parallel size 1",
+        ),  # fmt: skip
+        ("llama", {"expert_parallel_size": 2}, "has no experts module"),
+        ("mixtral", {"expert_parallel_size": 2, "fsdp": True}, "'fsdp' cannot be combined"),
+    ],
+)
+def test_bad_expert_parallel_layouts_are_refused_before_any_group(family: str, config: dict, says: str) -> None:
+    messages = run_distributed(refusal_case, 4, family, config)
+    assert all(says in m for m in messages), messages
+
+
+def zero1_case() -> str:
+    setup_parallel(ep=2)
+    model = meshpar.parallelize(build("mixtral"), {"expert_parallel_size": 2})
+    try:
+        DistributedOptimizer(model, torch.optim.AdamW, zero1=True, lr=0.01)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_zero1_refuses_expert_parallel_weights() -> None:
+    assert all("expert-parallel weights" in m for m in run_distributed(zero1_case, 4))
+
+
+def test_more_experts_per_rank_than_one_is_refused_when_uneven() -> None:
+    """Four experts cannot be split whole over ep x tp = 8 ranks: refused before any group (every rank alike)."""
+    config = {"expert_parallel_size": 4, "tensor_parallel_size": 2}
+    messages = run_distributed(refusal_case, 8, "mixtral", config)
+    assert all("cannot be split into whole experts over ep x tp = 4 x 2" in m for m in messages), messages
