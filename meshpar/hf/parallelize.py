@@ -38,6 +38,7 @@ from meshpar.hf.init import init_hf_weights
 from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, causal_labels_shifted, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
+from meshpar.hf.router_loss import RouterLoss, check_router_loss_layout, router_loss_wanted
 from meshpar.hf.stages import (
     PipelineLayout,
     block_lists,
@@ -135,6 +136,8 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
+        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel)
+        self._router_loss = RouterLoss(model)
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()
@@ -416,6 +419,8 @@ class ParallelizedModel(nn.Module):
             return self.module(**inputs, **({"labels": targets} if targets is not None else {}))
         out = self.module(**inputs)
         out["loss"] = self.loss_fn.of_output(out, targets, normalizer)
+        if router_loss_wanted(out):  # the routers' load-balancing loss, over the global batch as the tokens' loss
+            out["loss"] = out["loss"] + self._router_loss(out, inputs.get("attention_mask"), self.dims)
         return out
 
     def _split_targets(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

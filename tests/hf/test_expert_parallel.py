@@ -187,3 +187,52 @@ def test_more_experts_per_rank_than_one_is_refused_when_uneven() -> None:
     config = {"expert_parallel_size": 4, "tensor_parallel_size": 2}
     messages = run_distributed(refusal_case, 8, "mixtral", config)
     assert all("cannot be split into whole experts over ep x tp = 4 x 2" in m for m in messages), messages
+
+
+def router_loss_case(family: str, ep: int, tp: int) -> None:
+    """With output_router_logits the step's loss and grads include the routers' load-balancing loss of the global
+    batch (dp replicas with different token counts), as the dense model's do."""
+    dims = setup_parallel(tp=tp, ep=ep)
+    dense = build(family)
+    dense.config.output_router_logits = True
+    dense.router_aux_loss_coef = 0.5  # large enough for its grads to show
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch(family, rows=4)
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    data["attention_mask"][1, 10:] = 0  # padding, on one replica only
+    data["labels"][1, 10:] = -100
+    expected = dense(**data)
+    assert expected.aux_loss is not None
+    expected.loss.backward()
+    share = 4 // dims.dp
+    mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
+    loss = model.train_step(**mine)
+    torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = local_slice(in_parameter_layout(dense.get_parameter(name).grad, module, name), param)
+            torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("family,ep,tp", [("mixtral", 2, 1), ("qwen2_moe", 2, 2), ("mixtral", 1, 1)])
+def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int) -> None:
+    run_distributed(router_loss_case, 4, family, ep, tp)
+
+
+def router_loss_refusal_case(config: dict) -> str:
+    model = build("mixtral")
+    model.config.output_router_logits = True
+    try:
+        meshpar.parallelize(model, config)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "config", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2, "sequence_parallel": True}]
+)
+def test_router_loss_where_it_cannot_be_global_is_refused(config: dict) -> None:
+    messages = run_distributed(router_loss_refusal_case, 2, config)
+    assert all("output_router_logits=True" in m for m in messages), messages
