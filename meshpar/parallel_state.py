@@ -19,14 +19,17 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     *,
     seed: int = 1234,
+    expert_model_parallel_size: int = 1,
 ) -> None:
-    """apex/NxD entry point; data parallelism takes the rest of the world."""
+    """apex/NxD entry point; data parallelism takes the rest of the world (ep, Megatron-Core's keyword, is carved
+    out of it)."""
     init_parallel(
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
         dp=-1,
         virtual_pipeline_size=virtual_pipeline_model_parallel_size,
         seed=seed,
+        ep=expert_model_parallel_size,
     )
 
 
@@ -120,3 +123,37 @@ def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of tp rank 0 in this rank's tp group (apex's ``broadcast_data`` source)."""
     dims = get_parallel()
     return dist.get_rank() - dims.tp_rank
+
+
+# -- expert parallelism (Megatron-Core's names): ep carved out of dp, see meshpar.parallel_dims ------------------------
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel().ep
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_parallel().ep_rank
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's ep group (the dp ranks its experts are spread over); ``None`` without expert parallelism."""
+    mesh = get_parallel().ep_mesh
+    return mesh.get_group() if mesh is not None else None
+
+
+def get_expert_data_parallel_world_size() -> int:
+    dims = get_parallel()
+    return dims.dp // dims.ep
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel().edp_mesh.get_local_rank()
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """The dp ranks holding the same experts, over which expert grads are reduced (all of dp when ep == 1)."""
+    return get_parallel().edp_mesh.get_group()
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Experts are split over tp inside each ep rank (Megatron-Core's default ``expert_tensor_parallel_size`` = tp)."""
+    return get_parallel().tp

@@ -107,6 +107,9 @@ def test_reinitialising_reuses_the_process_groups_of_an_equal_layout() -> None:
         ({"dp": 1, "pp": 1, "tp": -2, "world_size": 4}, "tp must be a positive int"),
         ({"dp": 0, "pp": 1, "tp": 4, "world_size": 4}, "dp must be a positive int"),
         ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "virtual_pipeline_size": 2}, "needs pipeline parallelism"),
+        ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "ep": 4}, "expert parallel size 4 does not divide"),
+        ({"dp": 6, "pp": 1, "tp": 1, "world_size": 6, "ep": 4}, r"use ep in \{1, 2, 3, 6\}"),
+        ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "ep": 0}, "ep must be a positive int"),
     ],
 )
 def test_bad_sizes_fail_before_any_collective(kwargs: dict, message: str) -> None:
@@ -205,3 +208,35 @@ def pipeline_ends_group_case() -> list:
 def test_pipeline_ends_group_joins_first_and_last_stage_once_per_mesh() -> None:
     results = sorted(run_distributed(pipeline_ends_group_case, 4))
     assert results == [[0, 2.0], [1, None], [2, None], [3, 2.0]]
+
+
+def expert_state_case() -> dict:
+    import torch.distributed as dist
+
+    parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=2)  # 8 ranks: tp2, dp4, ep2
+    dims = meshpar.get_parallel()
+    out = {
+        "ep": (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()),
+        "edp": (parallel_state.get_expert_data_parallel_world_size(), parallel_state.get_expert_data_parallel_rank()),
+        "ep_group": dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()),
+        "edp_group": dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()),
+        "expert_mesh": dims.expert_mesh.mesh.tolist(),
+    }
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_expert_groups_are_carved_out_of_dp_ep_fastest() -> None:
+    """Megatron-Core's layout (the diagram in meshpar.parallel_dims): with tp2 x dp4 and ep2, adjacent dp replicas
+    of one tp coordinate form an ep group, every other one an expert-data-parallel group."""
+    results = run_distributed(expert_state_case, 8)
+    for rank, result in enumerate(results):
+        tp_rank, dp_rank = rank % 2, rank // 2
+        first = (dp_rank // 2) * 4 + tp_rank  # the ep group's first global rank
+        assert result["ep"] == (2, dp_rank % 2) and result["edp"] == (2, dp_rank // 2), result
+        assert result["ep_group"] == [first, first + 2], result
+        assert result["edp_group"] == [rank % 4, rank % 4 + 4], result
+        assert result["expert_mesh"] == [
+            [first - tp_rank, first - tp_rank + 1],
+            [first - tp_rank + 2, first - tp_rank + 3],
+        ]

@@ -158,7 +158,7 @@ def refusal_case(family: str, config: dict) -> str:
             "mixtral",
             {"expert_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
             "does not divide the data parallel size 1",
-        ),  # fmt: skip
+        ),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
         ("mixtral", {"expert_parallel_size": 2, "fsdp": True}, "'fsdp' cannot be combined"),
     ],
