@@ -15,12 +15,16 @@ One MoE layer, per rank::
     all-to-all: the expert outputs back in the order they were sent                  (combine)
     index_add into [tokens, hidden]; the caller sums over tp
 
-Backward runs the same all-to-alls with the counts swapped. Nothing is dropped: every route runs, however many
-tokens an expert gets (Megatron-Core's and torchtitan's default).
+Backward runs the same all-to-alls with the counts swapped. Nothing is dropped by default: every route runs, however
+many tokens an expert gets (Megatron-Core's and torchtitan's default). With a capacity factor
+(:func:`drop_over_capacity`, Megatron-Core's ``moe_expert_capacity_factor``) each expert takes at most
+``ceil(tokens * k / experts * factor)`` of the routes of one forward of one replica's tokens; the rest are dropped
+before dispatch (their weight zero, their expert the sentinel ``num_experts``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +90,8 @@ def dispatch(
     k = top_k_index.shape[-1]
     flat_index = top_k_index.reshape(-1)
     block = flat_index // local
-    kept = torch.nonzero(block % tp == tp_rank).squeeze(-1)
+    # routes of this tp coordinate; a dropped route (expert id num_experts, drop_over_capacity) goes nowhere
+    kept = torch.nonzero((block % tp == tp_rank) & (flat_index < num_experts)).squeeze(-1)
     destination = block[kept] // tp
     # by destination rank, then expert: what each rank receives from one source is grouped by expert
     order = torch.argsort(destination * num_experts + flat_index[kept], stable=True)
@@ -121,3 +126,32 @@ def experts_touched(output: torch.Tensor, parameters: list[torch.Tensor]) -> tor
     zero grad (moments decay, weight decay applies) differently from a missing one."""
     touch = sum(p.reshape(-1)[:1].sum() for p in parameters) * 0.0
     return output + touch.to(output.dtype)
+
+
+DROP_POLICIES = ("probs", "position")
+
+
+def drop_over_capacity(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, factor: float, policy: str = "probs"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-Core's token dropping: each expert keeps at most ``ceil(tokens * k / num_experts * factor)`` of the
+    routes ``[tokens, k]`` it got, those with the highest routing weight (``policy="probs"``) or of the earliest tokens
+    (``"position"``); a dropped route gets the expert id ``num_experts`` (routed nowhere) and weight 0. Kept routes
+    keep their weights (no renormalisation, as Megatron-Core)."""
+    if policy not in DROP_POLICIES:
+        raise ValueError(f"unknown drop policy {policy!r}; one of {DROP_POLICIES}")
+    tokens, k = top_k_index.shape
+    capacity = math.ceil(tokens * k / num_experts * factor)
+    flat = top_k_index.reshape(-1)
+    if policy == "probs":
+        order = torch.argsort(top_k_weights.reshape(-1).detach(), descending=True, stable=True)
+    else:  # routes are token-major: their flat order is the tokens' order
+        order = torch.arange(flat.numel(), device=flat.device)
+    order = order[torch.argsort(flat[order], stable=True)]  # by expert, each expert's routes in preference order
+    counts = torch.bincount(flat, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    keep = (rank < capacity) & (flat < num_experts)
+    index = torch.where(keep, flat, num_experts).view_as(top_k_index)
+    return index, top_k_weights * keep.view_as(top_k_weights).to(top_k_weights.dtype)

@@ -18,6 +18,10 @@ class ParallelConfig:
     data_parallel_size: int = -1  # -1: the rest of the world
     # experts sharded over ep dp replicas (carved out of dp, which must be a multiple; tokens routed by all-to-all)
     expert_parallel_size: int = 1
+    # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most ceil(tokens * k / experts
+    # * factor) routes of one forward of one replica's tokens, by routing weight ("probs") or token order ("position")
+    expert_capacity_factor: float | None = None
+    expert_drop_policy: str = "probs"
     virtual_pipeline_size: int = 1
     num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
@@ -78,6 +82,13 @@ class ParallelConfig:
             raise ValueError(
                 "config keys 'pipeline_schedule': 'zero_bubble' and 'fsdp' exclude each other: FSDP2 reduces a "
                 "module's grads when its input grad is done, before a zero-bubble schedule computes the weight grads"
+            )
+        factor = self.expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
+            raise ValueError(f"config key 'expert_capacity_factor' must be a positive number or null, got {factor!r}")
+        if self.expert_drop_policy not in ("probs", "position"):
+            raise ValueError(
+                f"config key 'expert_drop_policy' must be 'probs' or 'position', got {self.expert_drop_policy!r}"
             )
         if self.expert_parallel_size > 1 and self.fsdp:
             raise ValueError(

@@ -20,7 +20,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
 from meshpar._in_place import mix_into
-from meshpar.expert_parallel import combine, dispatch, experts_touched
+from meshpar.expert_parallel import combine, dispatch, drop_over_capacity, experts_touched
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import (
     all_gather,
@@ -41,6 +41,7 @@ class _LocalExperts:
 
     tp_mesh: DeviceMesh
     ep_mesh: DeviceMesh | None
+    capacity: tuple[float, str] | None  # (capacity factor, drop policy), see ExpertsOverTP
     num_experts: int
     # tokens arrive as sequence shards (sequence parallelism): gathered on entry, the output reduce-scattered back
     sequence_parallel: bool
@@ -60,6 +61,10 @@ class _LocalExperts:
             top_k_index = all_gather(top_k_index, mesh, 0)
         else:
             hidden_states, top_k_weights = copy_to_tp(hidden_states, mesh), copy_to_tp(top_k_weights, mesh)
+        if self.capacity is not None:  # on every tp rank alike: the same tokens, the same routes
+            top_k_index, top_k_weights = drop_over_capacity(
+                top_k_index, top_k_weights, self.num_experts, *self.capacity
+            )
         if self.ep_mesh is not None:
             out = self._forward_routed(hidden_states, top_k_index, top_k_weights)
         else:
@@ -145,11 +150,19 @@ class ExpertsOverTP(ParallelStyle):
     and the identity experts' output is divided by tp inside it, so that the sum counts it once."""
 
     def __init__(
-        self, features: dict[str, tuple[int, int] | None] | None = None, *, sequence_parallel: bool = False
+        self,
+        features: dict[str, tuple[int, int] | None] | None = None,
+        *,
+        sequence_parallel: bool = False,
+        capacity_factor: float | None = None,
+        drop_policy: str = "probs",
     ) -> None:
         super().__init__()
         self.features = features
         self.sequence_parallel = sequence_parallel
+        # token dropping (meshpar.expert_parallel.drop_over_capacity), per forward of one replica's tokens
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
 
     def mesh_for(self, dims: ParallelDims) -> DeviceMesh:
         """The mesh the experts are sharded over: ``("ep", "tp")`` under expert parallelism, else tp
@@ -192,6 +205,7 @@ class ExpertsOverTP(ParallelStyle):
         mix_into(module, _LocalExperts, "TensorParallel")
         module.tp_mesh, module.sequence_parallel = tp_mesh, self.sequence_parallel
         module.ep_mesh = device_mesh["ep"] if expert_parallel else None
+        module.capacity = (self.capacity_factor, self.drop_policy) if self.capacity_factor is not None else None
         return module
 
 

@@ -279,6 +279,7 @@ def plan_for(
     sharding. A model with none of these is refused: meshpar does not guess from module names."""
     tp, sequence_parallel = _sizes(layout, sequence_parallel)
     ep = _expert_parallel_size(layout)
+    capacity = _expert_capacity(layout)
     if isinstance(plan, HFPlan):
         _check_ties(model, plan)
         return plan
@@ -286,10 +287,10 @@ def plan_for(
         built = user_plan(model, plan, tp)
     else:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if tp == 1 and not sequence_parallel and ep == 1:  # nothing to shard: dp and pp need no plan
+        if tp == 1 and not sequence_parallel and ep == 1 and capacity is None:  # dp and pp need no plan
             name = model_type or type(model).__name__
             built = HFPlan(name, task_of(model), {}, ties=_head_ties(model), layers=layer_container(model))
-        elif tp == 1 and not sequence_parallel and hf_tp_plan(model):  # expert parallelism alone: the experts
+        elif tp == 1 and not sequence_parallel and hf_tp_plan(model):  # ep or token dropping alone: the experts
             built = metadata_plan(model, tp)
             built.styles = {p: style for p, style in built.styles.items() if isinstance(style, ExpertsOverTP)}
             built.fixups = []
@@ -303,9 +304,20 @@ def plan_for(
             )
     built.head = _vocab_head(model, built.styles)
     _check_ties(model, built)
-    if ep > 1:
+    if ep > 1 or capacity is not None:
         _check_expert_parallel(model, built, ep, tp)
+    if capacity is not None:
+        for style in built.styles.values():
+            if isinstance(style, ExpertsOverTP):
+                style.capacity_factor, style.drop_policy = capacity
     return built
+
+
+def _expert_capacity(layout: object) -> tuple[float, str] | None:
+    """(capacity factor, drop policy) from a ``parallelize`` config, ``None`` for dropless experts."""
+    get = layout.get if isinstance(layout, dict) else lambda key, default: getattr(layout, key, default)
+    factor = get("expert_capacity_factor", None)
+    return None if factor is None else (float(factor), get("expert_drop_policy", "probs"))
 
 
 def _expert_parallel_size(layout: object) -> int:
@@ -315,13 +327,14 @@ def _expert_parallel_size(layout: object) -> int:
 
 
 def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> None:
-    """Expert parallelism needs experts modules in the plan, and whole experts for every one of the ep x tp ranks
-    (checked before any process group exists)."""
+    """Expert parallelism (and token dropping) needs experts modules in the plan, and whole experts for every one
+    of the ep x tp ranks (checked before any process group exists)."""
     experts = [pattern for pattern, style in plan.styles.items() if isinstance(style, ExpertsOverTP)]
     if not experts:
+        asked = f"expert_parallel_size={ep}" if ep > 1 else "expert_capacity_factor"
         raise ValueError(
-            f"expert_parallel_size={ep}: {type(model).__name__} has no experts module in its plan (expert parallelism "
-            "shards the stacked experts of a mixture-of-experts model); use expert_parallel_size 1"
+            f"{asked}: {type(model).__name__} has no experts module in its plan (expert parallelism and token dropping "
+            "apply to the stacked experts of a mixture-of-experts model); leave them unset"
         )
     text = text_config(model.config)
     count = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)

@@ -161,6 +161,9 @@ def refusal_case(family: str, config: dict) -> str:
         ),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
         ("mixtral", {"expert_parallel_size": 2, "fsdp": True}, "'fsdp' cannot be combined"),
+        ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
+        ("mixtral", {"expert_capacity_factor": 1.0, "expert_drop_policy": "random"}, "'probs' or 'position'"),
+        ("llama", {"expert_capacity_factor": 1.0}, "expert_capacity_factor: LlamaForCausalLM has no experts module"),
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_any_group(family: str, config: dict, says: str) -> None:
@@ -236,3 +239,82 @@ def router_loss_refusal_case(config: dict) -> str:
 def test_router_loss_where_it_cannot_be_global_is_refused(config: dict) -> None:
     messages = run_distributed(router_loss_refusal_case, 2, config)
     assert all("output_router_logits=True" in m for m in messages), messages
+
+
+def _dropping_dense(dense: torch.nn.Module, factor: float, policy: str) -> list[int]:
+    """The dense model dropping routes over capacity as the parallel one does, per forward of its experts; returns
+    the list the hook appends each forward's count of dropped routes to."""
+    from meshpar.expert_parallel import drop_over_capacity
+
+    dropped: list[int] = []
+
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        kept_index, kept_weights = drop_over_capacity(index, weights, module.num_experts, factor, policy)
+        dropped.append(int((kept_index == module.num_experts).sum()))
+        return hidden, index, kept_weights  # a dropped route still runs here, with weight 0: it adds nothing
+
+    for name, module in dense.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(hook)
+    return dropped
+
+
+def capacity_case(family: str, ep: int, tp: int, factor: float, policy: str) -> int:
+    """Token dropping per forward of one replica's tokens (Megatron-Core's capacity): the step equals a dense model
+    that drops the same routes, run replica by replica on the same rows (its token losses summed over the global
+    count); returns the routes the dense reference dropped."""
+    dims = setup_parallel(tp=tp, ep=ep)
+    dense = build(family)
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "expert_capacity_factor": factor,
+              "expert_drop_policy": policy}  # fmt: skip
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    dropped = _dropping_dense(dense, factor, policy)
+    data = batch(family, rows=4)
+    data["labels"][0, :7] = -100
+    share = 4 // dims.dp
+    scored = (data["labels"][:, 1:] != -100).sum()
+    total = 0.0
+    for replica in range(dims.dp):
+        rows = {k: v[replica * share : (replica + 1) * share] for k, v in data.items()}
+        logits = dense(input_ids=rows["input_ids"]).logits
+        total = total + torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), rows["labels"][:, 1:].flatten(), reduction="sum"
+        )
+    expected = total / scored
+    expected.backward()
+    mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
+    loss = model.train_step(**mine)
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            dense_grad = dense.get_parameter(name).grad
+            want = local_slice(in_parameter_layout(dense_grad, module, name), param)
+            torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+    return sum(dropped)  # routes the dense reference dropped: the case must drop some
+
+
+@pytest.mark.parametrize(
+    "family,ep,tp,factor,policy",
+    [("mixtral", 2, 1, 1.0, "probs"), ("mixtral", 2, 2, 0.75, "position"), ("qwen2_moe", 1, 2, 1.0, "probs")],
+)
+def test_capacity_factor_drops_the_routes_a_dense_model_dropping_them_drops(
+    family: str, ep: int, tp: int, factor: float, policy: str
+) -> None:
+    dropped = run_distributed(capacity_case, 4, family, ep, tp, factor, policy)
+    assert all(d > 0 for d in dropped), dropped
+
+
+def test_drop_over_capacity_keeps_each_experts_best_routes() -> None:
+    """Expert 0 gets five routes at capacity ceil(4 tokens * 2 / 2 experts * 0.5) = 2: by weight it keeps the two
+    heaviest, by position the two earliest tokens'; expert 1's two routes all fit."""
+    from meshpar.expert_parallel import drop_over_capacity
+
+    index = torch.tensor([[0, 1], [0, 0], [0, 1], [0, 0]])  # token 1 and 3 route twice to expert 0 (allowed here)
+    weights = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    kept, w = drop_over_capacity(index, weights, 2, 0.5, "probs")
+    assert kept.tolist() == [[2, 1], [0, 2], [2, 1], [0, 2]] and w[0, 0] == 0 and w[1, 0] == 0.8
+    kept, _ = drop_over_capacity(index, weights, 2, 0.5, "position")
+    assert kept.tolist() == [[0, 1], [0, 2], [2, 1], [2, 2]]
+    with pytest.raises(ValueError, match="unknown drop policy"):
+        drop_over_capacity(index, weights, 2, 0.5, "random")
