@@ -109,7 +109,10 @@ class _LocalExperts:
         if rows.shape[0]:
             out = self._local_forward(rows, local_index.unsqueeze(-1), weights.unsqueeze(-1), local)
         else:  # no route reached this rank's experts: their grads are zeros, as the dense model's rows of them
-            out = experts_touched(rows, [p.to_local() for p in self._parameters.values() if p is not None])
+            # the empty rows and weights stay in the graph: their all-to-alls' backwards are collectives every ep
+            # rank must join, even with nothing to send
+            empty = rows + weights.unsqueeze(-1).to(rows.dtype)
+            out = experts_touched(empty, [p.to_local() for p in self._parameters.values() if p is not None])
         return combine(out, routes, ep_mesh)
 
     def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:

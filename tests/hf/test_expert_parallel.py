@@ -318,3 +318,35 @@ def test_drop_over_capacity_keeps_each_experts_best_routes() -> None:
     assert kept.tolist() == [[0, 1], [0, 2], [2, 1], [2, 2]]
     with pytest.raises(ValueError, match="unknown drop policy"):
         drop_over_capacity(index, weights, 2, 0.5, "random")
+
+
+def no_rows_case(ep: int, tp: int) -> None:
+    """Every route goes to the first ep rank's experts: the other ep ranks receive no rows at all, yet join every
+    all-to-all (forward and backward) and give their experts zero grads, as the dense model's rows of them."""
+    dims = setup_parallel(tp=tp, ep=ep)
+    dense = build("mixtral")
+    first_block = 4 // ep  # the experts of ep rank 0
+
+    def to_first_block(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        return hidden, index % first_block, weights
+
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp, "expert_parallel_size": ep})
+    for root in (dense, *model.local_modules()):
+        for name, module in root.named_modules():
+            if name.endswith("mlp.experts"):
+                module.register_forward_pre_hook(to_first_block)
+    data = batch("mixtral", rows=4)
+    dense(**data).loss.backward()
+    share = 4 // dims.dp
+    mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
+    model.train_step(**mine)
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = local_slice(in_parameter_layout(dense.get_parameter(name).grad, module, name), param)
+            torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2), (4, 1)])
+def test_ep_ranks_that_receive_no_rows_join_every_collective(ep: int, tp: int) -> None:
+    run_distributed(no_rows_case, 4, ep, tp)
