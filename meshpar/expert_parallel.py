@@ -76,46 +76,47 @@ def dispatch(
     top_k_weights: torch.Tensor,
     *,
     num_experts: int,
-    ep_mesh: DeviceMesh,
+    ep_mesh: DeviceMesh | None,
     tp_rank: int = 0,
     tp: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routes]:
-    """Send each route ``(token, k)`` whose expert lies in a block of this tp coordinate to the ep rank holding it.
+    """Send each route ``(token, k)`` whose expert lies in a block of this tp coordinate to the ep rank holding it
+    (``ep_mesh`` ``None``: tp alone, the routes stay here).
 
     ``hidden`` is ``[tokens, hidden]``, ``top_k_index`` / ``top_k_weights`` ``[tokens, k]`` with global expert ids.
     Returns the received rows, their experts' local ids (``0 .. num_experts / (ep * tp) - 1``) and routing weights
     (one route per row), and the :class:`Routes` for :func:`combine`."""
-    ep = ep_mesh.size()
+    ep = ep_mesh.size() if ep_mesh is not None else 1
     local = num_experts // (ep * tp)
     k = top_k_index.shape[-1]
     flat_index = top_k_index.reshape(-1)
     block = flat_index // local
     # routes of this tp coordinate; a dropped route (expert id num_experts, drop_over_capacity) goes nowhere
     kept = torch.nonzero((block % tp == tp_rank) & (flat_index < num_experts)).squeeze(-1)
-    destination = block[kept] // tp
     # by destination rank, then expert: what each rank receives from one source is grouped by expert
-    order = torch.argsort(destination * num_experts + flat_index[kept], stable=True)
+    order = torch.argsort(flat_index[kept], stable=True)  # block-major: the destination's order, then the expert's
     kept = kept[order]
+    tokens = kept // k
+    local_ids, weights = flat_index[kept] % local, top_k_weights.reshape(-1)[kept]
+    if ep_mesh is None:
+        return hidden[tokens], local_ids, weights, Routes(tokens, [kept.numel()], [kept.numel()], hidden.shape[0])
     # rows per (destination rank, local expert): each receiver learns how many rows of each of its experts come
     # from each source, so the rows need no expert ids beside them (Megatron-Core's tokens per local expert)
-    send_counts = torch.bincount(
-        flat_index[kept] // local // tp * local + flat_index[kept] % local, minlength=ep * local
-    )
+    send_counts = torch.bincount(block[kept] // tp * local + local_ids, minlength=ep * local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep_mesh.get_group())
     per_rank = send_counts.view(ep, local).sum(-1), recv_counts.view(ep, local).sum(-1)
     send, recv = per_rank[0].tolist(), per_rank[1].tolist()  # the rows' sizes: a host sync, as in Megatron-Core
     local_index = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep), recv_counts)
-    tokens = kept // k
     rows = all_to_all(hidden[tokens], send, recv, ep_mesh)
-    weights = all_to_all(top_k_weights.reshape(-1)[kept].unsqueeze(-1), send, recv, ep_mesh).squeeze(-1)
+    weights = all_to_all(weights.unsqueeze(-1), send, recv, ep_mesh).squeeze(-1)
     return rows, local_index, weights, Routes(tokens, send, recv, hidden.shape[0])
 
 
-def combine(expert_output: torch.Tensor, routes: Routes, ep_mesh: DeviceMesh) -> torch.Tensor:
+def combine(expert_output: torch.Tensor, routes: Routes, ep_mesh: DeviceMesh | None) -> torch.Tensor:
     """The experts' (weighted) output rows back to the ranks their tokens came from, summed per token:
     ``[tokens, hidden]`` (zeros for tokens none of whose routes this tp coordinate handled)."""
-    back = all_to_all(expert_output, routes.recv, routes.send, ep_mesh)
+    back = all_to_all(expert_output, routes.recv, routes.send, ep_mesh) if ep_mesh is not None else expert_output
     out = back.new_zeros((routes.num_tokens, *back.shape[1:]))
     return out.index_add(0, routes.tokens, back)
 

@@ -6,14 +6,18 @@ experts module's 3-D weights ``[num_experts, ...]`` over their first dim instead
 shapes and FQNs, so checkpoints reshard like any other parameter): each rank keeps ``num_experts / tp`` whole experts
 and runs the tokens routed to them; every token is on every tp rank, so the partial outputs summed over tp are the
 dense output. Forward: one all-reduce of the output; backward: one of the input grad and one of the routing weights'
-grad (the router stays replicated). Routes to other ranks' experts get the local index ``num_local_experts``, which
-transformers' experts forwards skip (expert parallelism uses the same sentinel). Experts handed one block of tokens
+grad (the router stays replicated). Each rank picks the routes to its own experts and runs them, one route per row,
+through the family's own experts forward (:func:`meshpar.expert_parallel.dispatch`; under expert parallelism the
+routes travel to the ep rank holding their expert first), so no forward ever sees an expert it does not hold.
+Experts handed one block of tokens
 per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order. Experts that cannot
 be split whole (LongCat-Flash: identity experts with rows in one weight only) are split by features instead, each
 packed weight per part and kept in the model's shapes in checkpoints (see :class:`ExpertsOverTP`).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -65,47 +69,22 @@ class _LocalExperts:
             top_k_index, top_k_weights = drop_over_capacity(
                 top_k_index, top_k_weights, self.num_experts, *self.capacity
             )
-        if self.ep_mesh is not None:
-            out = self._forward_routed(hidden_states, top_k_index, top_k_weights)
-        else:
-            local = self.num_experts // mesh.size()
-            start = mesh.get_local_rank() * local
-            elsewhere = (top_k_index < start) | (top_k_index >= start + local)
-            local_index = torch.where(elsewhere, local, top_k_index - start)
-            weights = top_k_weights.masked_fill(elsewhere, 0.0)
-            out = self._local_forward(hidden_states, local_index, weights, local)
+        out = self._forward_routed(hidden_states, top_k_index, top_k_weights)
         return reduce_scatter_to_sp(out, mesh, 0) if self.sequence_parallel else reduce_from_tp(out, mesh)
-
-    def _local_forward(
-        self, hidden_states: torch.Tensor, local_index: torch.Tensor, weights: torch.Tensor, local: int
-    ) -> torch.Tensor:
-        """The model's own experts forward on this rank's ``local`` experts (local ids; id ``local`` is the
-        sentinel of a route handled elsewhere, which transformers' forwards skip)."""
-        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
-        previous = (self.num_experts, getattr(self, "_is_expert_parallel", None))
-        try:
-            self.num_experts = local
-            if previous[1] is not None:
-                self._is_expert_parallel = True  # transformers' grouped forwards then mask the sentinel routes
-            with parameters_replaced(self, shards):
-                return super().forward(hidden_states, local_index, weights)  # type: ignore[misc]
-        finally:
-            self.num_experts = previous[0]
-            if previous[1] is not None:
-                self._is_expert_parallel = previous[1]
 
     def _forward_routed(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Expert parallelism: this tp coordinate's routes go to the ep ranks holding their experts, each row runs
-        there as one route (its weight applied by the model's own forward), and the rows come back summed per token
-        (:mod:`meshpar.expert_parallel`); the result is this tp rank's partial output."""
+        """This rank's partial output: the routes to its experts (those of its tp coordinate; under expert
+        parallelism sent to the ep ranks holding them and back, :mod:`meshpar.expert_parallel`) run as one route per
+        row through the model's own experts forward (each row's weight applied as the model applies it), summed per
+        token. No route names an expert the rank does not hold, so any forward of the family works as written."""
         ep_mesh, tp = self.ep_mesh, self.tp_mesh.size()
         rows, local_index, weights, routes = dispatch(
             hidden_states, top_k_index, top_k_weights, num_experts=self.num_experts, ep_mesh=ep_mesh,
             tp_rank=self.tp_mesh.get_local_rank(), tp=tp,
         )  # fmt: skip
-        local = self.num_experts // (ep_mesh.size() * tp)
+        local = self.num_experts // ((ep_mesh.size() if ep_mesh is not None else 1) * tp)
         if rows.shape[0]:
             out = self._local_forward(rows, local_index.unsqueeze(-1), weights.unsqueeze(-1), local)
         else:  # no route reached this rank's experts: their grads are zeros, as the dense model's rows of them
@@ -114,6 +93,19 @@ class _LocalExperts:
             empty = rows + weights.unsqueeze(-1).to(rows.dtype)
             out = experts_touched(empty, [p.to_local() for p in self._parameters.values() if p is not None])
         return combine(out, routes, ep_mesh)
+
+    def _local_forward(
+        self, rows: torch.Tensor, local_index: torch.Tensor, weights: torch.Tensor, local: int
+    ) -> torch.Tensor:
+        """The model's own experts forward on this rank's ``local`` experts, for rows of one route each."""
+        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
+        previous = self.num_experts
+        try:
+            self.num_experts = local
+            with parameters_replaced(self, shards):
+                return super().forward(rows, local_index, weights)  # type: ignore[misc]
+        finally:
+            self.num_experts = previous
 
     def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Experts handed one block of (already weighted) tokens per expert, ``[experts * tokens, hidden]`` in expert
@@ -125,11 +117,7 @@ class _LocalExperts:
                 f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
                 "'sequence_parallel' off"
             )
-        if self.ep_mesh is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}: experts handed blocks of tokens per expert (one block per expert for every "
-                "token) cannot be expert-parallel; use expert_parallel_size 1"
-            )
+
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
         width = hidden_states.shape[-1]
@@ -177,6 +165,11 @@ class ExpertsOverTP(ParallelStyle):
         tp_mesh = device_mesh["tp"] if expert_parallel else device_mesh
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
+        if expert_parallel and len(inspect.signature(cls.forward).parameters) < 4:  # (self, hidden, index, weights)
+            raise ValueError(
+                f"{cls.__name__}: its forward takes blocks of tokens per expert (every token in every expert's block), "
+                "not routes, so there is nothing to route between ep ranks; use expert_parallel_size 1"
+            )
         if expert_parallel and not _whole_experts_possible(module, experts):
             raise ValueError(
                 f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight ({experts} experts; "

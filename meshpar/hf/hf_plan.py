@@ -447,6 +447,8 @@ AMENDMENTS: dict[str, dict[str, object]] = {
         "layers.*.self_attn.gate_proj": "colwise",
     },
     "doge": _DOGE_ATTENTION,
+    # the shipped plan shards the embedding only: its stacked experts (weights and biases) split whole over tp / ep
+    "gpt_oss": {"layers.*.mlp.experts": "moe_tp_experts"},
     # the activation sparsity of Gemma-3n's first layers cuts at statistics over all of a token's MLP features
     "gemma3n_text": {"layers.*.mlp": gaussian_topk_over_tp()},
     # xIELU's learnable alpha_p / alpha_n act on each rank's MLP feature shard: their grads are partial over tp

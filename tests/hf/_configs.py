@@ -162,6 +162,24 @@ GENERIC = {
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1},
+    ),
+    # stacked experts with biases and a clamped SwiGLU, attention sinks (meshpar's amendment shards the experts)
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "attn_implementation": "eager",
+        },
+    ),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None}),
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",

@@ -64,7 +64,10 @@ def expert_parallel_case(family: str, ep: int, tp: int = 1, pp: int = 1, rows: i
     return {"checked": checked, "expert_params": experts}
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe_qk_norm"],
+)
 def test_expert_parallel_matches_dense(family: str) -> None:
     results = run_distributed(expert_parallel_case, 4, family, 2)
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
