@@ -23,10 +23,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def expert_parallel_case(family: str, ep: int, tp: int = 1, pp: int = 1, rows: int = 4) -> dict[str, object]:
-    """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them."""
+def expert_parallel_case(
+    family: str, ep: int, tp: int = 1, pp: int = 1, rows: int = 4, implementation: str | None = None
+) -> dict[str, object]:
+    """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them
+    (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both)."""
     dims = setup_parallel(tp=tp, pp=pp, ep=ep)
     dense = build(family)
+    if implementation is not None:
+        dense.config._experts_implementation = implementation
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=rows)
@@ -71,6 +76,13 @@ def expert_parallel_case(family: str, ep: int, tp: int = 1, pp: int = 1, rows: i
 def test_expert_parallel_matches_dense(family: str) -> None:
     results = run_distributed(expert_parallel_case, 4, family, 2)
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_expert_parallel_with_transformers_grouped_experts(implementation: str) -> None:
+    """transformers' grouped (one grouped matmul per rank: torch._grouped_mm, its fallback on CPU) and batched
+    experts forwards run on the rows each rank receives, as the eager one does."""
+    run_distributed(expert_parallel_case, 4, "mixtral", 2, 2, 1, 4, implementation)
 
 
 @pytest.mark.parametrize("ep,tp,pp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
