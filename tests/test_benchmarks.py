@@ -36,6 +36,7 @@ RUNS = {
     "coverage": "hf_coverage.py --types qwen3,hrm_text --layouts tp2,pp2 --markdown",
     "pipeline_runtime": "bench_pipeline_runtime.py --rounds 1 --batch 8 --seq 8",
     "peers": "bench_peers.py --layers 2 --hidden 64 --heads 2 --seq 16 --batch 2 --vocab 128 --rounds 1",
+    "ep": "bench_ep.py --layers 1 --hidden 32 --seq 16 --batch 4 --rounds 1",
 }
 
 
@@ -166,3 +167,16 @@ def test_bench_peers_runs_every_row_and_counts_megatron_collectives() -> None:
     assert int(re.search(r"(\d+) all_reduce", native_line).group(1)) > 8, out
     assert "meshpar tp=1 / plain HF" in out and "meshpar / torch-native" in out, out
     assert "no tp_plan for this family" in out.split("gpt2, tp=2")[1], out
+
+
+def test_bench_ep_prints_every_layout_with_its_bytes() -> None:
+    """Expert parallelism at equal world size: every layout's row; tp4 sends no all-to-all, the ep layouts do, and
+    each layout holds the same share of the experts (2 of 8 per rank)."""
+    out = _run("ep")
+    rows = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(r"^(tp4|ep4|ep2 x tp2)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)", out, re.M)
+    }
+    assert set(rows) == {"tp4", "ep4", "ep2 x tp2"}, out
+    assert rows["tp4"][3] == "0" and rows["ep4"][3] != "0" and rows["ep2 x tp2"][3] != "0"
+    assert len({r[1] for r in rows.values()}) == 1
