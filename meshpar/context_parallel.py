@@ -1,0 +1,212 @@
+"""Context parallelism: the sequence split over ``cp`` ranks *inside* attention (long-context training).
+
+Every rank holds ``1 / cp`` of each sequence's tokens for the whole model: embeddings, norms, MLPs and the loss run on
+them as they are. Attention is the one place tokens meet tokens: each rank's queries need every key and value they
+may attend to, which the ranks exchange (:func:`context_parallel_attention`).
+
+Causal attention makes early tokens cheap and late ones dear, so the sequence is cut into ``2 cp`` equal chunks and
+rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (Megatron-Core's and torchtitan's load balancing): every rank then
+has the same number of (query, key) pairs to compute::
+
+    S = 8 tokens, cp = 2: chunks [0 1] [2 3] [4 5] [6 7]
+    rank 0 holds chunks 0 and 3: tokens 0 1 6 7      rank 1 holds chunks 1 and 2: tokens 2 3 4 5
+
+Two ways to bring the keys and values together, both exact (the same masks, the same softmax as one device):
+
+- ``"all_gather"``: all-gather K and V over cp (backward: reduce-scatter their grads), then one attention of the
+  local queries against the whole sequence. One collective each way; K and V of the whole sequence held at once.
+- ``"ring"``: K and V travel around the ring of cp ranks, ``cp - 1`` exchanges forward (and ``cp - 1`` of their
+  grads backward); each step attends to one rank's keys, and the partial results are merged by their log-sum-exp.
+
+Masks are given by what they mean, evaluated on global positions (:class:`AttentionMask`): causal, a sliding window,
+documents packed into one row (a query attends to keys of its own document only), and key padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshpar._compat import DeviceMesh
+
+IMPLEMENTATIONS = ("all_gather", "ring")
+
+
+def check_sequence_length(seq_len: int, cp: int) -> None:
+    """The load-balanced layout needs ``2 cp`` equal chunks: refused otherwise, with the remedy."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"sequence length {seq_len} cannot be split into 2 x cp = {2 * cp} equal chunks for context parallelism; "
+            f"pad the sequences to a multiple of {2 * cp}"
+        )
+
+
+def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global positions of the tokens rank ``rank`` holds, in its local order: chunk ``rank`` then chunk
+    ``2 cp - 1 - rank``."""
+    check_sequence_length(seq_len, cp)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+    """This cp rank's tokens of ``x`` along ``dim`` (a whole sequence on every rank in, the load-balanced local
+    tokens out). A plain index: the grad of the local tokens lands in their global places."""
+    positions = local_positions(x.shape[dim], mesh.size(), mesh.get_local_rank(), x.device)
+    return x.index_select(dim, positions)
+
+
+def _global_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Where each position sits in the concatenation of every rank's local tokens (rank order)."""
+    gathered = torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
+    return torch.argsort(gathered)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the local tokens of every cp rank along ``dim`` into global order; backward: the grads of all
+    ranks summed (reduce-scatter), each rank keeping its own tokens'. For keys and values, which every rank's
+    queries use."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:  # noqa: ANN001
+        ctx.dim, ctx.mesh = dim, mesh
+        cp = mesh.size()
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=mesh.get_group())
+        whole = torch.cat(parts, dim)
+        return whole.index_select(dim, _global_order(whole.shape[dim], cp, x.device))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        cp, dim = ctx.mesh.size(), ctx.dim
+        seq_len = grad.shape[dim]
+        by_rank = grad.index_select(dim, torch.cat([local_positions(seq_len, cp, r, grad.device) for r in range(cp)]))
+        parts = [p.contiguous() for p in by_rank.chunk(cp, dim)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.mesh.get_group())
+        return mine, None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Every cp rank's tokens of ``x`` along ``dim`` in global order (grads summed over cp and returned to their
+    owners in backward)."""
+    return _GatherSequence.apply(x, dim, mesh)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send ``x`` to the next cp rank and receive the previous one's; backward sends the grad the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # noqa: ANN001
+        ctx.mesh = mesh
+        return _shift(x, mesh, +1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return _shift(grad, ctx.mesh, -1), None
+
+
+def _shift(x: torch.Tensor, mesh: DeviceMesh, step: int) -> torch.Tensor:
+    group, cp, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    to = dist.get_global_rank(group, (rank + step) % cp)
+    source = dist.get_global_rank(group, (rank - step) % cp)
+    received = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group), dist.P2POp(dist.irecv, received, source, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+@dataclass
+class AttentionMask:
+    """Which keys a query may attend to, on global positions: ``causal`` (key position <= query position),
+    ``sliding_window`` (query position - key position < window), ``document_ids`` (``[batch, seq]``, whole
+    sequence: documents packed into one row attend within their own document) and ``key_padding`` (``[batch, seq]``
+    bool, whole sequence: False for padding keys)."""
+
+    causal: bool = True
+    sliding_window: int | None = None
+    document_ids: torch.Tensor | None = None
+    key_padding: torch.Tensor | None = None
+
+    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """``[batch or 1, 1, queries, keys]`` bool."""
+        allow = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
+        distance = q_pos[:, None] - k_pos[None, :]
+        if self.causal:
+            allow &= distance >= 0
+        if self.sliding_window is not None:
+            allow &= distance < self.sliding_window
+        allow = allow[None, None]
+        if self.document_ids is not None:
+            docs = self.document_ids
+            allow = allow & (docs[:, q_pos][:, None, :, None] == docs[:, k_pos][:, None, None, :])
+        if self.key_padding is not None:
+            allow = allow & self.key_padding[:, k_pos][:, None, None, :].bool()
+        return allow
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over the keys ``allow`` permits: (output, log-sum-exp per query); a query with no
+    permitted key gets output 0 and log-sum-exp -inf (so that merging ignores it)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allow, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite)  # exp(-inf) = 0 where masked
+    return torch.matmul(probs, v.float()), lse
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves ``heads / kv_heads`` query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    mask: AttentionMask,
+    *,
+    scale: float | None = None,
+    implementation: str = "all_gather",
+) -> torch.Tensor:
+    """Attention of this cp rank's queries over the whole sequence's keys and values.
+
+    ``q`` ``[batch, heads, local, head_dim]``, ``k`` / ``v`` ``[batch, kv_heads, local, head_dim]``: this rank's
+    load-balanced tokens (:func:`local_positions`). Returns ``[batch, heads, local, head_dim]`` in ``q``'s dtype,
+    equal to the rows of one device's attention over the whole sequence for these queries (computed in fp32)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown context-parallel attention {implementation!r}; one of {IMPLEMENTATIONS}")
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    seq_len = q.shape[2] * cp
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_pos = local_positions(seq_len, cp, rank, q.device)
+    heads = q.shape[1]
+    if implementation == "all_gather":
+        k_all, v_all = gather_sequence(k, 2, mesh), gather_sequence(v, 2, mesh)
+        k_pos = torch.arange(seq_len, device=q.device)
+        out, _ = _attend(q, _repeat_kv(k_all, heads), _repeat_kv(v_all, heads), mask.allowed(q_pos, k_pos), scale)
+        return out.to(q.dtype)
+    outs, lses = [], []
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        owner = (rank - step) % cp  # the rank whose keys and values this step holds
+        k_pos = local_positions(seq_len, cp, owner, q.device)
+        out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), mask.allowed(q_pos, k_pos), scale)
+        outs.append(out)
+        lses.append(lse)
+        if step < cp - 1:
+            kv = _RingShift.apply(kv, mesh)
+    lse_all = torch.stack(lses)
+    total = torch.logsumexp(lse_all, dim=0)
+    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
+    return merged.to(q.dtype)

@@ -1,0 +1,115 @@
+"""Context-parallel attention (meshpar.context_parallel) against one device's attention over the whole sequence:
+outputs and the grads of q, k and v for the load-balanced local tokens, at cp 2 and 4, both implementations, with
+causal, sliding-window, packed-document and key-padding masks and grouped-query heads; the collectives pinned; bad
+lengths refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshpar.context_parallel import AttentionMask, context_parallel_attention, local_positions, shard_sequence
+from meshpar.testing import run_distributed
+from meshpar.testing.dispatch import AtenOps
+
+B, H, KV, S, D = 2, 4, 2, 16, 8
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=generator)
+    k = torch.randn(B, KV, S, D, generator=generator)
+    v = torch.randn(B, KV, S, D, generator=generator)
+    cotangent = torch.randn(B, H, S, D, generator=generator)
+    return q, k, v, cotangent
+
+
+def _mask(kind: str) -> AttentionMask:
+    if kind == "causal":
+        return AttentionMask()
+    if kind == "sliding":
+        return AttentionMask(sliding_window=5)
+    if kind == "documents":  # three documents packed per row, boundaries not on chunk edges
+        ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 3 + [1] * 3 + [2] * 10])
+        return AttentionMask(document_ids=ids)
+    if kind == "padding":  # right padding, uneven across rows and chunks
+        padding = torch.ones(B, S, dtype=torch.bool)
+        padding[0, 11:] = False
+        padding[1, 14:] = False
+        return AttentionMask(key_padding=padding)
+    if kind == "bidirectional":
+        return AttentionMask(causal=False)
+    raise ValueError(kind)
+
+
+def _dense(kind: str) -> tuple[torch.Tensor, ...]:
+    q, k, v, cotangent = _inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    allow = _mask(kind).allowed(torch.arange(S), torch.arange(S))
+    rep = H // KV
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=allow)
+    (out * cotangent).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def cp_case(kind: str, implementation: str) -> None:
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    q, k, v, cotangent = _inputs()
+    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*mine, mesh, _mask(kind), implementation=implementation)
+    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
+    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
+    want = _dense(kind)
+    torch.testing.assert_close(out, want[0][:, :, positions], atol=1e-5, rtol=1e-5)
+    for name, got, dense_grad in zip("qkv", (t.grad for t in mine), want[1:], strict=True):
+        torch.testing.assert_close(got, dense_grad[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+@pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "padding", "bidirectional"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_matches_one_device(cp: int, kind: str, implementation: str) -> None:
+    run_distributed(cp_case, cp, kind, implementation)
+
+
+def collectives_case(implementation: str) -> dict[str, int]:
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    q, k, v, _ = _inputs()
+    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+    with AtenOps() as forward:
+        out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation)
+    with AtenOps() as backward:
+        out.sum().backward()
+    return {"forward": dict(forward.collective_names), "backward": dict(backward.collective_names)}
+
+
+def test_collectives_are_pinned() -> None:
+    """Ring at cp=4: cp - 1 = 3 exchanges of the packed K/V forward, 3 of their grads backward (each a send and a
+    receive); all-gather: one all-gather each of K and V forward, one reduce-scatter each backward."""
+    exchanges = {"send": 3, "recv_": 3}
+    ring = run_distributed(collectives_case, 4, "ring")
+    assert all(r == {"forward": exchanges, "backward": exchanges} for r in ring), ring
+    gathered = run_distributed(collectives_case, 4, "all_gather")
+    expected = {"forward": {"allgather_": 2}, "backward": {"reduce_scatter_": 2}}
+    assert all(r == expected for r in gathered), gathered
+
+
+def test_a_length_that_does_not_split_into_2cp_chunks_is_refused() -> None:
+    with pytest.raises(ValueError, match="pad the sequences to a multiple of 8"):
+        local_positions(20, 4, 0)
+
+
+def test_load_balanced_layout() -> None:
+    """Rank r holds chunks r and 2cp-1-r: every rank the same amount of causal work."""
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([local_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
