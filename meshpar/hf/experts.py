@@ -172,8 +172,8 @@ class ExpertsOverTP(ParallelStyle):
             )
         if expert_parallel and not _whole_experts_possible(module, experts):
             raise ValueError(
-                f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight ({experts} experts; "
-                "identity experts or weights not stacked over them cannot be routed); use expert_parallel_size 1"
+                f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight (identity experts, "
+                "or weights not stacked over the experts, cannot be routed); use expert_parallel_size 1"
             )
         if self.features is not None and not _whole_experts_possible(module, experts):
             if self.sequence_parallel:
