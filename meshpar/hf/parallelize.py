@@ -628,7 +628,16 @@ class ParallelizedModel(nn.Module):
         replica drives HF's loop over the pipeline (:mod:`meshpar.hf.generation`) and every rank returns its
         sequences."""
         if self.pipeline is not None:
+            if self.dims.ep > 1:
+                raise RuntimeError(
+                    "generate() with expert_parallel_size > 1 and pipeline_parallel_size > 1 is not supported yet: "
+                    "the dp replicas of an ep group must decode in lockstep"
+                )
             return pipelined_generate(self, *args, **kwargs)
+        if self.dims.ep > 1:
+            # every MoE layer exchanges tokens with the other dp replicas of the ep group: all of them must run the
+            # same number of decoding steps, however many each needs (HF's lockstep loop, as for ZeRO-3)
+            kwargs.setdefault("synced_gpus", True)
         if self.parallel_config.sequence_parallel:
             raise RuntimeError("generate() is not supported with sequence_parallel (decoding steps have length 1)")
         # the vocab-parallel head, wherever the model keeps it (RoBERTa's is lm_head.decoder), gathers the logits
