@@ -24,7 +24,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def expert_parallel_case(
-    family: str, ep: int, tp: int = 1, pp: int = 1, rows: int = 4, implementation: str | None = None
+    family: str,
+    ep: int,
+    tp: int = 1,
+    pp: int = 1,
+    rows: int = 4,
+    implementation: str | None = None,
+    extra: dict | None = None,
 ) -> dict[str, object]:
     """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them
     (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both)."""
@@ -32,7 +38,7 @@ def expert_parallel_case(
     dense = build(family)
     if implementation is not None:
         dense.config._experts_implementation = implementation
-    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep}
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep, **(extra or {})}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=rows)
     data["labels"][0, :7] = -100  # dp rank 0 scores fewer tokens: the step weighs every token alike
@@ -83,6 +89,18 @@ def test_expert_parallel_with_transformers_grouped_experts(implementation: str) 
     """transformers' grouped (one grouped matmul per rank: torch._grouped_mm, its fallback on CPU) and batched
     experts forwards run on the rows each rank receives, as the eager one does."""
     run_distributed(expert_parallel_case, 4, "mixtral", 2, 2, 1, 4, implementation)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"overlap_grad_reduce": True}, {"activation_checkpointing": True}, {"sequence_parallel": True}],
+    ids=["overlapped-dp-grads", "activation-checkpointing", "sequence-parallel"],
+)
+def test_expert_parallel_composes_with_the_step_options(extra: dict) -> None:
+    """Overlapped dp grad all-reduces (the CUDA default: dense grads bucketed during backward, expert grads over edp
+    after it), recomputed blocks (their all-to-alls run again in backward) and sequence parallelism (tokens gathered
+    over tp before routing) at ep2 x tp2."""
+    run_distributed(expert_parallel_case, 4, "mixtral", 2, 2, 1, 4, None, extra)
 
 
 @pytest.mark.parametrize("ep,tp,pp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
