@@ -80,6 +80,12 @@ def unflatten_mesh_dim(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names
     return mesh._unflatten(mesh.mesh_dim_names.index(dim), sizes, names)
 
 
+def flatten_mesh_dims(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """One 1-D mesh over the ranks of ``dims`` (they need not be adjacent), a new process group (a collective call
+    on every rank). Private in torch 2.13 (``DeviceMesh._flatten``)."""
+    return mesh[dims]._flatten(name)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard without an autograd node (``DTensor._local_tensor``, private); a plain tensor as is."""
     return t._local_tensor if isinstance(t, DTensor) else t

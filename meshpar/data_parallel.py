@@ -81,9 +81,11 @@ class DataParallelGrads:
     ``chunks`` are the model chunks (one module for an unpipelined model); a parameter two chunks share belongs to
     the first. With dp == 1 every mode does nothing.
 
-    Under expert parallelism (``expert_dp_mesh``: the expert-data-parallel group, see
-    :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an ``"ep"`` dim, are summed over that
-    group after backward and divided by dp, in the all-reduce modes; FSDP2 and ZeRO-1 do not take them.
+    Under context parallelism ``dp_mesh`` is dp x cp (:attr:`ParallelDims.grad_mesh`) and ``divisor`` dp: the cp
+    ranks' grads are parts of one replica's, summed. Under expert parallelism (``expert_dp_mesh``: the
+    expert-data-parallel group, see :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an
+    ``"ep"`` dim, are summed over that group after backward and divided by dp, in the all-reduce modes; FSDP2 and
+    ZeRO-1 do not take them.
     """
 
     def __init__(
@@ -93,11 +95,17 @@ class DataParallelGrads:
         chunks: Sequence[torch.nn.Module],
         *,
         expert_dp_mesh: DeviceMesh | None = None,
+        divisor: int | None = None,
     ) -> None:
         if mode not in DP_MODES:
             raise ValueError(f"unknown data-parallel mode {mode!r}; one of {DP_MODES}")
         self.mode = mode
         self.dp_mesh = dp_mesh
+        self.divisor = dp_mesh.size() if divisor is None else divisor
+        if self.divisor != dp_mesh.size() and mode in ("fsdp", "optimizer"):
+            raise ValueError(
+                f"data-parallel mode {mode!r} reduces over dp alone; context parallelism needs the all-reduce modes"
+            )
         self.expert_dp_mesh = expert_dp_mesh
         self.chunks = list(chunks)
         experts = [p for chunk in self._chunk_parameters(experts=True) for p in chunk]
@@ -107,7 +115,11 @@ class DataParallelGrads:
                 + (f"; mode {mode!r} (FSDP2 / ZeRO-1) does not take them yet" if expert_dp_mesh is not None else "")
             )
         overlapped = mode == "overlapped" and dp_mesh.size() > 1
-        self.syncs = [OverlappedGradSync(params, dp_mesh) for params in self._chunk_parameters()] if overlapped else []
+        self.syncs = (
+            [OverlappedGradSync(params, dp_mesh, divisor=self.divisor) for params in self._chunk_parameters()]
+            if overlapped
+            else []
+        )
 
     def _chunk_parameters(self, experts: bool = False) -> list[list[torch.nn.Parameter]]:
         """Each chunk's own parameters: the dense ones, or (``experts``) the expert-parallel ones."""
@@ -138,10 +150,10 @@ class DataParallelGrads:
         elif self.mode == "allreduce":
             # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
             params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
-            allreduce_gradients(params, self.dp_mesh)
+            allreduce_gradients(params, self.dp_mesh, divisor=self.divisor)
         if self.expert_dp_mesh is not None:
             experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk)
-            allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.dp_mesh.size())
+            allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.divisor)
 
 
 class _ZeroGradsForUnused(torch.autograd.Function):

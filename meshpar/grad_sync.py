@@ -93,7 +93,8 @@ class OverlappedGradSync:
     buckets holding unused parameters, and waits); run the backwards of earlier gradient-accumulation microbatches
     under :meth:`no_sync`. ``bucket_mb`` caps a bucket's size in MiB (``first_bucket_mb`` the first one's, the last
     layers' grads): smaller buckets start earlier but cost more collectives. A single parameter larger than the cap
-    gets a bucket of its own. ``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32.
+    gets a bucket of its own. ``reduce_dtype=torch.float32`` reduces bf16/fp16 grads in fp32. ``divisor`` (default:
+    the group's size) divides the sum: dp, when the group is dp x cp (:attr:`ParallelDims.grad_mesh`).
     """
 
     def __init__(
@@ -104,10 +105,12 @@ class OverlappedGradSync:
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         reduce_dtype: torch.dtype | None = None,
+        divisor: int | None = None,
     ) -> None:
         if not (bucket_mb > 0 and first_bucket_mb > 0):
             raise ValueError(f"bucket_mb and first_bucket_mb must be positive, got {bucket_mb!r}, {first_bucket_mb!r}")
         self._size = dp_mesh.size()
+        self._divisor = self._size if divisor is None else divisor  # dp alone when the group is dp x cp
         self._group = dp_mesh.get_group() if self._size > 1 else None
         self._reduce_dtype = reduce_dtype
         self._sync = True
@@ -195,7 +198,7 @@ class OverlappedGradSync:
         if bucket.buffer is None:
             bucket.buffer = grad_buffer(bucket.numels, bucket.dtype, bucket.device)
         bucket.missing = pack_grads(bucket.params, bucket.buffer)
-        bucket.buffer.div_(self._size)  # average before the reduction: nothing left to do after the last wait
+        bucket.buffer.div_(self._divisor)  # average before the reduction: nothing left to do after the last wait
         bucket.work = dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
 
     @torch.no_grad()

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, init_device_mesh, unflatten_mesh_dim
+from meshpar._compat import DeviceMesh, flatten_mesh_dims, init_device_mesh, unflatten_mesh_dim
 from meshpar.failure import require_process_groups
 
 logger = logging.getLogger(__name__)
 
-MESH_DIM_NAMES = ("dp", "pp", "tp")
+MESH_DIM_NAMES = ("dp", "pp", "cp", "tp")
 EXPERT_DIM_NAMES = ("edp", "ep")  # the dp dim split for expert parallelism, ep fastest
 
 
@@ -54,7 +54,8 @@ def _check_positive(name: str, value: int) -> None:
 class _BuiltMesh:
     world: dist.ProcessGroup | None  # the default group the mesh's groups belong to
     mesh: DeviceMesh
-    expert_mesh: DeviceMesh | None  # (edp, ep, pp, tp), dp split in two; None when ep == 1
+    expert_mesh: DeviceMesh | None  # (edp, ep, pp, cp, tp), dp split in two; None when ep == 1
+    dp_cp_mesh: DeviceMesh | None  # dp and cp flattened into one dim; None when cp == 1
     extra_groups: dict[str, dist.ProcessGroup | None]  # see ParallelDims.pipeline_ends_group
 
 
@@ -63,7 +64,7 @@ class _BuiltMesh:
 # destroy_model_parallel / initialize_model_parallel) would pile them up. Freeing them is not safe: torch treats
 # equal meshes as one (DTensor's sharding cache hands back specs holding an equal mesh built earlier), so a freed
 # mesh's groups would still be reached. Reusing the mesh of an equal layout is what torch assumes anyway.
-_BUILT_MESHES: dict[tuple[str, int, int, int, int], _BuiltMesh] = {}
+_BUILT_MESHES: dict[tuple[str, int, int, int, int, int], _BuiltMesh] = {}
 
 
 @dataclass
@@ -81,8 +82,10 @@ class ParallelDims:
     virtual_pipeline_size: int | None = None
     seed: int = 1234
     ep: int = 1  # expert parallelism: a divisor of dp (see the module docstring)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (meshpar.context_parallel)
     mesh: DeviceMesh | None = field(default=None, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     # process groups that are not mesh dims, created once per mesh (see pipeline_ends_group)
     _extra_groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -90,19 +93,27 @@ class ParallelDims:
         _check_positive("world_size", self.world_size)
         _check_positive("tp", self.tp)
         _check_positive("pp", self.pp)
+        _check_positive("cp", self.cp)
+        names, sizes = ("tp*pp", [self.tp, self.pp]) if self.cp == 1 else ("tp*cp*pp", [self.tp, self.cp, self.pp])
+        model = self.tp * self.pp * self.cp
         if self.dp == -1:
-            if self.world_size % (self.tp * self.pp) != 0:
+            if self.world_size % model != 0:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = "
-                    f"{self.tp * self.pp}; choose tp and pp whose product divides the world size"
+                    f"world size {self.world_size} is not divisible by {names} = {'*'.join(map(str, sizes))} = "
+                    f"{model}; choose sizes whose product divides the world size"
                 )
-            self.dp = self.world_size // (self.tp * self.pp)
+            self.dp = self.world_size // model
         _check_positive("dp", self.dp)
-        if self.dp * self.pp * self.tp != self.world_size:
+        if self.dp * model != self.world_size:
+            shown = f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp}" if self.cp == 1 else (
+                f"dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp}"
+            )  # fmt: skip
             raise ValueError(
-                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} does not equal the world "
-                f"size {self.world_size}; pass dp=-1 to use the rest of the world for data parallelism"
+                f"{shown} = {self.dp * model} does not equal the world size {self.world_size}; pass dp=-1 to use "
+                "the rest of the world for data parallelism"
             )
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not supported yet")
         _check_positive("ep", self.ep)
         if self.dp % self.ep:
             raise ValueError(
@@ -118,16 +129,20 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the ``(dp, pp, tp)`` mesh, or take the one built earlier in this process for the same layout (a
         collective call on every rank the first time). See ``_BUILT_MESHES`` for why meshes are reused, not freed."""
-        key = (device_type, self.dp, self.pp, self.tp, self.ep)
+        key = (device_type, self.dp, self.pp, self.cp, self.tp, self.ep)
         built = _BUILT_MESHES.get(key)
         if built is None or built.world is not dist.GroupMember.WORLD:  # none yet, or torch.distributed restarted
-            mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+            shape = (self.dp, self.pp, self.cp, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
             experts = None
             if self.ep > 1:
                 experts = unflatten_mesh_dim(mesh, "dp", (self.dp // self.ep, self.ep), EXPERT_DIM_NAMES)
-            built = _BuiltMesh(dist.GroupMember.WORLD, mesh, experts, {})
+            # the dense weights' grads are summed over cp (each cp rank saw a part of every sequence) and dp
+            dp_cp = flatten_mesh_dims(mesh, ("dp", "cp"), "dp_cp") if self.cp > 1 else None
+            built = _BuiltMesh(dist.GroupMember.WORLD, mesh, experts, dp_cp, {})
             _BUILT_MESHES[key] = built
         self.mesh, self._expert_mesh, self._extra_groups = built.mesh, built.expert_mesh, built.extra_groups
+        self._dp_cp_mesh = built.dp_cp_mesh
         return self.mesh
 
     def _require_mesh(self) -> DeviceMesh:
@@ -156,6 +171,21 @@ class ParallelDims:
     @property
     def dp_mesh(self) -> DeviceMesh:
         return self._require_mesh()["dp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self._require_mesh()["cp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self._local_rank("cp")
+
+    @property
+    def grad_mesh(self) -> DeviceMesh:
+        """The ranks over which a dense weight's grads are reduced: dp, and cp with it (each cp rank computed the
+        grads of its part of every sequence); their sum is divided by dp alone."""
+        self._require_mesh()
+        return self._dp_cp_mesh if self._dp_cp_mesh is not None else self.dp_mesh
 
     @property
     def expert_mesh(self) -> DeviceMesh:
@@ -332,6 +362,7 @@ def init_parallel(
     seed: int = 1234,
     timeout: datetime.timedelta | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> ParallelDims:
     """Initialise ``torch.distributed`` if needed and build meshpar's ``(dp, pp, tp)`` mesh.
 
@@ -351,7 +382,14 @@ def init_parallel(
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims(
-        dp=dp, pp=pp, tp=tp, world_size=world_size, virtual_pipeline_size=virtual_pipeline_size, seed=seed, ep=ep
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        world_size=world_size,
+        virtual_pipeline_size=virtual_pipeline_size,
+        seed=seed,
+        ep=ep,
+        cp=cp,
     )
     if not dist.is_initialized():
         _init_process_group(backend, device_type, timeout)

@@ -20,9 +20,10 @@ def initialize_model_parallel(
     *,
     seed: int = 1234,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> None:
-    """apex/NxD entry point; data parallelism takes the rest of the world (ep, Megatron-Core's keyword, is carved
-    out of it)."""
+    """apex/NxD entry point; data parallelism takes the rest of the world (ep and cp are Megatron-Core's keywords:
+    ep is carved out of dp, cp is a mesh dim of its own)."""
     init_parallel(
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
@@ -30,6 +31,7 @@ def initialize_model_parallel(
         virtual_pipeline_size=virtual_pipeline_model_parallel_size,
         seed=seed,
         ep=expert_model_parallel_size,
+        cp=context_parallel_size,
     )
 
 
@@ -157,3 +159,22 @@ def get_expert_data_parallel_group() -> dist.ProcessGroup:
 def get_expert_tensor_parallel_world_size() -> int:
     """Experts are split over tp inside each ep rank (Megatron-Core's default ``expert_tensor_parallel_size`` = tp)."""
     return get_parallel().tp
+
+
+# -- context parallelism (Megatron-Core's names) --------------------------------------------------------------------
+def get_context_parallel_world_size() -> int:
+    return get_parallel().cp
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel().cp_rank
+
+
+def get_context_parallel_group(as_list: bool = False) -> GroupOrRanks:
+    return _group("cp", as_list)
+
+
+def get_data_parallel_group_with_context_parallel() -> dist.ProcessGroup:
+    """dp and cp together: the ranks a dense weight's grads are reduced over (Megatron-Core's
+    ``get_data_parallel_group(with_context_parallel=True)``)."""
+    return get_parallel().grad_mesh.get_group()

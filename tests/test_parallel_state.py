@@ -45,7 +45,7 @@ def state_case(tp: int, pp: int, vpp: int | None) -> dict:
 def test_megatron_rank_layout_tp_fastest_then_pp_then_dp() -> None:
     results = run_distributed(state_case, 4, 2, 2, None)
     for r in results:
-        assert r["mesh_dims"] == ("dp", "pp", "tp")
+        assert r["mesh_dims"] == ("dp", "pp", "cp", "tp")
         assert r["tp_groups"] == [[0, 1], [2, 3]]
         assert r["pp_groups"] == [[0, 2], [1, 3]]
         assert r["dp_groups"] == [[0], [1], [2], [3]]
@@ -110,6 +110,9 @@ def test_reinitialising_reuses_the_process_groups_of_an_equal_layout() -> None:
         ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "ep": 4}, "expert parallel size 4 does not divide"),
         ({"dp": 6, "pp": 1, "tp": 1, "world_size": 6, "ep": 4}, r"use ep in \{1, 2, 3, 6\}"),
         ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "ep": 0}, "ep must be a positive int"),
+        ({"dp": -1, "pp": 1, "tp": 3, "world_size": 8, "cp": 2}, r"not divisible by tp\*cp\*pp = 3\*2\*1 = 6"),
+        ({"dp": 2, "pp": 1, "tp": 1, "world_size": 8, "cp": 2}, r"dp\*pp\*cp\*tp = 2\*1\*2\*1 = 4 does not equal"),
+        ({"dp": 2, "pp": 1, "tp": 1, "world_size": 4, "cp": 2, "ep": 2}, "is not supported yet"),
     ],
 )
 def test_bad_sizes_fail_before_any_collective(kwargs: dict, message: str) -> None:
@@ -240,3 +243,27 @@ def test_expert_groups_are_carved_out_of_dp_ep_fastest() -> None:
             [first - tp_rank, first - tp_rank + 1],
             [first - tp_rank + 2, first - tp_rank + 3],
         ]
+
+
+def context_state_case() -> dict:
+    import torch.distributed as dist
+
+    parallel_state.initialize_model_parallel(2, 1, context_parallel_size=2)  # 8 ranks: tp2, cp2, dp2
+    out = {
+        "cp": (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()),
+        "cp_group": dist.get_process_group_ranks(parallel_state.get_context_parallel_group()),
+        "dp_cp": dist.get_process_group_ranks(parallel_state.get_data_parallel_group_with_context_parallel()),
+        "dp": parallel_state.get_data_parallel_size(),
+    }
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_context_parallel_groups_sit_between_pp_and_tp() -> None:
+    """The mesh is (dp, pp, cp, tp): tp fastest, then cp; dp x cp together reduce the dense grads."""
+    for rank, result in enumerate(run_distributed(context_state_case, 8)):
+        tp_rank, cp_rank = rank % 2, (rank // 2) % 2
+        first = rank - 2 * cp_rank  # cp rank 0 of this (dp, tp) position
+        assert result["cp"] == (2, cp_rank) and result["dp"] == 2, result
+        assert result["cp_group"] == [first, first + 2], result
+        assert result["dp_cp"] == [tp_rank, tp_rank + 2, tp_rank + 4, tp_rank + 6], result

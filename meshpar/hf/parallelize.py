@@ -152,7 +152,11 @@ class ParallelizedModel(nn.Module):
             self.module = self._shard(model)
             self.pipeline = None
             self.data_parallel = DataParallelGrads(
-                self.dp_mode, self.dims.dp_mesh, [self.module], expert_dp_mesh=self.dims.expert_dp_mesh
+                self.dp_mode,
+                self.dims.grad_mesh,
+                [self.module],
+                expert_dp_mesh=self.dims.expert_dp_mesh,
+                divisor=self.dims.dp,
             )
         else:
             self.pipeline = self._split(model)

@@ -116,7 +116,11 @@ class PipelineModel(nn.Module):
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.average_grads_over_dp = average_grads_over_dp
         self.data_parallel = DataParallelGrads(
-            dp_mode, dims.dp_mesh, [chunk.stage for chunk in self.chunks], expert_dp_mesh=dims.expert_dp_mesh
+            dp_mode,
+            dims.grad_mesh,
+            [chunk.stage for chunk in self.chunks],
+            expert_dp_mesh=dims.expert_dp_mesh,
+            divisor=dims.dp,
         )
         self.last_losses: list[torch.Tensor] = []
         self.last_outputs: list[Any] = []

@@ -9,14 +9,16 @@ from meshpar._shards import local_slice
 from meshpar.parallel_dims import ParallelDims, _set_parallel
 
 
-def setup_parallel(tp: int = 1, pp: int = 1, dp: int = -1, *, seed: int = 1234, ep: int = 1) -> ParallelDims:
+def setup_parallel(
+    tp: int = 1, pp: int = 1, dp: int = -1, *, seed: int = 1234, ep: int = 1, cp: int = 1
+) -> ParallelDims:
     """``init_parallel`` for tests on CPU workers whose default group is already up (the mesh of an earlier test
     with the same layout is reused, as ``init_parallel`` does)."""
     import torch.distributed as dist
 
     from meshpar.random import model_parallel_manual_seed
 
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), seed=seed, ep=ep)
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size(), seed=seed, ep=ep, cp=cp)
     dims.build_mesh("cpu")
     _set_parallel(dims)
     model_parallel_manual_seed(seed, dims)
