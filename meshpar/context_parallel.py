@@ -151,11 +151,14 @@ class AttentionMask:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over the keys ``allow`` permits: (output, log-sum-exp per query); a query with no
-    permitted key gets output 0 and log-sum-exp -inf (so that merging ignores it)."""
+    permitted key gets output 0 and log-sum-exp -inf (so that merging ignores it). ``softcap``: Gemma-2's logit
+    soft-capping, ``softcap * tanh(scores / softcap)``."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allow, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -177,6 +180,7 @@ def context_parallel_attention(
     *,
     scale: float | None = None,
     implementation: str = "all_gather",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole sequence's keys and values.
 
@@ -193,14 +197,16 @@ def context_parallel_attention(
     if implementation == "all_gather":
         k_all, v_all = gather_sequence(k, 2, mesh), gather_sequence(v, 2, mesh)
         k_pos = torch.arange(seq_len, device=q.device)
-        out, _ = _attend(q, _repeat_kv(k_all, heads), _repeat_kv(v_all, heads), mask.allowed(q_pos, k_pos), scale)
+        allow = mask.allowed(q_pos, k_pos)
+        out, _ = _attend(q, _repeat_kv(k_all, heads), _repeat_kv(v_all, heads), allow, scale, softcap)
         return out.to(q.dtype)
     outs, lses = [], []
     kv = torch.stack([k, v])
     for step in range(cp):
         owner = (rank - step) % cp  # the rank whose keys and values this step holds
         k_pos = local_positions(seq_len, cp, owner, q.device)
-        out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), mask.allowed(q_pos, k_pos), scale)
+        allow = mask.allowed(q_pos, k_pos)
+        out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allow, scale, softcap)
         outs.append(out)
         lses.append(lse)
         if step < cp - 1:

@@ -22,6 +22,10 @@ class ParallelConfig:
     # * factor) routes of one forward of one replica's tokens, by routing weight ("probs") or token order ("position")
     expert_capacity_factor: float | None = None
     expert_drop_policy: str = "probs"
+    # causal LMs: each sequence split over cp ranks, attention over the whole of it (meshpar.hf.context_parallel) by
+    # an all-gather of K/V ("all_gather") or a ring of K/V exchanges ("ring")
+    context_parallel_size: int = 1
+    context_parallel_implementation: str = "all_gather"
     virtual_pipeline_size: int = 1
     num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
@@ -48,6 +52,7 @@ class ParallelConfig:
             "tensor_parallel_size",
             "pipeline_parallel_size",
             "expert_parallel_size",
+            "context_parallel_size",
             "virtual_pipeline_size",
             "num_microbatches",
         ):
@@ -90,6 +95,24 @@ class ParallelConfig:
             raise ValueError(
                 f"config key 'expert_drop_policy' must be 'probs' or 'position', got {self.expert_drop_policy!r}"
             )
+        if self.context_parallel_implementation not in ("all_gather", "ring"):
+            raise ValueError(
+                "config key 'context_parallel_implementation' must be 'all_gather' or 'ring', got "
+                f"{self.context_parallel_implementation!r}"
+            )
+        if self.context_parallel_size > 1:
+            others = {
+                "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+                "sequence_parallel": self.sequence_parallel,
+                "fsdp": self.fsdp,
+                "expert_parallel_size > 1": self.expert_parallel_size > 1,
+            }
+            clash = [name for name, on in others.items() if on]
+            if clash:
+                raise ValueError(
+                    f"config key 'context_parallel_size' > 1 cannot be combined with {', '.join(clash)} yet; "
+                    "it composes with tensor and data parallelism"
+                )
         if self.expert_parallel_size > 1 and self.fsdp:
             raise ValueError(
                 "config keys 'expert_parallel_size' > 1 and 'fsdp' cannot be combined yet: FSDP2 would shard the "

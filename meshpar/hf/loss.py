@@ -155,9 +155,9 @@ def _over_the_global_batch(count: torch.Tensor, dims: ParallelDims, microbatches
     """``count`` (this replica's, one or several terms) summed over dp, scaled so that the grads come out right: each
     replica's grads are later averaged over dp and each microbatch's loss scaled by 1/``microbatches``; the
     normaliser undoes both. A count of none is 1 (a loss of 0 where HF's mean of nothing is NaN)."""
-    if dims.dp > 1:
+    if dims.dp > 1 or dims.cp > 1:  # cp: every cp rank holds part of each sequence's scored tokens
         count = count.clone()
-        dist.all_reduce(count, group=dims.dp_mesh.get_group())
+        dist.all_reduce(count, group=dims.grad_mesh.get_group())
     return count.clamp(min=1) / (dims.dp * microbatches)
 
 

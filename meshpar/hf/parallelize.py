@@ -27,10 +27,16 @@ from torch import nn
 from meshpar import checkpoint, rebind
 from meshpar._compat import local_tensor
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
-from meshpar.failure import agree, shared_refusal, stop_all_ranks_on_error
+from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.context_parallel import (
+    dense_probe_logits,
+    shard_batch,
+    use_context_parallel_attention,
+    verify_context_parallel,
+)
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import layer_container, takes_use_cache, text_config
@@ -75,12 +81,19 @@ def _check_existing_mesh(config: ParallelConfig) -> None:
     if not is_initialized():
         return
     dims = get_parallel()
-    wanted = (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size)
-    if (dims.tp, dims.pp, dims.ep) != wanted:
+    have = {"tp": dims.tp, "pp": dims.pp, "ep": dims.ep, "cp": dims.cp}
+    wanted = {
+        "tp": config.tensor_parallel_size,
+        "pp": config.pipeline_parallel_size,
+        "ep": config.expert_parallel_size,
+        "cp": config.context_parallel_size,
+    }
+    if have != wanted:
+        shown = ", ".join(f"{k}={v}" for k, v in have.items())
+        asked = ", ".join(f"{k}={v}" for k, v in wanted.items())
         raise ValueError(
-            f"meshpar is initialised with tp={dims.tp}, pp={dims.pp}, ep={dims.ep}, which the config (tp={wanted[0]}, "
-            f"pp={wanted[1]}, ep={wanted[2]}) contradicts; call meshpar.destroy_parallel() first to parallelize with "
-            "another layout"
+            f"meshpar is initialised with {shown}, which the config ({asked}) contradicts; call "
+            "meshpar.destroy_parallel() first to parallelize with another layout"
         )
 
 
@@ -94,6 +107,7 @@ def _init_mesh(config: ParallelConfig) -> ParallelDims:
         virtual_pipeline_size=config.virtual_pipeline_size if config.pipeline_parallel_size > 1 else None,
         seed=config.seed,
         ep=config.expert_parallel_size,
+        cp=config.context_parallel_size,
     )
 
 
@@ -130,13 +144,20 @@ class ParallelizedModel(nn.Module):
         make_replicas_equal(model, self.dims, over=("tp",) if self.dims.pp > 1 else ("tp", "dp"))
         task = self.plan.task
         self.loss_fn: TokenLoss | RowLoss | None = None
+        self._cp_shift: bool | None = None  # context parallelism: the labels shift over the whole sequence
+        if self.dims.cp > 1 and task != "causal_lm":
+            raise ValueError(
+                f"context parallelism is for causal LMs; {type(model).__name__} is a {task.replace('_', ' ')} model"
+            )
         if task in LOSS_TASKS:
             # whether the labels shift is the model's own convention, proven on it (every rank alike: one model)
             shift = agree("parallelize", lambda: causal_labels_shifted(model)) if task == "causal_lm" else None
+            if self.dims.cp > 1:  # shifted before the sequence is cut (shard_batch), never again on a shard
+                self._cp_shift, shift = bool(shift), False
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel)
+        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel, self.dims.cp)
         self._router_loss = RouterLoss(model)
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
@@ -148,6 +169,9 @@ class ParallelizedModel(nn.Module):
         classes = block_classes(model, self.plan.layers)
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
+        probe = dense_probe_logits(model, 4 * self.dims.cp) if self.dims.cp > 1 and not self._from_meta else None
+        if self.dims.cp > 1:
+            use_context_parallel_attention(model)
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -169,6 +193,24 @@ class ParallelizedModel(nn.Module):
                 for param in self._local_tied_parameters():
                     mark_shared_copy(param)
         self._record_replacements(originals)
+        if probe is not None:
+            self._verify_context_parallel(*probe)
+
+    def _verify_context_parallel(self, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
+        """The context-parallel model's logits on a probe equal the dense model's, on every rank (else refused on
+        every rank alike)."""
+        impl = self.parallel_config.context_parallel_implementation
+        found = verify_context_parallel(self.module, ids, dense_logits, self.dims, impl)
+        failed = first_failure_on_any_rank(found)
+        if failed is not None:
+            rank, what = failed
+            raise shared_refusal(
+                ValueError(
+                    f"{self.model_class.__name__} (rank {rank}): under context parallelism {what}: its attention "
+                    "computes something meshpar's context-parallel attention does not (sinks, position biases, "
+                    "non-standard masks); use context_parallel_size 1"
+                )
+            )
 
     def _record_replacements(self, originals: dict[str, nn.Parameter]) -> None:
         """Remember what replaced each of the model's parameters on this rank (:mod:`meshpar.rebind`; a parameter
@@ -432,6 +474,9 @@ class ParallelizedModel(nn.Module):
         positions taken out of the inputs; for a head with the model's own loss, the labels as they are."""
         if self.loss_fn is None:
             return labels, inputs
+        if self.dims.cp > 1:  # this cp rank's part of every sequence, the labels shifted over the whole of it first
+            impl = self.parallel_config.context_parallel_implementation
+            return shard_batch(labels, inputs, self.dims.cp_mesh, impl, bool(self._cp_shift))
         if (
             self.plan.task == "seq2seq_lm"
             and labels is not None
@@ -547,10 +592,11 @@ class ParallelizedModel(nn.Module):
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """Each dp replica saw its own slice of the batch: report the mean over replicas on every rank."""
-        if self.dims.dp == 1:
+        if self.dims.dp == 1 and self.dims.cp == 1:
             return loss
         loss = loss.detach().clone()
-        dist.all_reduce(loss, group=self.dims.dp_mesh.get_group())
+        # under cp each rank holds its tokens' share of its replica's loss: summed over cp, averaged over dp
+        dist.all_reduce(loss, group=self.dims.grad_mesh.get_group())
         return loss / self.dims.dp
 
     @contextlib.contextmanager
@@ -631,6 +677,8 @@ class ParallelizedModel(nn.Module):
         """HF ``generate`` (greedy, sampling, beams, ...) with full logits gathered over tp; under pp one rank per
         replica drives HF's loop over the pipeline (:mod:`meshpar.hf.generation`) and every rank returns its
         sequences."""
+        if self.dims.cp > 1:
+            raise RuntimeError("generate() with context_parallel_size > 1 is not supported: decode with cp 1")
         if self.pipeline is not None:
             if self.dims.ep > 1:
                 raise RuntimeError(

@@ -23,12 +23,13 @@ from meshpar.hf.hf_plan import _EXPERT_COUNTS, text_config
 from meshpar.parallel_dims import ParallelDims
 
 
-def check_router_loss_layout(model: nn.Module, pp: int, sequence_parallel: bool) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
     (pp = 1, full sequences on every tp rank); elsewhere a model that asks for it is refused before any step."""
-    if not getattr(text_config(model.config), "output_router_logits", False) or (pp == 1 and not sequence_parallel):
+    split = pp > 1 or sequence_parallel or cp > 1
+    if not getattr(text_config(model.config), "output_router_logits", False) or not split:
         return
-    where = "pipeline_parallel_size > 1" if pp > 1 else "sequence_parallel"
+    where = "pipeline_parallel_size > 1" if pp > 1 else "sequence_parallel" if sequence_parallel else "cp > 1"
     raise ValueError(
         f"{type(model).__name__} adds the routers' load-balancing loss (output_router_logits=True), which meshpar "
         f"computes over the global batch only without {where}; set config.output_router_logits=False (the loss "

@@ -1,0 +1,179 @@
+"""Context parallelism for HF causal LMs: each cp rank holds ``1 / cp`` of every sequence (load-balanced chunks,
+:mod:`meshpar.context_parallel`), and the model's attention runs over the whole sequence through transformers'
+attention interface.
+
+What ``parallelize`` does with ``{"context_parallel_size": cp}``:
+
+- the model's attention implementation becomes ``"meshpar_context_parallel"`` (registered in transformers'
+  ``AttentionInterface``): every attention layer hands its local queries, keys and values (rotary positions already
+  applied, with the tokens' global positions) to :func:`meshpar.context_parallel.context_parallel_attention`, with
+  the layer's own causal flag, sliding window, scaling and logit soft-capping; transformers builds no mask of its own
+  (a registered mask function that returns none), the masks are evaluated on global positions;
+- each batch is cut per rank (:func:`shard_batch`): the token ids and positions into this rank's chunks, the labels
+  shifted over the whole sequence first (token t scores token t + 1, across chunk borders), the padding mask kept
+  whole for the keys;
+- the loss's normaliser counts the scored tokens over dp and cp, and dense grads are summed over both
+  (:attr:`meshpar.parallel_dims.ParallelDims.grad_mesh`).
+
+A family whose attention does not go through the interface, or uses what the context-parallel attention does not
+compute (attention sinks, ALiBi or relative position biases, dropout while training), is refused: the model is proven
+on a probe against its dense forward at ``parallelize`` time (:func:`verify_context_parallel`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpar._compat import DeviceMesh
+from meshpar.context_parallel import (
+    AttentionMask,
+    check_sequence_length,
+    context_parallel_attention,
+    local_positions,
+    shard_sequence,
+)
+from meshpar.parallel_dims import ParallelDims
+from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
+
+ATTENTION = "meshpar_context_parallel"
+INPUTS_KEY = "meshpar_context"  # the keyword the model's forward carries down to its attention layers
+
+
+@dataclass
+class ContextParallelInputs:
+    """What every attention layer of one forward needs besides its q, k, v: the cp mesh, the implementation and
+    the whole sequence's key padding (``[batch, seq]``, True for real tokens; ``None``: no padding)."""
+
+    mesh: DeviceMesh
+    implementation: str
+    key_padding: torch.Tensor | None = None
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``[batch, heads, local, head_dim]`` in, ``[batch, local, heads,
+    head_dim]`` out."""
+    inputs = kwargs.get(INPUTS_KEY)
+    if inputs is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: the model runs meshpar's context-parallel attention but this forward got no "
+            "context-parallel inputs; call the parallelized model (train_step, eval_loss), not its inner module"
+        )
+    if dropout and module.training:
+        raise ValueError(f"{type(module).__name__}: attention dropout under context parallelism is not supported")
+    unsupported = [name for name in ("s_aux", "sinks", "position_bias", "alibi") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"{type(module).__name__}: context-parallel attention does not compute {unsupported}")
+    mask = AttentionMask(
+        causal=getattr(module, "is_causal", True), sliding_window=sliding_window, key_padding=inputs.key_padding
+    )
+    out = context_parallel_attention(
+        query, key, value, inputs.mesh, mask, scale=scaling, implementation=inputs.implementation, softcap=softcap
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """transformers' mask functions build a mask over the local tokens: context-parallel attention builds its own."""
+    return None
+
+
+def use_context_parallel_attention(model: nn.Module) -> None:
+    """Route every attention layer of ``model`` through :func:`_attention` (refused for a model whose attention
+    does not go through transformers' attention interface)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if not callable(can_set) or not can_set():
+        raise ValueError(
+            f"{type(model).__name__}: its attention does not go through transformers' attention interface, which "
+            "context parallelism replaces; use context_parallel_size 1"
+        )
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    model.set_attn_implementation(ATTENTION)
+
+
+def shard_batch(
+    labels: torch.Tensor | None, inputs: dict[str, Any], mesh: DeviceMesh, implementation: str, shift: bool
+) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """This cp rank's part of a causal-LM batch: token ids (or embeddings) and positions in its chunks, the labels
+    shifted over the whole sequence (``shift``: the model scores position t against label t + 1) and then cut alike,
+    the padding mask whole for the keys."""
+    tokens = inputs.get("input_ids")
+    tokens = tokens if isinstance(tokens, torch.Tensor) else inputs.get("inputs_embeds")
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError("context parallelism needs input_ids or inputs_embeds")
+    seq_len, cp = tokens.shape[1], mesh.size()
+    check_sequence_length(seq_len, cp)
+    out = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids")}
+    for name in ("input_ids", "inputs_embeds"):
+        if isinstance(inputs.get(name), torch.Tensor):
+            out[name] = shard_sequence(inputs[name], 1, mesh)
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+    out["position_ids"] = shard_sequence(positions, 1, mesh)
+    padding = inputs.get("attention_mask")
+    key_padding = padding.bool() if isinstance(padding, torch.Tensor) and not padding.bool().all() else None
+    out[INPUTS_KEY] = ContextParallelInputs(mesh, implementation, key_padding)
+    if labels is not None:
+        if shift:
+            labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        labels = shard_sequence(labels, 1, mesh)
+    return labels, out
+
+
+@torch.no_grad()
+def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, the dense model's logits) of one probe sequence, computed before the model is changed."""
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(iter(model.parameters())).device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return ids, model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@torch.no_grad()
+def verify_context_parallel(
+    model: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor, dims: ParallelDims, implementation: str
+) -> str | None:
+    """What differs between the context-parallel model's logits for this rank's tokens and the dense ones (``None``
+    when they agree): the proof that the family's attention is what :func:`_attention` computes."""
+    mesh = dims.cp_mesh
+    _, inputs = shard_batch(None, {"input_ids": ids}, mesh, implementation, shift=False)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        logits = model(**inputs, use_cache=False).logits.float()
+    except Exception as error:  # the family's forward cannot run this way: a refusal, never a crash
+        return f"its forward raises {type(error).__name__}: {error}"
+    finally:
+        for module, training in modes:
+            module.training = training
+    positions = local_positions(ids.shape[1], mesh.size(), mesh.get_local_rank(), ids.device)
+    want = dense_logits[:, positions]
+    if logits.shape[-1] != want.shape[-1]:  # a vocab-parallel head: this tp rank's slice (torch.chunk's split)
+        want = want.chunk(dims.tp, -1)[dims.tp_rank]
+    error = ((logits - want).norm() / want.norm().clamp_min(1e-6)).item()
+    return None if error < 1e-4 else f"its logits differ from the dense model's by {error:.1e} (relative)"

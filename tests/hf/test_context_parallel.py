@@ -1,0 +1,109 @@
+"""Context parallelism through ``parallelize``: HF causal LMs with ``context_parallel_size`` equal the dense model
+(loss, every grad, the parameters after an AdamW step), padding falling unevenly over replicas and chunks, sliding
+windows and Gemma-2's logit soft-capping, both attention implementations, composed with tp and dp; what it cannot do
+is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import meshpar
+from meshpar._compat import DTensor
+from meshpar._shards import in_parameter_layout, local_slice
+from meshpar.testing import run_distributed, setup_parallel
+from tests.hf._configs import batch, build
+
+S = 16
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dense(family: str, window: int | None) -> torch.nn.Module:
+    model = build(family)
+    if window is not None:  # a window shorter than the sequence, so that it cuts across chunks
+        model.config.sliding_window = window
+        for module in model.modules():
+            if getattr(module, "sliding_window", None):
+                module.sliding_window = window
+    return model
+
+
+def context_parallel_case(family: str, cp: int, tp: int, implementation: str, window: int | None) -> float:
+    dims = setup_parallel(tp=tp, cp=cp)
+    dense = _dense(family, window)
+    config = {
+        "tensor_parallel_size": tp,
+        "context_parallel_size": cp,
+        "context_parallel_implementation": implementation,
+    }
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch(family, rows=4, seq=S)
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    data["attention_mask"][0, 11:] = 0  # right padding: one replica's row, across a chunk border
+    data["labels"][0, 11:] = -100
+    data["labels"][2, :5] = -100
+    expected = dense(**data)
+    expected.loss.backward()
+    # Adam's first step divides by |grad| + eps: eps above the grads' fp32 noise (1e-8 on grads of 1e-5)
+    adamw = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-4}
+    torch.optim.AdamW(dense.parameters(), **adamw).step()
+    share = 4 // dims.dp
+    mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    loss = model.train_step(**mine)
+    torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    for name, param in model.module.named_parameters():
+        dense_grad = dense.get_parameter(name).grad
+        if dense_grad is None:
+            continue
+        want = local_slice(in_parameter_layout(dense_grad, model.module, name), param)
+        torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+    optimizer.step()
+    for name, param in model.module.named_parameters():
+        want = local_slice(in_parameter_layout(dense.get_parameter(name).detach(), model.module, name), param)
+        torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        evaluated = model.eval_loss(**mine)
+    torch.testing.assert_close(evaluated, dense.eval()(**data).loss, atol=1e-5, rtol=1e-5)
+    return float(loss)
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+@pytest.mark.parametrize("family,window", [("llama", None), ("qwen3", None), ("mistral", 6), ("gemma2", 5)], ids=str)
+def test_context_parallel_matches_dense(family: str, window: int | None, implementation: str) -> None:
+    """cp2 x dp2 on 4 ranks: each replica's rows split over 2 cp ranks."""
+    run_distributed(context_parallel_case, 4, family, 2, 1, implementation, window)
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 2), (4, 1)])
+def test_context_parallel_composes_with_tp(cp: int, tp: int) -> None:
+    run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "ring", None)
+
+
+def refusal_case(family: str, config: dict, seq: int = S) -> str:
+    try:
+        model = meshpar.parallelize(build(family), config)
+        data = batch(family, rows=4, seq=seq)
+        model.train_step(**data)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "family,config,seq,says",
+    [
+        ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
+        ("qwen3", {"context_parallel_size": 2, "pipeline_parallel_size": 2}, S, "cannot be combined with"),
+        ("bert_cls", {"context_parallel_size": 2}, S, "context parallelism is for causal LMs"),
+        ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
+    ],
+)
+def test_what_context_parallelism_cannot_do_is_refused(family: str, config: dict, seq: int, says: str) -> None:
+    messages = run_distributed(refusal_case, 4, family, config, seq)
+    assert all(says in m for m in messages), messages
