@@ -107,3 +107,28 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
 def test_what_context_parallelism_cannot_do_is_refused(family: str, config: dict, seq: int, says: str) -> None:
     messages = run_distributed(refusal_case, 4, family, config, seq)
     assert all(says in m for m in messages), messages
+
+
+def merged_case(directory: str) -> float | None:
+    """A cp2 model's merged checkpoint is a plain HF directory: transformers loads it with its own attention and
+    gives the parallel model's evaluation loss."""
+    setup_parallel(cp=2)
+    model = meshpar.parallelize(build("llama"), {"context_parallel_size": 2})
+    data = batch("llama", rows=2, seq=S)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    loss = model.eval_loss(**data)
+    model.save_parallelized(directory, merge_checkpoints=True)
+    return float(loss) if torch.distributed.get_rank() == 0 else None
+
+
+def test_a_merged_checkpoint_loads_without_meshpar(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    loss = run_distributed(merged_case, 2, str(tmp_path / "merged"))[0]
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert plain.config._attn_implementation != "meshpar_context_parallel"
+    with torch.no_grad():
+        want = plain(**batch("llama", rows=2, seq=S)).loss
+    assert abs(float(want) - loss) < 1e-5 * abs(loss), (float(want), loss)
