@@ -1,4 +1,5 @@
-"""meshpar: tensor, pipeline and data parallelism on one ``DeviceMesh`` with dims ``("dp", "pp", "tp")``."""
+"""meshpar: tensor, pipeline, data, context and expert parallelism on one ``DeviceMesh`` with dims
+``("dp", "pp", "cp", "tp")`` (ep carved out of dp)."""
 
 from meshpar import checkpoint, parallel_state
 from meshpar.grad_clip import clip_grad_norm

@@ -1,8 +1,11 @@
-"""The one parallel context of meshpar: a ``DeviceMesh`` with dims ``("dp", "pp", "tp")``.
+"""The one parallel context of meshpar: a ``DeviceMesh`` with dims ``("dp", "pp", "cp", "tp")``.
 
 Rank layout follows Megatron: tp varies fastest, then pp, then dp. With world size 8 and
 ``tp=2, pp=2, dp=2`` the tp groups are ``[0, 1], [2, 3], ...``, the pp groups ``[0, 2], [1, 3], ...`` and the
-dp groups ``[0, 4], [1, 5], ...``. This is exactly the row-major order of a mesh of shape ``(dp, pp, tp)``.
+dp groups ``[0, 4], [1, 5], ...``. This is exactly the row-major order of a mesh of shape ``(dp, pp, tp)``. Context
+parallelism (``cp``, :mod:`meshpar.context_parallel`) is a dim of its own between pp and tp (size 1 unless asked
+for): the cp ranks of one (dp, pp, tp) position split each sequence, and dense grads are reduced over dp and cp
+together (:attr:`ParallelDims.grad_mesh`).
 
 Expert parallelism (``ep``) is carved out of dp, as in Megatron-Core and torchtitan: the dp dim is split into
 ``("edp", "ep")`` with ep varying fastest, so with dp=4 and ep=2 the dp ranks ``[0, 1]`` and ``[2, 3]`` of each
@@ -127,7 +130,7 @@ class ParallelDims:
 
     # -- mesh ---------------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the ``(dp, pp, tp)`` mesh, or take the one built earlier in this process for the same layout (a
+        """Create the ``(dp, pp, cp, tp)`` mesh, or take the one built earlier in this process for the same layout (a
         collective call on every rank the first time). See ``_BUILT_MESHES`` for why meshes are reused, not freed."""
         key = (device_type, self.dp, self.pp, self.cp, self.tp, self.ep)
         built = _BUILT_MESHES.get(key)
@@ -364,7 +367,7 @@ def init_parallel(
     ep: int = 1,
     cp: int = 1,
 ) -> ParallelDims:
-    """Initialise ``torch.distributed`` if needed and build meshpar's ``(dp, pp, tp)`` mesh.
+    """Initialise ``torch.distributed`` if needed and build meshpar's ``(dp, pp, cp, tp)`` mesh.
 
     ``dp=-1`` takes the rest of the world; ``ep`` (expert parallelism) is carved out of dp and must divide it. The
     backend defaults to ``nccl`` on CUDA and ``gloo`` on CPU. All sizes are checked against the world size before

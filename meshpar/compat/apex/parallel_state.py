@@ -261,7 +261,7 @@ _groups: tuple[object, dict[str, tuple[dist.ProcessGroup, list[int]]]] | None = 
 def _members(kind: str) -> list[list[int]]:
     """Every group of ``kind``, as lists of global ranks (apex's rules; an empty one is not created)."""
     dims = get_parallel()
-    grid = dims.mesh.mesh  # [dp, pp, tp] global ranks
+    grid = dims.mesh.mesh  # [dp, pp, cp, tp] global ranks (cp is 1 under apex)
     split = _split_rank
     if kind == "model":  # tp x pp of one data-parallel replica
         return [grid[d].flatten().tolist() for d in range(dims.dp)]
