@@ -11,7 +11,8 @@ What ``parallelize`` does with ``{"context_parallel_size": cp}``:
   (a registered mask function that returns none), the masks are evaluated on global positions;
 - each batch is cut per rank (:func:`shard_batch`): the token ids and positions into this rank's chunks, the labels
   shifted over the whole sequence first (token t scores token t + 1, across chunk borders), the padding mask kept
-  whole for the keys;
+  whole for the keys; ``document_ids`` (``[batch, seq]``, meshpar's own input) marks sequences packed into one row,
+  each attending within its own document (what a block-diagonal 4-D mask gives the dense model);
 - the loss's normaliser counts the scored tokens over dp and cp, and dense grads are summed over both
   (:attr:`meshpar.parallel_dims.ParallelDims.grad_mesh`).
 
@@ -45,12 +46,14 @@ INPUTS_KEY = "meshpar_context"  # the keyword the model's forward carries down t
 
 @dataclass
 class ContextParallelInputs:
-    """What every attention layer of one forward needs besides its q, k, v: the cp mesh, the implementation and
-    the whole sequence's key padding (``[batch, seq]``, True for real tokens; ``None``: no padding)."""
+    """What every attention layer of one forward needs besides its q, k, v: the cp mesh, the implementation, the
+    whole sequence's key padding (``[batch, seq]``, True for real tokens; ``None``: no padding) and, for sequences
+    packed into one row, which document each token belongs to."""
 
     mesh: DeviceMesh
     implementation: str
     key_padding: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None  # [batch, seq]: sequences packed into one row
 
 
 def _attention(
@@ -79,7 +82,10 @@ def _attention(
     if unsupported:
         raise ValueError(f"{type(module).__name__}: context-parallel attention does not compute {unsupported}")
     mask = AttentionMask(
-        causal=getattr(module, "is_causal", True), sliding_window=sliding_window, key_padding=inputs.key_padding
+        causal=getattr(module, "is_causal", True),
+        sliding_window=sliding_window,
+        document_ids=inputs.document_ids,
+        key_padding=inputs.key_padding,
     )
     out = context_parallel_attention(
         query, key, value, inputs.mesh, mask, scale=scaling, implementation=inputs.implementation, softcap=softcap
@@ -121,7 +127,7 @@ def shard_batch(
         raise ValueError("context parallelism needs input_ids or inputs_embeds")
     seq_len, cp = tokens.shape[1], mesh.size()
     check_sequence_length(seq_len, cp)
-    out = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids")}
+    out = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids", "document_ids")}
     for name in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(name), torch.Tensor):
             out[name] = shard_sequence(inputs[name], 1, mesh)
@@ -129,9 +135,13 @@ def shard_batch(
     if positions is None:
         positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
     out["position_ids"] = shard_sequence(positions, 1, mesh)
+    # sequences packed into one row: which document each token is in ([batch, seq]), each attending within its own
+    documents = inputs.get("document_ids")
+    if documents is not None and tuple(documents.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(f"document_ids must be [batch, seq] = {tuple(tokens.shape[:2])}, got {tuple(documents.shape)}")
     padding = inputs.get("attention_mask")
     key_padding = padding.bool() if isinstance(padding, torch.Tensor) and not padding.bool().all() else None
-    out[INPUTS_KEY] = ContextParallelInputs(mesh, implementation, key_padding)
+    out[INPUTS_KEY] = ContextParallelInputs(mesh, implementation, key_padding, documents)
     if labels is not None:
         if shift:
             labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
