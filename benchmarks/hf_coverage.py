@@ -3,14 +3,14 @@ transformers that ships a tensor-parallel plan, plus meshpar's own tables, built
 downloaded) and run against the same model on one process.
 
 For each family and layout (tp=2, dp=2, tp=2 with sequence parallelism on 2 gloo processes; pp=2 and tp2 x pp2 on 2
-and 4; for mixture-of-experts families ep=2 over dp=2, and ep2 x tp2 on 4) one training step: the loss, every
-parameter grad (this rank's shard of the dense grad; a grad near zero is judged against 1% of the largest grad norm)
-and the parameters after an SGD step must equal dense within 1e-4 relative. Verdicts: ``OK``; ``refused``
-(meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or a crash: a
-defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so nothing ran).
-Checks at tp=2 (``--layouts gen,merged,per-rank``): greedy generation equal to dense, the merged checkpoint loaded
-by the family's ``from_pretrained`` giving the sharded model's loss (1e-5 relative), and the share of the
-parameters each rank holds.
+and 4; for mixture-of-experts families ep=2 over dp=2, and ep2 x tp2 on 4; cp=2 on 2, cp2 x tp2 on 4) one training
+step: the loss, every parameter grad (this rank's shard of the dense grad; a grad near zero is judged against 1% of
+the largest grad norm) and the parameters after an SGD step must equal dense within 1e-4 relative. Verdicts: ``OK``;
+``refused`` (meshpar raised a clear error before computing anything: the reason is listed); ``FAIL`` (a mismatch or
+a crash: a defect); ``-`` (the tiny model could not be built from the config alone, e.g. a multimodal family, so
+nothing ran). Checks at tp=2 (``--layouts gen,merged,per-rank``): greedy generation equal to dense, the merged
+checkpoint loaded by the family's ``from_pretrained`` giving the sharded model's loss (1e-5 relative), and the share
+of the parameters each rank holds.
 
     .venv/bin/python benchmarks/hf_coverage.py [--types llama,qwen3] [--layouts tp2,dp2,tp2sp,gen] [--markdown]
 """
@@ -31,15 +31,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _MAX_PARAMETERS = 5_000_000  # one process per rank holds a dense copy: 4 ranks x (model + grads + optimizer)
-# tp, pp, world, sequence parallelism, expert parallelism (mixture-of-experts families only; "-" for the others)
+# tp, pp, world, sequence parallelism, expert parallelism (mixture-of-experts families only; "-" for the others),
+# context parallelism
 LAYOUTS = {
-    "tp2": (2, 1, 2, False, 1),
-    "dp2": (1, 1, 2, False, 1),
-    "pp2": (1, 2, 2, False, 1),
-    "tp2pp2": (2, 2, 4, False, 1),
-    "tp2sp": (2, 1, 2, True, 1),
-    "ep2": (1, 1, 2, False, 2),
-    "ep2tp2": (2, 1, 4, False, 2),
+    "tp2": (2, 1, 2, False, 1, 1),
+    "dp2": (1, 1, 2, False, 1, 1),
+    "pp2": (1, 2, 2, False, 1, 1),
+    "tp2pp2": (2, 2, 4, False, 1, 1),
+    "tp2sp": (2, 1, 2, True, 1, 1),
+    "ep2": (1, 1, 2, False, 2, 1),
+    "ep2tp2": (2, 1, 4, False, 2, 1),
+    "cp2": (1, 1, 2, False, 1, 2),
+    "cp2tp2": (2, 1, 4, False, 1, 2),
 }
 # checks at tp=2 besides the training step: greedy generation against the dense model's, the merged checkpoint
 # loaded by the family's own ``from_pretrained`` giving the sharded model's loss, and parameters held per rank
@@ -252,16 +255,17 @@ def _step_verdict(
     return "OK" if worst < 1e-4 else f"FAIL: {what}max relative error {worst:.1e}"
 
 
-def _case(model_type: str, tp: int, pp: int, sp: bool = False, ep: int = 1) -> str:
+def _case(model_type: str, tp: int, pp: int, sp: bool = False, ep: int = 1, cp: int = 1) -> str:
     import meshpar
     from meshpar.optim import DistributedOptimizer
     from meshpar.testing import setup_parallel
 
-    setup_parallel(tp=tp, pp=pp, ep=ep)
+    setup_parallel(tp=tp, pp=pp, ep=ep, cp=cp)
     dense = tiny(model_type)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "num_microbatches": 2 * pp}
     config["sequence_parallel"] = sp
     config["expert_parallel_size"] = ep
+    config["context_parallel_size"] = cp
     try:
         model = meshpar.parallelize(copy.deepcopy(dense), config)
     except (ValueError, NotImplementedError) as error:
@@ -427,8 +431,8 @@ def run(model_type: str, layout: str) -> str:
             with tempfile.TemporaryDirectory() as directory:
                 results = run_distributed(_check_case, 2, model_type, layout, directory, timeout=300)
         else:
-            tp, pp, world, sp, ep = LAYOUTS[layout]
-            results = run_distributed(_case, world, model_type, tp, pp, sp, ep, timeout=300)
+            tp, pp, world, sp, ep, cp = LAYOUTS[layout]
+            results = run_distributed(_case, world, model_type, tp, pp, sp, ep, cp, timeout=300)
     except AssertionError as error:
         lines = [line for line in str(error).splitlines() if line.strip() and "Error" in line]
         return "FAIL: " + (lines[-1].strip()[:160] if lines else "crash")
