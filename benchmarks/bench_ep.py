@@ -34,13 +34,17 @@ LAYOUTS = {"tp4": (4, 1), "ep4": (1, 4), "ep2 x tp2": (2, 2)}  # (tp, ep)
 
 
 class SentBytes(TorchDispatchMode):
-    """Bytes this rank hands to all-reduces (ring: ``2 (p-1)/p`` of the tensor over ``p`` ranks) and to
-    all-to-alls (the rows it sends), counted where the c10d ops are dispatched."""
+    """Bytes this rank hands to all-reduces (ring: ``2 (p-1)/p`` of the tensor over ``p`` ranks), all-to-alls (the
+    rows it sends), all-gathers and reduce-scatters (its own part to each other rank) and point-to-point sends,
+    counted where the c10d ops are dispatched. ``groups``: the sizes of the groups flat (1-D) and activation
+    all-reduces run over."""
 
     def __init__(self, groups: dict[str, int]) -> None:
         super().__init__()
         self.all_reduce = 0.0
         self.all_to_all = 0.0
+        self.gathers = 0.0
+        self.sends = 0.0
         self._p = groups
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,6 +56,11 @@ class SentBytes(TorchDispatchMode):
             elif "allreduce" in name:
                 p = self._p["dp" if tensors[0].dim() == 1 else "tp"]
                 self.all_reduce += sum(t.numel() * t.element_size() for t in tensors) * 2 * (p - 1) / max(p, 1)
+            elif "allgather" in name or "reduce_scatter" in name:  # (outputs per rank..., input)
+                part = min(tensors, key=lambda t: t.numel())
+                self.gathers += part.numel() * part.element_size() * (len(tensors) - 2)
+            elif name.endswith("send"):
+                self.sends += sum(t.numel() * t.element_size() for t in tensors)
         return func(*args, **(kwargs or {}))
 
 

@@ -128,6 +128,11 @@ class ParallelizedModel(nn.Module):
             raise TypeError(f"parallelize takes a HuggingFace model (an nn.Module), got {type(model).__name__}")
         _check_existing_mesh(config)
         built = plan_for(model, config, plan=plan)
+        if config.context_parallel_size > 1 and built.task != "causal_lm":
+            raise ValueError(
+                f"context parallelism is for causal LMs; {type(model).__name__} is a "
+                f"{built.task.replace('_', ' ')} model"
+            )
         _log.info("%s", built)  # the plan that runs (meshpar.hf.plan_for returns it, to print, edit and pass back)
         return built
 
@@ -145,10 +150,6 @@ class ParallelizedModel(nn.Module):
         task = self.plan.task
         self.loss_fn: TokenLoss | RowLoss | None = None
         self._cp_shift: bool | None = None  # context parallelism: the labels shift over the whole sequence
-        if self.dims.cp > 1 and task != "causal_lm":
-            raise ValueError(
-                f"context parallelism is for causal LMs; {type(model).__name__} is a {task.replace('_', ' ')} model"
-            )
         if task in LOSS_TASKS:
             # whether the labels shift is the model's own convention, proven on it (every rank alike: one model)
             shift = agree("parallelize", lambda: causal_labels_shifted(model)) if task == "causal_lm" else None

@@ -99,7 +99,6 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
     "family,config,seq,says",
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
-        ("qwen3", {"context_parallel_size": 2, "pipeline_parallel_size": 2}, S, "cannot be combined with"),
         ("bert_cls", {"context_parallel_size": 2}, S, "context parallelism is for causal LMs"),
         ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
     ],
@@ -160,3 +159,15 @@ def packed_case(implementation: str) -> None:
 @pytest.mark.parametrize("implementation", ["all_gather", "ring"])
 def test_packed_documents_attend_within_themselves(implementation: str) -> None:
     run_distributed(packed_case, 2, implementation)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"pipeline_parallel_size": 2}, {"sequence_parallel": True}, {"fsdp": True}, {"expert_parallel_size": 2},
+     {"context_parallel_implementation": "ulysses"}],
+)  # fmt: skip
+def test_layouts_context_parallelism_does_not_compose_with_yet_are_refused_by_the_config(config: dict) -> None:
+    from meshpar.hf.config import load_config
+
+    with pytest.raises(ValueError, match=r"cannot be combined with|'all_gather' or 'ring'"):
+        load_config({"context_parallel_size": 2, **config})

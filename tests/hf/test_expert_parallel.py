@@ -175,9 +175,13 @@ def test_all_to_alls_per_moe_layer_are_pinned(ep: int, tp: int) -> None:
     assert all(c["all_to_all_single"] == 7 * layers for c in counts), counts
 
 
-def refusal_case(family: str, config: dict) -> str:
+def _refusal(family: str, config: dict) -> str:
+    """What ``parallelize`` says before any process group exists: the config's checks, then the plan's."""
+    from meshpar.hf import plan_for
+    from meshpar.hf.config import load_config
+
     try:
-        meshpar.parallelize(build(family), config)
+        plan_for(build(family), load_config(config))
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -187,11 +191,7 @@ def refusal_case(family: str, config: dict) -> str:
     "family,config,says",
     [
         ("mixtral", {"expert_parallel_size": 3}, "over ep x tp = 3 x 1"),
-        (
-            "mixtral",
-            {"expert_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
-            "does not divide the data parallel size 1",
-        ),
+        ("mixtral", {"expert_parallel_size": 4, "tensor_parallel_size": 2}, "over ep x tp = 4 x 2"),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
         ("mixtral", {"expert_parallel_size": 2, "fsdp": True}, "'fsdp' cannot be combined"),
         ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
@@ -200,8 +200,8 @@ def refusal_case(family: str, config: dict) -> str:
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_any_group(family: str, config: dict, says: str) -> None:
-    messages = run_distributed(refusal_case, 4, family, config)
-    assert all(says in m for m in messages), messages
+    """(ep not dividing dp is ParallelDims' refusal: tests/test_parallel_state.py)"""
+    assert says in _refusal(family, config)
 
 
 def zero1_case() -> str:
@@ -216,13 +216,6 @@ def zero1_case() -> str:
 
 def test_zero1_refuses_expert_parallel_weights() -> None:
     assert all("expert-parallel weights" in m for m in run_distributed(zero1_case, 4))
-
-
-def test_more_experts_per_rank_than_one_is_refused_when_uneven() -> None:
-    """Four experts cannot be split whole over ep x tp = 8 ranks: refused before any group (every rank alike)."""
-    config = {"expert_parallel_size": 4, "tensor_parallel_size": 2}
-    messages = run_distributed(refusal_case, 8, "mixtral", config)
-    assert all("cannot be split into whole experts over ep x tp = 4 x 2" in m for m in messages), messages
 
 
 def router_loss_case(family: str, ep: int, tp: int) -> None:
@@ -256,22 +249,16 @@ def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, t
     run_distributed(router_loss_case, 4, family, ep, tp)
 
 
-def router_loss_refusal_case(config: dict) -> str:
+@pytest.mark.parametrize("pp,sp,cp", [(2, False, 1), (1, True, 1), (1, False, 2)])
+def test_router_loss_where_it_cannot_be_global_is_refused(pp: int, sp: bool, cp: int) -> None:
+    from meshpar.hf.router_loss import check_router_loss_layout
+
     model = build("mixtral")
     model.config.output_router_logits = True
-    try:
-        meshpar.parallelize(model, config)
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
-@pytest.mark.parametrize(
-    "config", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2, "sequence_parallel": True}]
-)
-def test_router_loss_where_it_cannot_be_global_is_refused(config: dict) -> None:
-    messages = run_distributed(router_loss_refusal_case, 2, config)
-    assert all("output_router_logits=True" in m for m in messages), messages
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        check_router_loss_layout(model, pp, sp, cp)
+    model.config.output_router_logits = False
+    check_router_loss_layout(model, pp, sp, cp)  # nothing asked for, nothing refused
 
 
 def _dropping_dense(dense: torch.nn.Module, factor: float, policy: str) -> list[int]:
