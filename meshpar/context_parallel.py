@@ -198,7 +198,11 @@ def context_parallel_attention(
         k_all, v_all = gather_sequence(k, 2, mesh), gather_sequence(v, 2, mesh)
         k_pos = torch.arange(seq_len, device=q.device)
         allow = mask.allowed(q_pos, k_pos)
-        out, _ = _attend(q, _repeat_kv(k_all, heads), _repeat_kv(v_all, heads), allow, scale, softcap)
+        k_all, v_all = _repeat_kv(k_all, heads), _repeat_kv(v_all, heads)
+        if softcap is None:  # torch's fused attention: no [queries, keys] scores kept for backward
+            out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allow, scale=scale)
+            return torch.nan_to_num(out, nan=0.0)  # a query with no permitted key: 0, as the ring gives
+        out, _ = _attend(q, k_all, v_all, allow, scale, softcap)
         return out.to(q.dtype)
     outs, lses = [], []
     kv = torch.stack([k, v])

@@ -37,6 +37,7 @@ RUNS = {
     "pipeline_runtime": "bench_pipeline_runtime.py --rounds 1 --batch 8 --seq 8",
     "peers": "bench_peers.py --layers 2 --hidden 64 --heads 2 --seq 16 --batch 2 --vocab 128 --rounds 1",
     "ep": "bench_ep.py --layers 1 --hidden 32 --seq 16 --batch 4 --rounds 1",
+    "cp": "bench_cp.py --layers 1 --hidden 32 --seq 16 --rounds 1",
 }
 
 
@@ -180,3 +181,16 @@ def test_bench_ep_prints_every_layout_with_its_bytes() -> None:
     assert set(rows) == {"tp4", "ep4", "ep2 x tp2"}, out
     assert rows["tp4"][3] == "0" and rows["ep4"][3] != "0" and rows["ep2 x tp2"][3] != "0"
     assert len({r[1] for r in rows.values()}) == 1
+
+
+def test_bench_cp_prints_every_layout() -> None:
+    """Context parallelism at the same tokens per rank: cp1 exchanges no K/V, both cp2 implementations do (the
+    same bytes: K and V of the local tokens to the other rank, and their grads back), over twice the sequence."""
+    out = _run("cp")
+    rows = {
+        m.group(1): (int(m.group(2)), m.group(4))
+        for m in re.finditer(r"^(cp1|cp2 all_gather|cp2 ring)\s+(\d+)\s+([\d,]+)\s+([\d,]+)", out, re.M)
+    }
+    assert set(rows) == {"cp1", "cp2 all_gather", "cp2 ring"}, out
+    assert rows["cp1"][1] == "0" and rows["cp2 all_gather"][1] == rows["cp2 ring"][1] != "0"
+    assert rows["cp2 ring"][0] == 2 * rows["cp1"][0]
