@@ -37,6 +37,7 @@ from meshpar.context_parallel import (
     local_positions,
     shard_sequence,
 )
+from meshpar.hf.hf_plan import dense_probe
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
@@ -149,19 +150,10 @@ def shard_batch(
     return labels, out
 
 
-@torch.no_grad()
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, the dense model's logits) of one probe sequence, computed before the model is changed."""
-    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(next(iter(model.parameters())).device)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            return ids, model(input_ids=ids, use_cache=False).logits.float()
-    finally:
-        for module, training in modes:
-            module.training = training
+    with dense_probe(model, length=seq_len) as (forward, ids):
+        return ids, forward().logits.float()
 
 
 @torch.no_grad()

@@ -99,11 +99,13 @@ def folds_choices(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def dense_probe(model: nn.Module, grad: bool = False) -> Iterator[tuple[Callable[..., object], torch.Tensor]]:
-    """A forward of the dense model on a tiny batch of token ids, in eval mode with the RNG untouched (each module's
-    mode restored after), for reading what it does: yields (the function that runs it, with any extra keyword
-    arguments such as labels; the ids)."""
-    shape = (1, 2, 4) if folds_choices(model) else (1, 4)  # a multiple-choice head reads [batch, choices, seq]
+def dense_probe(
+    model: nn.Module, grad: bool = False, length: int = 4
+) -> Iterator[tuple[Callable[..., object], torch.Tensor]]:
+    """A forward of the dense model on a tiny batch of token ids (``length`` of them per row), in eval mode with the
+    RNG untouched (each module's mode restored after), for reading what it does: yields (the function that runs it,
+    with any extra keyword arguments such as labels; the ids)."""
+    shape = (1, 2, length) if folds_choices(model) else (1, length)  # a multiple-choice head: [batch, choices, seq]
     ids = torch.randint(0, getattr(model.config, "vocab_size", 2), shape, generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(iter(model.parameters())).device)
     modes = [(m, m.training) for m in model.modules()]
