@@ -80,6 +80,8 @@ def _attention(
     if dropout and module.training:
         raise ValueError(f"{type(module).__name__}: attention dropout under context parallelism is not supported")
     unsupported = [name for name in ("s_aux", "sinks", "position_bias", "alibi") if kwargs.get(name) is not None]
+    if attention_mask is not None:  # transformers' mask functions give none here: the model built a mask of its own
+        unsupported.append("a mask the model builds itself")
     if unsupported:
         raise ValueError(f"{type(module).__name__}: context-parallel attention does not compute {unsupported}")
     mask = AttentionMask(

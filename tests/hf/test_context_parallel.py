@@ -171,3 +171,14 @@ def test_layouts_context_parallelism_does_not_compose_with_yet_are_refused_by_th
 
     with pytest.raises(ValueError, match=r"cannot be combined with|'all_gather' or 'ring'"):
         load_config({"context_parallel_size": 2, **config})
+
+
+def test_a_mask_the_model_builds_itself_is_refused() -> None:
+    """transformers' mask functions hand the context-parallel attention no mask; a model that builds one of its own
+    (Doge's dynamic masks) would have it ignored, so the attention refuses (and parallelize's probe with it)."""
+    from meshpar.hf.context_parallel import ContextParallelInputs, _attention
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    inputs = ContextParallelInputs(mesh=None, implementation="all_gather")
+    with pytest.raises(ValueError, match="a mask the model builds itself"):
+        _attention(torch.nn.Module(), q, k, v, torch.zeros(1, 1, 4, 8), meshpar_context=inputs)
