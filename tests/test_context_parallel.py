@@ -72,7 +72,7 @@ def cp_case(kind: str, implementation: str) -> None:
 
 @pytest.mark.parametrize("implementation", ["all_gather", "ring"])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "padding", "bidirectional"])
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_attention_matches_one_device(cp: int, kind: str, implementation: str) -> None:
     run_distributed(cp_case, cp, kind, implementation)
 

@@ -19,6 +19,11 @@ from tests.hf._configs import batch, build
 S = 16
 
 
+def _slow(*values: object) -> object:
+    """A parametrization left out of ``make test-fast`` (the full suite runs it)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -73,14 +78,19 @@ def context_parallel_case(family: str, cp: int, tp: int, implementation: str, wi
     return float(loss)
 
 
-@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
-@pytest.mark.parametrize("family,window", [("llama", None), ("qwen3", None), ("mistral", 6), ("gemma2", 5)], ids=str)
+@pytest.mark.parametrize(
+    "family,window,implementation",
+    [("llama", None, "all_gather"), ("mistral", 6, "ring"), ("gemma2", 5, "ring"), _slow("llama", None, "ring"),
+     _slow("qwen3", None, "all_gather"), _slow("qwen3", None, "ring"), _slow("mistral", 6, "all_gather"),
+     _slow("gemma2", 5, "all_gather")],
+    ids=str,
+)  # fmt: skip
 def test_context_parallel_matches_dense(family: str, window: int | None, implementation: str) -> None:
     """cp2 x dp2 on 4 ranks: each replica's rows split over 2 cp ranks."""
     run_distributed(context_parallel_case, 4, family, 2, 1, implementation, window)
 
 
-@pytest.mark.parametrize("cp,tp", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("cp,tp", [(2, 2), _slow(4, 1)])
 def test_context_parallel_composes_with_tp(cp: int, tp: int) -> None:
     run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "ring", None)
 
@@ -156,7 +166,7 @@ def packed_case(implementation: str) -> None:
         torch.testing.assert_close(param.grad, dense.get_parameter(name).grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+@pytest.mark.parametrize("implementation", [_slow("all_gather"), "ring"])
 def test_packed_documents_attend_within_themselves(implementation: str) -> None:
     run_distributed(packed_case, 2, implementation)
 

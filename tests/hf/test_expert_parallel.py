@@ -19,6 +19,11 @@ from meshpar.testing.dispatch import AtenOps
 from tests.hf._configs import batch, build
 
 
+def _slow(*values: object) -> object:
+    """A parametrization left out of ``make test-fast`` (the full suite runs it)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -77,14 +82,15 @@ def expert_parallel_case(
 
 @pytest.mark.parametrize(
     "family",
-    ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe_qk_norm"],
-)
+    ["mixtral", "qwen2_moe", *(_slow(f) for f in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe")),
+     _slow("glm4_moe_qk_norm")],
+)  # fmt: skip
 def test_expert_parallel_matches_dense(family: str) -> None:
     results = run_distributed(expert_parallel_case, 4, family, 2)
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", _slow("batched_mm")])
 def test_expert_parallel_with_transformers_grouped_experts(implementation: str) -> None:
     """transformers' grouped (one grouped matmul per rank: torch._grouped_mm, its fallback on CPU) and batched
     experts forwards run on the rows each rank receives, as the eager one does."""
@@ -93,7 +99,7 @@ def test_expert_parallel_with_transformers_grouped_experts(implementation: str) 
 
 @pytest.mark.parametrize(
     "extra",
-    [{"overlap_grad_reduce": True}, {"activation_checkpointing": True}, {"sequence_parallel": True}],
+    [{"overlap_grad_reduce": True}, _slow({"activation_checkpointing": True}), _slow({"sequence_parallel": True})],
     ids=["overlapped-dp-grads", "activation-checkpointing", "sequence-parallel"],
 )
 def test_expert_parallel_composes_with_the_step_options(extra: dict) -> None:
@@ -103,7 +109,7 @@ def test_expert_parallel_composes_with_the_step_options(extra: dict) -> None:
     run_distributed(expert_parallel_case, 4, "mixtral", 2, 2, 1, 4, None, extra)
 
 
-@pytest.mark.parametrize("ep,tp,pp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
+@pytest.mark.parametrize("ep,tp,pp", [_slow(4, 1, 1), (2, 2, 1), _slow(2, 1, 2)])
 def test_expert_parallel_composes_with_tp_and_pp(ep: int, tp: int, pp: int) -> None:
     results = run_distributed(expert_parallel_case, 4, "mixtral", ep, tp, pp)
     assert all(r["expert_params"] > 0 for r in results), results
@@ -244,7 +250,7 @@ def router_loss_case(family: str, ep: int, tp: int) -> None:
             torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
 
 
-@pytest.mark.parametrize("family,ep,tp", [("mixtral", 2, 1), ("qwen2_moe", 2, 2), ("mixtral", 1, 1)])
+@pytest.mark.parametrize("family,ep,tp", [("mixtral", 2, 1), _slow("qwen2_moe", 2, 2), _slow("mixtral", 1, 1)])
 def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int) -> None:
     run_distributed(router_loss_case, 4, family, ep, tp)
 
@@ -316,7 +322,7 @@ def capacity_case(family: str, ep: int, tp: int, factor: float, policy: str) -> 
 
 @pytest.mark.parametrize(
     "family,ep,tp,factor,policy",
-    [("mixtral", 2, 1, 1.0, "probs"), ("mixtral", 2, 2, 0.75, "position"), ("qwen2_moe", 1, 2, 1.0, "probs")],
+    [("mixtral", 2, 1, 1.0, "probs"), _slow("mixtral", 2, 2, 0.75, "position"), _slow("qwen2_moe", 1, 2, 1.0, "probs")],
 )
 def test_capacity_factor_drops_the_routes_a_dense_model_dropping_them_drops(
     family: str, ep: int, tp: int, factor: float, policy: str
@@ -367,7 +373,7 @@ def no_rows_case(ep: int, tp: int) -> None:
             torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
 
 
-@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("ep,tp", [(2, 1), _slow(2, 2), _slow(4, 1)])
 def test_ep_ranks_that_receive_no_rows_join_every_collective(ep: int, tp: int) -> None:
     run_distributed(no_rows_case, 4, ep, tp)
 
@@ -384,6 +390,6 @@ def generate_case(ep: int, tp: int) -> None:
     torch.testing.assert_close(got, dense.generate(prompt, **kwargs), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("ep,tp", [(2, 1), _slow(2, 2)])
 def test_generation_under_expert_parallelism_runs_in_lockstep(ep: int, tp: int) -> None:
     run_distributed(generate_case, 4, ep, tp)
