@@ -53,10 +53,12 @@ class RecvCounter:
 
     def __init__(self) -> None:
         self.count = 0
-        self._recv = dist.ProcessGroup.recv
+        # the class's own descriptor: ``dist.ProcessGroup.recv`` is the bare builtin, which put back on the class no
+        # longer binds ``self`` (every later ``group.recv`` in this process would then fail)
+        self._recv = dist.ProcessGroup.__dict__["recv"]
 
     def __enter__(self) -> RecvCounter:
-        original = self._recv
+        original = dist.ProcessGroup.recv
 
         def recv(group: dist.ProcessGroup, *args: object, **kwargs: object) -> object:
             self.count += 1
