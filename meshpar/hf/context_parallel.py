@@ -37,7 +37,7 @@ from meshpar.context_parallel import (
     local_positions,
     shard_sequence,
 )
-from meshpar.hf.hf_plan import dense_probe
+from meshpar.hf.hf_plan import dense_probe, eval_mode
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
@@ -166,15 +166,11 @@ def verify_context_parallel(
     when they agree): the proof that the family's attention is what :func:`_attention` computes."""
     mesh = dims.cp_mesh
     _, inputs = shard_batch(None, {"input_ids": ids}, mesh, implementation, shift=False)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        logits = model(**inputs, use_cache=False).logits.float()
+        with eval_mode(model):
+            logits = model(**inputs, use_cache=False).logits.float()
     except Exception as error:  # the family's forward cannot run this way: a refusal, never a crash
         return f"its forward raises {type(error).__name__}: {error}"
-    finally:
-        for module, training in modes:
-            module.training = training
     positions = local_positions(ids.shape[1], mesh.size(), mesh.get_local_rank(), ids.device)
     want = dense_logits[:, positions]
     if logits.shape[-1] != want.shape[-1]:  # a vocab-parallel head: this tp rank's slice (torch.chunk's split)

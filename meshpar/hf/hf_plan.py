@@ -108,14 +108,27 @@ def dense_probe(
     shape = (1, 2, length) if folds_choices(model) else (1, length)  # a multiple-choice head: [batch, choices, seq]
     ids = torch.randint(0, getattr(model.config, "vocab_size", 2), shape, generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(iter(model.parameters())).device)
+    with eval_mode(model), torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
+        yield (lambda **extra: model(input_ids=ids, use_cache=False, **extra)), ids
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) inside, each module's own mode restored after."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
-            yield (lambda **extra: model(input_ids=ids, use_cache=False, **extra)), ids
+        yield
     finally:
         for module, training in modes:
             module.training = training
+
+
+def expert_count(config: object) -> int | None:
+    """How many (routed) experts a mixture-of-experts config counts, under whichever name it uses; ``None`` for a
+    dense model."""
+    text = text_config(config)
+    return next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
 
 
 def text_config(config: object) -> object:
@@ -555,8 +568,7 @@ def check_heads(config: object, plan: dict[str, str], tp: int, model_type: str) 
     heads must be replicated (fewer of them than tp ranks, grouped-query attention)."""
     if tp == 1:
         return False
-    text = text_config(config)
-    experts = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+    experts = expert_count(config)
     if experts is not None and "moe_tp_experts" in plan.values() and experts % tp:
         raise ValueError(
             f"{model_type}: {experts} experts cannot be split into whole experts over tp={tp}; use tp in "

@@ -18,17 +18,16 @@ from torch import nn
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
 from meshpar.hf.experts import ExpertsOverTP
 from meshpar.hf.hf_plan import (
-    _EXPERT_COUNTS,
     attention_heads,
     base_model_name,
     check_heads,
     embedding_and_head,
+    expert_count,
     fqn_matches,
     hf_tp_plan,
     kv_group_fixup,
     layer_container,
     resolve_entries,
-    text_config,
 )
 from meshpar.hf.sequence_parallel import sequence_parallel_styles
 from meshpar.hf.stages import inferred_pipeline_layout, pipeline_layout
@@ -336,8 +335,7 @@ def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> 
             f"{asked}: {type(model).__name__} has no experts module in its plan (expert parallelism and token dropping "
             "apply to the stacked experts of a mixture-of-experts model); leave them unset"
         )
-    text = text_config(model.config)
-    count = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+    count = expert_count(model.config)
     if count is not None and count % (ep * tp):
         raise ValueError(
             f"{type(model).__name__}: {count} experts cannot be split into whole experts over ep x tp = {ep} x {tp}; "

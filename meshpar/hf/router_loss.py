@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar.hf.hf_plan import _EXPERT_COUNTS, text_config
+from meshpar.hf.hf_plan import expert_count, text_config
 from meshpar.parallel_dims import ParallelDims
 
 
@@ -71,7 +71,7 @@ class RouterLoss:
 
     def __init__(self, model: nn.Module) -> None:
         text = text_config(model.config)
-        self.experts = next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+        self.experts = expert_count(model.config)
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.coef = getattr(model, "router_aux_loss_coef", getattr(text, "router_aux_loss_coef", None))
         self.family = type(model).__name__

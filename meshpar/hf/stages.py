@@ -41,7 +41,7 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name, dense_probe, folds_choices
+from meshpar.hf.hf_plan import base_model_name, dense_probe, eval_mode, folds_choices
 from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
@@ -703,10 +703,8 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
         ids, mask = ids.unsqueeze(0), mask.unsqueeze(0)
     device = next(iter(model.parameters())).device
     ids, mask = ids.to(device), mask.to(device)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
             want = head_output(model(input_ids=ids, attention_mask=mask, use_cache=False))
             x = ids
             for index in range(plan.num_stages):
@@ -718,9 +716,6 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
             f"{type(model).__name__}: its forward cannot run stage by stage ({type(error).__name__}: {error}); use "
             "pipeline_parallel_size 1"
         ) from error
-    finally:
-        for module, training in modes:
-            module.training = training
     error = ((x.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
     if x.shape != want.shape or error > 1e-5:
         raise ValueError(
