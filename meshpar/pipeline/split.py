@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -37,21 +37,39 @@ class StagePlan:
     first_stage_modules: list[str]
     last_stage_modules: list[str]
     stage_layers: list[list[str]]  # per stage: the container keys it owns
+    # an encoder-decoder's further layer lists, run after ``container`` (the decoder's), each with the keys every
+    # stage owns of it (see :func:`plan_encoder_decoder_stages`)
+    later_containers: list[tuple[str, list[list[str]]]] = field(default_factory=list)
+    # modules run between two layer lists, each on one stage (an encoder's final norm: on the encoder's last stage)
+    stage_modules: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_layers)
 
+    def owned_layers(self) -> list[tuple[str, list[list[str]]]]:
+        """Every layer list with the keys each stage owns of it, in run order."""
+        return [(self.container, self.stage_layers), *self.later_containers]
+
     def describe(self) -> str:
         lines = []
-        for stage, layers in enumerate(self.stage_layers):
+        for stage in range(self.num_stages):
+            spans, count = [], 0
+            for container, per_stage in self.owned_layers():
+                layers = per_stage[stage]
+                count += len(layers)
+                if layers:
+                    spans.append(f"{container}.{layers[0]}..{layers[-1]}")
             extra = []
             if stage == 0 and self.first_stage_modules:
                 extra.append("+ " + ", ".join(self.first_stage_modules))
+            placed = [name for name, owner in self.stage_modules.items() if owner == stage]
+            if placed:
+                extra.append("+ " + ", ".join(placed))
             if stage == self.num_stages - 1 and self.last_stage_modules:
                 extra.append("+ " + ", ".join(self.last_stage_modules))
-            span = f"{self.container}.{layers[0]}..{layers[-1]}" if layers else "no layers"
-            lines.append(f"stage {stage}: {len(layers)} layers ({span}) {' '.join(extra)}".rstrip())
+            span = ", ".join(spans) or "no layers"
+            lines.append(f"stage {stage}: {count} layers ({span}) {' '.join(extra)}".rstrip())
         return "\n".join(lines)
 
 
@@ -187,6 +205,56 @@ def plan_stages(
     return StagePlan(container, first, last, stage_layers)
 
 
+def encoder_stage_count(encoder_layers: int, decoder_layers: int, num_stages: int) -> int:
+    """How many of ``num_stages`` run the encoder (apex's ``pipeline_model_parallel_split_rank``): the share of the
+    layers the encoder holds, at least one stage each side and no stage without layers."""
+    if num_stages < 2:
+        raise ValueError(f"an encoder-decoder pipeline needs at least 2 stages (one per stack), got {num_stages}")
+    if encoder_layers + decoder_layers < num_stages:
+        raise ValueError(
+            f"{encoder_layers} encoder and {decoder_layers} decoder layers cannot fill {num_stages} pipeline stages "
+            "(every stage needs layers of one stack)"
+        )
+    share = round(num_stages * encoder_layers / (encoder_layers + decoder_layers))
+    return min(max(share, 1, num_stages - decoder_layers), num_stages - 1, encoder_layers)
+
+
+def plan_encoder_decoder_stages(
+    encoder: tuple[str, list[str]],
+    decoder: tuple[str, list[str]],
+    num_stages: int,
+    *,
+    first_stage_modules: Sequence[str] = (),
+    last_stage_modules: Sequence[str] = (),
+    encoder_modules: Sequence[str] = (),
+) -> StagePlan:
+    """apex's split-rank layout for an encoder-decoder: the first :func:`encoder_stage_count` stages run the encoder's
+    layers (``encoder``: the list's FQN and keys), the rest the decoder's, each stack dealt out evenly (earlier stages
+    take the remainder). ``encoder_modules`` run after the encoder's layers and before the decoder's (the encoder's
+    final norm): on the encoder's last stage, which sends the encoder's output on to every decoder stage."""
+    split = encoder_stage_count(len(encoder[1]), len(decoder[1]), num_stages)
+
+    def deal(keys: list[str], stages: int) -> list[list[str]]:
+        base, extra = divmod(len(keys), stages)
+        dealt, start = [], 0
+        for stage in range(stages):
+            size = base + (1 if stage < extra else 0)
+            dealt.append(keys[start : start + size])
+            start += size
+        return dealt
+
+    encoder_layers = deal(encoder[1], split) + [[] for _ in range(num_stages - split)]
+    decoder_layers = [[] for _ in range(split)] + deal(decoder[1], num_stages - split)
+    return StagePlan(
+        encoder[0],
+        list(first_stage_modules),
+        list(last_stage_modules),
+        encoder_layers,
+        later_containers=[(decoder[0], decoder_layers)],
+        stage_modules={name: split - 1 for name in encoder_modules},
+    )
+
+
 def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
@@ -211,10 +279,12 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Seq
     ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage, and so is every module outside
     the layers that holds no parameters or buffers (an activation or loss module registered before the base model,
     as DistilBERT's head does): it costs nothing and its stage's forward may call it."""
-    owned = set(plan.stage_layers[stage])
-    container = model.get_submodule(plan.container) if plan.container else model
-    dropped = [m for k, m in container._modules.items() if k not in owned]
-    elsewhere = []
+    dropped = []
+    for fqn, per_stage in plan.owned_layers():
+        owned = set(per_stage[stage])
+        container = model.get_submodule(fqn) if fqn else model
+        dropped += [m for k, m in container._modules.items() if k not in owned]
+    elsewhere = [name for name, owner in plan.stage_modules.items() if owner != stage and name not in keep_modules]
     if stage != 0:
         elsewhere += [n for n in plan.first_stage_modules if n not in keep_modules]
     if stage != plan.num_stages - 1:
@@ -223,18 +293,17 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Seq
     memo: dict[int, object] = {id(m): None for m in dropped}
     stage_model = copy.deepcopy(model, memo)
     _restore_parameter_attributes(stage_model, _parameter_attributes(model))
-    new_container = stage_model.get_submodule(plan.container) if plan.container else stage_model
-    kept = {k: m for k, m in new_container._modules.items() if m is not None}
-    if isinstance(new_container, nn.ModuleList):
-        layers = PipelineLayers(kept)
-        if plan.container:
-            parent, _, name = plan.container.rpartition(".")
-            setattr(stage_model.get_submodule(parent) if parent else stage_model, name, layers)
+    for fqn, _ in plan.owned_layers():
+        new_container = stage_model.get_submodule(fqn) if fqn else stage_model
+        kept = {k: m for k, m in new_container._modules.items() if m is not None}
+        if isinstance(new_container, nn.ModuleList):
+            if not fqn:
+                raise ValueError("the model itself cannot be a ModuleList; wrap it in nn.Sequential")
+            parent, _, name = fqn.rpartition(".")
+            setattr(stage_model.get_submodule(parent) if parent else stage_model, name, PipelineLayers(kept))
         else:
-            raise ValueError("the model itself cannot be a ModuleList; wrap it in nn.Sequential")
-    else:
-        new_container._modules.clear()
-        new_container._modules.update(kept)
+            new_container._modules.clear()
+            new_container._modules.update(kept)
     stage_model.meshpar_stage_index = stage
     return stage_model
 

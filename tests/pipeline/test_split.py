@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from meshpar.pipeline import plan_stages, split_model
+from meshpar.pipeline.split import build_stage, encoder_stage_count, plan_encoder_decoder_stages
 from tests._models import Block, PipeGPT
 
 
@@ -102,3 +103,53 @@ def test_bad_splits_raise(kwargs: dict, message: str) -> None:
     kwargs.setdefault("transformer_layer_cls", None if "pipeline_cuts" in kwargs else Block)
     with pytest.raises(ValueError, match=message):
         split_model(PipeGPT(layers=5), 0, pp, **kwargs)
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self, encoder: int, decoder: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.encoder = nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(4, 4) for _ in range(encoder))})
+        self.encoder["norm"] = nn.LayerNorm(4)
+        self.decoder = nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(4, 4) for _ in range(decoder))})
+        self.head = nn.Linear(4, 8)
+
+
+@pytest.mark.parametrize(
+    ("encoder", "decoder", "stages", "split"),
+    [(2, 2, 2, 1), (6, 6, 4, 2), (6, 2, 4, 3), (1, 5, 4, 1), (5, 1, 4, 3), (12, 12, 8, 4), (3, 3, 6, 3)],
+)
+def test_encoder_decoder_split_rank_follows_the_layers(encoder: int, decoder: int, stages: int, split: int) -> None:
+    """apex's split rank: the encoder's share of the stages, at least one each side, every stage with layers."""
+    assert encoder_stage_count(encoder, decoder, stages) == split
+    model = _EncoderDecoder(encoder, decoder)
+    plan = plan_encoder_decoder_stages(
+        ("encoder.layers", [str(i) for i in range(encoder)]),
+        ("decoder.layers", [str(i) for i in range(decoder)]),
+        stages,
+        first_stage_modules=["embed"],
+        last_stage_modules=["head"],
+        encoder_modules=["encoder.norm"],
+    )
+    owned = [[k for _, per in plan.owned_layers() for k in per[s]] for s in range(stages)]
+    assert all(owned) and sum(map(len, owned)) == encoder + decoder
+    assert all(not plan.stage_layers[s] for s in range(split, stages))  # no encoder layer after the split
+    assert all(not plan.later_containers[0][1][s] for s in range(split))  # nor a decoder layer before the split
+    assert plan.stage_modules == {"encoder.norm": split - 1}
+    for stage in range(stages):
+        built = dict(build_stage(model, plan, stage).named_parameters())
+        assert ("encoder.norm.weight" in built) == (stage == split - 1), stage
+        assert ("embed.weight" in built) == (stage == 0) and ("head.weight" in built) == (stage == stages - 1)
+        keys = [f"encoder.layers.{k}.weight" for k in plan.stage_layers[stage]]
+        keys += [f"decoder.layers.{k}.weight" for k in plan.later_containers[0][1][stage]]
+        assert sorted(n for n in built if ".layers." in n and n.endswith("weight")) == sorted(keys)
+    assert "encoder.norm" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    ("encoder", "decoder", "stages", "message"),
+    [(2, 2, 1, "needs at least 2 stages"), (1, 2, 4, "cannot fill 4 pipeline stages")],
+)
+def test_encoder_decoder_splits_that_cannot_be_made_raise(encoder: int, decoder: int, stages: int, message: str):
+    with pytest.raises(ValueError, match=message):
+        encoder_stage_count(encoder, decoder, stages)
