@@ -11,6 +11,10 @@ numbers matter for sampling, so ranks never disagree on a token or on when to st
 Padded (left-padded) prompts: HF's loop keeps an attention mask and, for models whose forward takes ``position_ids``,
 positions counted from each row's first real token; the driver sends both with the ids and every stage runs the
 model's forward with them, as the dense model's ``generate`` does.
+
+Encoder-decoders (T5, BART): the prompt (and its mask) goes to every rank once; HF's loop then grows the decoder's
+sequence from the decoder start token, and each step runs the whole pipeline on the prompt and that sequence (beam
+search's rows: the prompt repeated per beam, as HF expands it), as the dense model's ``generate`` decodes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from meshpar.failure import agree, stop_all_ranks_on_error
 if TYPE_CHECKING:
     from meshpar.hf.parallelize import ParallelizedModel
 
-_RUN, _RESULT = 1, 2
+_RUN, _RESULT, _PROMPT = 1, 2, 3
 _MAX_ROWS = 3  # tensors one exchange carries: the ids, a mask, positions
 
 
@@ -120,7 +124,8 @@ def _microbatches(rows: int, configured: int) -> int:
 def _logits_only(model: ParallelizedModel) -> Iterator[None]:
     """During generation the last stage gathers full-vocabulary logits and computes no loss."""
     pipeline = model.pipeline
-    named = [dict(stage.named_modules()) for stage in pipeline.local_modules()]
+    last = pipeline.plan.num_stages - 1  # other stages hold no head (or a stand-in for it: T5's)
+    named = [dict(chunk.stage.named_modules()) for chunk in pipeline.chunks if chunk.stage_index == last]
     # a vocab-parallel head (tp > 1) gathers its logits; at tp = 1 the head is the model's own (``plan.head`` empty)
     heads = [modules[model.plan.head] for modules in named if model.plan.head and model.plan.head in modules]
     saved = (pipeline.loss_fn, pipeline.num_microbatches, [h.gather_output for h in heads])
@@ -141,11 +146,19 @@ def _pipeline_logits(
     ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    prompt: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
+    """The last stage's logits for ``ids`` (an encoder-decoder's: the decoder's sequence, with the encoder's
+    ``prompt`` and its mask, each row repeated as often as HF's loop expanded the batch: per beam)."""
     model.pipeline.num_microbatches = _microbatches(ids.shape[0], configured)
     inputs = {"input_ids": ids, "labels": ids}
     inputs |= {"attention_mask": mask} if mask is not None else {}
     inputs |= {"position_ids": positions} if positions is not None else {}
+    if prompt is not None:
+        repeats = ids.shape[0] // prompt[0].shape[0]
+        encoder_ids, encoder_mask = (None if t is None else t.repeat_interleave(repeats, 0) for t in prompt)
+        inputs = {"input_ids": encoder_ids, "decoder_input_ids": ids, "labels": ids}
+        inputs |= {"attention_mask": encoder_mask} if encoder_mask is not None else {}
     _, outputs = model.pipeline.run_eval(return_outputs=True, **inputs)
     return torch.cat(outputs) if outputs else None
 
@@ -164,25 +177,54 @@ def pipelined_generate(model: ParallelizedModel, input_ids: torch.Tensor | None 
         return _generate(model, input_ids, kwargs)
 
 
+def _decoder_start(model: ParallelizedModel, prompt: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """An encoder-decoder's first decoder ids: the caller's ``decoder_input_ids``, else its decoder start token per
+    row (as HF's ``generate`` begins)."""
+    given = kwargs.pop("decoder_input_ids", None)
+    if given is not None:
+        return given.to(prompt.device)
+    config = model.hf_config
+    start = getattr(config, "decoder_start_token_id", None)
+    start = start if start is not None else getattr(config, "bos_token_id", None)
+    if start is None:
+        raise ValueError(f"{model.model_class.__name__}: its config names no decoder_start_token_id; pass one")
+    return torch.full((prompt.shape[0], 1), start, dtype=torch.long, device=prompt.device)
+
+
 def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     replica = _Replica(model)
     configured = model.pipeline.num_microbatches
+    prompt = None  # an encoder-decoder's prompt and its mask: the encoder's input at every step
     with torch.no_grad(), _logits_only(model):
         if replica.driver:
             takes_mask, takes_positions = _model_inputs(model)
+            config = copy.deepcopy(model.hf_config)
+            start = input_ids.to(replica.device)
+            if getattr(config, "is_encoder_decoder", False):
+                mask = kwargs.pop("attention_mask", None)
+                prompt = (start, None if mask is None else mask.to(replica.device))
+                replica.exchange(_PROMPT, *prompt)
+                # HF's loop drives the decoder's sequence alone (from its start token, nothing of it padding: the
+                # start token may be the pad token, as T5's)
+                start = _decoder_start(model, start, kwargs)
+                kwargs["attention_mask"] = torch.ones_like(start)
+                config.is_encoder_decoder = False
 
             def logits(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
                 mask = mask if takes_mask and mask is not None and not bool(mask.all()) else None
                 positions = positions if takes_positions and mask is not None else None  # else arange: the default
                 replica.exchange(_RUN, ids, mask, positions)
-                return _pipeline_logits(model, configured, ids, mask, positions)
+                return _pipeline_logits(model, configured, ids, mask, positions, prompt)
 
-            stand_in = _PipelineAsModel(model.hf_config, logits, replica.device)
-            result = stand_in.generate(input_ids.to(replica.device), use_cache=False, **kwargs)
+            stand_in = _PipelineAsModel(config, logits, replica.device)
+            result = stand_in.generate(start, use_cache=False, **kwargs)
             sequences = result if torch.is_tensor(result) else result.sequences
             return replica.exchange(_RESULT, sequences.long())[1][0]
         while True:
             flag, (ids, mask, positions) = replica.exchange()
             if flag == _RESULT:
                 return ids
-            _pipeline_logits(model, configured, ids, mask, positions)
+            if flag == _PROMPT:
+                prompt = (ids, mask)
+                continue
+            _pipeline_logits(model, configured, ids, mask, positions, prompt)

@@ -107,9 +107,21 @@ def dense_probe(
     with any extra keyword arguments such as labels; the ids)."""
     shape = (1, 2, length) if folds_choices(model) else (1, length)  # a multiple-choice head: [batch, choices, seq]
     ids = torch.randint(0, getattr(model.config, "vocab_size", 2), shape, generator=torch.Generator().manual_seed(0))
-    ids = ids.to(next(iter(model.parameters())).device)
+    ids = ends_with_eos(model, ids.to(next(iter(model.parameters())).device))
+    # an encoder-decoder's decoder runs on the same ids (T5's forward builds no decoder inputs of its own)
+    decoder = {"decoder_input_ids": ids} if getattr(model.config, "is_encoder_decoder", False) else {}
     with eval_mode(model), torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
-        yield (lambda **extra: model(input_ids=ids, use_cache=False, **extra)), ids
+        yield (lambda **extra: model(input_ids=ids, use_cache=False, **decoder, **extra)), ids
+
+
+def ends_with_eos(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """An encoder-decoder's probe ids with each row ending in its end-of-sequence token, as real inputs do (BART's
+    classifiers pool each row's last one and refuse a row without); other models' ids as they are."""
+    eos = getattr(model.config, "eos_token_id", None)
+    if getattr(model.config, "is_encoder_decoder", False) and isinstance(eos, int):
+        ids = ids.clone()
+        ids[..., -1] = eos
+    return ids
 
 
 @contextlib.contextmanager

@@ -81,7 +81,9 @@ def decoder_inputs_from_labels(model: object, labels: torch.Tensor) -> torch.Ten
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if callable(prepare):
         return prepare(labels=labels)
-    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    # the modeling module of the model's class (a pipeline stage's class is meshpar's subclass of it)
+    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
+    shift = next((m.shift_tokens_right for m in modules if hasattr(m, "shift_tokens_right")), None)
     config = getattr(model, "config", None)
     if callable(shift) and config is not None:
         return shift(labels, config.pad_token_id, config.decoder_start_token_id)

@@ -49,6 +49,7 @@ from meshpar.hf.stages import (
     PipelineLayout,
     block_lists,
     check_stage_composition,
+    encoder_decoder_layout,
     head_modules,
     head_output,
     inferred_pipeline_layout,
@@ -59,7 +60,7 @@ from meshpar.hf.verify import verify_plan
 from meshpar.materialize import is_meta
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel, StageChunk
-from meshpar.pipeline.split import StagePlan, build_stages, plan_stages
+from meshpar.pipeline.split import StagePlan, build_stages, plan_encoder_decoder_stages, plan_stages
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.replicas import make_replicas_equal
 
@@ -68,6 +69,7 @@ _log = logging.getLogger(__name__)
 # heads whose loss the last pipeline stage computes from the head's output
 PIPELINE_TASKS = (
     "causal_lm",
+    "seq2seq_lm",
     "masked_lm",
     "token_classification",
     "sequence_classification",
@@ -294,11 +296,6 @@ class ParallelizedModel(nn.Module):
         """The model's pipeline layout and the stage plan that is built, proven on the dense model (no collective:
         each rank decides alike)."""
         family, config = self.plan.family, self.parallel_config
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError(
-                f"{type(model).__name__} is an encoder-decoder: meshpar does not yet split its two stacks into "
-                "pipeline stages; use pipeline_parallel_size 1 (tensor and data parallelism work for it)"
-            )
         if self.plan.task not in PIPELINE_TASKS:
             why = "meshpar has no loss of its own for it to compute on the last stage"
             raise ValueError(
@@ -306,6 +303,8 @@ class ParallelizedModel(nn.Module):
                 f"{type(model).__name__} has a {self.plan.task!r} head: {why}; use pipeline_parallel_size 1 (tensor "
                 "and data parallelism work for it)"
             )
+        if getattr(model.config, "is_encoder_decoder", False):
+            return self._encoder_decoder_plan(model)
         try:
             layout = pipeline_layout(model)
             inferred = layout is None
@@ -362,6 +361,34 @@ class ParallelizedModel(nn.Module):
             check_stage_composition(model, layout, stages)
         return layout, stages
 
+    def _encoder_decoder_plan(self, model: nn.Module) -> tuple[PipelineLayout, StagePlan]:
+        """An encoder-decoder's layout and apex's split-rank stage plan (the first stages run the encoder, the rest
+        the decoder), proven on the dense model."""
+        config = self.parallel_config
+        if config.auto_partition:
+            raise ValueError(
+                "auto_partition balances one layer list; an encoder-decoder's stages split at the encoder's end "
+                "(apex's split rank); drop auto_partition"
+            )
+        if config.pipeline_schedule == "zero_bubble":
+            raise ValueError(
+                "the zero_bubble schedule splits the backward of stages that pass one tensor on; an encoder-decoder's "
+                "decoder stages pass on the encoder's output too: use pipeline_schedule '1f1b'"
+            )
+        layout = encoder_decoder_layout(model)
+        lists = [(fqn, list(model.get_submodule(fqn)._modules)) for fqn, _, _ in layout.layer_lists()]
+        first, last = layout.stage_sides(model)
+        stages = plan_encoder_decoder_stages(
+            lists[0],
+            lists[1],
+            self.dims.pp * config.virtual_pipeline_size,
+            first_stage_modules=first,
+            last_stage_modules=[*last, *head_modules(model, layout.base)],
+            encoder_modules=layout.middle,  # each holds parameters (parameter-free pieces run on every stage)
+        )
+        check_stage_composition(model, layout, stages)
+        return layout, stages
+
     def _split(self, model: nn.Module) -> PipelineModel:
         """The pipeline, decided once and proven on the dense model (:meth:`_pipeline_plan`); this rank's stages
         built once from that plan, each given the model's own forward (:func:`meshpar.hf.stages.install_decoder_stage`:
@@ -381,7 +408,7 @@ class ParallelizedModel(nn.Module):
             device=self.dims.device,
         )  # fmt: skip
         # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
-        calls = ("attention_mask", "input_ids", "position_ids")
+        calls = ("attention_mask", "input_ids", "position_ids", "decoder_input_ids", "decoder_attention_mask")
         chunks = [
             StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
             for index, stage in stages
@@ -401,7 +428,16 @@ class ParallelizedModel(nn.Module):
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """The group summing the two stages' grads of a tied embedding (made once per mesh, see
         :meth:`ParallelDims.pipeline_ends_group`)."""
-        return self.dims.pipeline_ends_group() if self.tied_parameters else None
+        return self.dims.pipeline_ends_group() if self._ties_across_stages() else None
+
+    def _ties_across_stages(self) -> bool:
+        """Whether a tied parameter has copies on more than one stage (an LM head tied to the input embedding: one on
+        the first stage, one on the last), decided from the stage plan alike on every rank: false only where every
+        tied name lives on the first stage (an encoder-decoder classifier's embeddings, tied to one another: one
+        parameter, nothing to sum)."""
+        first = self.pipeline.plan.first_stage_modules
+        names = {n for pair in self.tied_parameters.items() for n in pair}
+        return not all(any(n.startswith(f"{m}.") for m in first) for n in names)
 
     # -- running -------------------------------------------------------------------------------------------------
     def local_modules(self) -> list[nn.Module]:
@@ -409,9 +445,18 @@ class ParallelizedModel(nn.Module):
         return [self.module] if self.module is not None else self.pipeline.local_modules()
 
     def _checked_on_device(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """:meth:`_check_inputs`, then :meth:`_on_device`: what every entry point does with a batch."""
+        """:meth:`_check_inputs`, then :meth:`_on_device`, then an encoder-decoder's decoder inputs from the labels
+        where none are given: what every entry point does with a batch."""
         self._check_inputs(inputs)
-        return self._on_device(labels, inputs)
+        labels, inputs = self._on_device(labels, inputs)
+        if (
+            self.plan.task == "seq2seq_lm"
+            and labels is not None
+            and inputs.get("decoder_input_ids") is None
+            and inputs.get("decoder_inputs_embeds") is None
+        ):  # what the model does with labels alone: the decoder's inputs are the labels shifted right
+            inputs = {**inputs, "decoder_input_ids": decoder_inputs_from_labels(self.local_modules()[0], labels)}
+        return labels, inputs
 
     def _check_inputs(self, inputs: dict[str, Any]) -> None:
         """Inputs meshpar cannot use get their own message (not a traceback from deep inside the model)."""
@@ -478,13 +523,6 @@ class ParallelizedModel(nn.Module):
         if self.dims.cp > 1:  # this cp rank's part of every sequence, the labels shifted over the whole of it first
             impl = self.parallel_config.context_parallel_implementation
             return shard_batch(labels, inputs, self.dims.cp_mesh, impl, bool(self._cp_shift))
-        if (
-            self.plan.task == "seq2seq_lm"
-            and labels is not None
-            and inputs.get("decoder_input_ids") is None
-            and inputs.get("decoder_inputs_embeds") is None
-        ):  # what the model does with labels alone: the decoder's inputs are the labels shifted right
-            inputs = {**inputs, "decoder_input_ids": decoder_inputs_from_labels(self.module, labels)}
         return self.loss_fn.split_targets(labels, inputs)
 
     def _loss_normalizer(self, targets: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
@@ -658,7 +696,9 @@ class ParallelizedModel(nn.Module):
         if self._tied_group is None:
             return []
         names = sorted({n for pair in self.tied_parameters.items() for n in pair})
-        return [m.get_parameter(n) for m in self.local_modules() for n in names if has_parameter(m, n)]
+        held = [m.get_parameter(n) for m in self.local_modules() for n in names if has_parameter(m, n)]
+        # one parameter reached by several names (an encoder-decoder's shared embedding: both stacks' embed_tokens)
+        return list({id(p): p for p in held}.values())
 
     @torch.no_grad()
     def _broadcast_tied_weights(self) -> None:

@@ -96,14 +96,22 @@ class HFPlan:
         return "\n".join(lines)
 
 
+def _seq2seq_lm_classes() -> set[str]:
+    """The class names of transformers' sequence-to-sequence language models."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    names = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()
+    return {n for name in names for n in ((name,) if isinstance(name, str) else name)}
+
+
 def task_of(model: nn.Module) -> str:
     """Which loss meshpar computes from the model's logits, by the HF head class."""
     name = type(model).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal_lm"
-    if name.endswith("ForConditionalGeneration") and getattr(
-        getattr(model, "config", None), "is_encoder_decoder", False
-    ):
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and (
+        name.endswith("ForConditionalGeneration") or name in _seq2seq_lm_classes()
+    ):  # (Marian's is MarianMTModel)
         return "seq2seq_lm"  # the decoder's logits score the labels as they are (the model shifts them in)
     if name.endswith("ForTokenClassification"):
         return "token_classification"  # a label per token, -100 unscored: normalised over the global batch too

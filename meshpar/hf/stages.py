@@ -24,6 +24,12 @@ share state outside their arguments) is refused.
 
 GPT-2 and BERT ship no pipeline plan: meshpar's tables (:data:`PIPELINE_TABLES`, :data:`PIPELINE_PLAN_BUILDERS`)
 give theirs in transformers' format.
+Encoder-decoders (:func:`encoder_decoder_layout`) run the same way with their two layer lists numbered as one (the
+decoder's after the encoder's): the encoder's output and T5's position bias are loop state the decoder's layers are
+handed, the decoder's embedded inputs a per-layer input of its first layer computed on the first stage, and the
+encoder's final norm runs on the encoder's last stage (apex's split rank: ``plan_encoder_decoder_stages`` in
+:mod:`meshpar.pipeline.split`). A stand-in for a layer returns what the next layer is handed from its output (T5's
+blocks hand on their position bias) as it was handed it.
 Under sequence parallelism the hidden states cross stages as this rank's sequence shard (the first layer's style
 splits them on the first stage, the final norm's gathers them on the last); models whose layers are handed more are
 refused there.
@@ -41,7 +47,7 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name, dense_probe, eval_mode, folds_choices
+from meshpar.hf.hf_plan import base_model_name, dense_probe, ends_with_eos, eval_mode, folds_choices
 from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
@@ -123,9 +129,27 @@ class PipelineLayout:
     # later stages run the forward's steps before the layers too (masks, positions, what the layers are handed),
     # earlier ones the steps after them (on values nothing uses), without those modules' weights
     stand_ins: Mapping[str, nn.Module] = field(default_factory=dict, compare=False, repr=False)
+    # for each returned slot after the hidden states, the argument of the next layer it becomes (T5's blocks return
+    # the position bias the next one is handed), which a stand-in for a layer returns as it was handed; None: None
+    handed_on: tuple[ArgPosition | None, ...] = ()
+    # an encoder-decoder's further layer lists after ``container`` (the decoder's, with its length): layers are
+    # numbered across all lists in run order (``num_layers`` counts them all)
+    later_lists: tuple[tuple[str, int], ...] = ()
+    # modules run between two lists that finish the list before (an encoder's final norm): on the stage holding that
+    # list's last layer, stand-ins elsewhere
+    middle: tuple[str, ...] = ()
 
     def carried_into(self, layer: int) -> tuple[Carried, ...]:
         return self.carried[layer] if self.carried else _STREAM
+
+    def layer_lists(self) -> list[tuple[str, int, int]]:
+        """(FQN, index of its first layer, length) of every layer list, in run order."""
+        first = self.num_layers - sum(length for _, length in self.later_lists)
+        lists, start = [(self.container, 0, first)], first
+        for fqn, length in self.later_lists:
+            lists.append((fqn, start, length))
+            start += length
+        return lists
 
     def stage_sides(self, model: nn.Module) -> tuple[list[str], list[str]]:
         """(first stage's, last stage's) modules of this layout that hold parameters, for the splitter."""
@@ -135,7 +159,10 @@ class PipelineLayout:
 
 def head_modules(model: nn.Module, base: str) -> list[str]:
     """The model's children outside its base model that hold parameters (LM head, classifier): they run after the
-    base model, so on the last stage, wherever the model registers them (XLM-R's head comes before its base)."""
+    base model, so on the last stage, wherever the model registers them (XLM-R's head comes before its base). None
+    where the model is its own base model (T5): its head is a piece of its layout."""
+    if not base:
+        return []
     return [n for n, m in model.named_children() if n != base and any(True for _ in m.parameters())]
 
 
@@ -238,17 +265,22 @@ class _LayerCalls:
 
     carried: tuple[tuple[Carried, ...], ...]
     returns: int  # see PipelineLayout.layer_returns
+    handed_on: tuple[ArgPosition | None, ...] = ()  # see PipelineLayout.handed_on
 
 
-def _layer_calls(model: nn.Module, container: str) -> _LayerCalls:
-    """Per layer of ``container``, the tensor arguments of its call computed with grads (the hidden states always,
-    first), each marked loop state when it depends on what an earlier layer returned. Arguments without grads
-    (masks, positions, rotary tables, token ids) every stage computes itself; parameters handed to layers (leaves)
-    live where they are."""
-    layers = model.get_submodule(container)
+def _layer_calls(model: nn.Module, containers: str | Sequence[str]) -> _LayerCalls:
+    """Per layer of ``containers`` (one list, or an encoder-decoder's lists in run order, numbered across them), the
+    tensor arguments of its call computed with grads (the hidden states always, first), each marked loop state when
+    it depends on what an earlier layer returned (the hidden states always, except into the first layer of a later
+    list: the decoder's are computed before its layers). Arguments without grads (masks, positions, rotary tables,
+    token ids) every stage computes itself; parameters handed to layers (leaves) live where they are."""
+    lists = [containers] if isinstance(containers, str) else list(containers)
+    layers = [layer for fqn in lists for layer in model.get_submodule(fqn)]
+    later_firsts = set(itertools.accumulate(len(model.get_submodule(fqn)) for fqn in lists[:-1]))
     seen: dict[int, list[tuple[ArgPosition, torch.Tensor]]] = {}
+    handed: dict[int, tuple[tuple[object, ...], dict[str, object]]] = {}
+    returned: dict[int, object] = {}
     outputs: list[torch.Tensor] = []
-    returns: list[int] = []
 
     def carries(value: object) -> bool:
         return isinstance(value, torch.Tensor) and value.grad_fn is not None
@@ -259,15 +291,16 @@ def _layer_calls(model: nn.Module, container: str) -> _LayerCalls:
         found += [(i, a) for i, a in enumerate(args) if i and carries(a)]
         found += [(k, v) for k, v in kwargs.items() if k != stream and carries(v)]
         seen.setdefault(layer, found)
+        handed.setdefault(layer, (args, kwargs))
 
-    def output(out: object) -> None:
-        returns.append(len(out) if isinstance(out, tuple) else 0)
+    def output(layer: int, out: object) -> None:
+        returned.setdefault(layer, out)
         outputs.extend(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
 
     handles = []
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda _m, a, k, i=index: record(i, a, k), with_kwargs=True))
-        handles.append(layer.register_forward_hook(lambda _m, _a, out: output(out)))
+        handles.append(layer.register_forward_hook(lambda _m, _a, out, i=index: output(i, out)))
     try:
         with dense_probe(model, grad=True) as (forward, _):
             forward()
@@ -276,10 +309,35 @@ def _layer_calls(model: nn.Module, container: str) -> _LayerCalls:
             handle.remove()
     from_layers = _GraphReach({t.grad_fn for t in outputs if t.grad_fn is not None})
     carried = tuple(
-        tuple(Carried(pos, pos in (0, "hidden_states") or from_layers(t)) for pos, t in seen.get(i, [(0, None)]))
+        tuple(
+            Carried(pos, (pos in (0, "hidden_states") and i not in later_firsts) or from_layers(t))
+            for pos, t in seen.get(i, [(0, None)])
+        )
         for i in range(len(layers))
     )
-    return _LayerCalls(carried, max(returns, default=0))
+    returns = max((len(out) if isinstance(out, tuple) else 0 for out in returned.values()), default=0)
+    return _LayerCalls(carried, returns, _handed_on(returned, handed, later_firsts, returns))
+
+
+def _handed_on(
+    returned: Mapping[int, object],
+    handed: Mapping[int, tuple[tuple[object, ...], dict[str, object]]],
+    later_firsts: set[int],
+    returns: int,
+) -> tuple[ArgPosition | None, ...]:
+    """For each returned slot after the hidden states, the argument of the next layer (of the same list) that is
+    the very tensor a layer returned there, as a dense forward shows it; None where none is."""
+    found: list[ArgPosition | None] = [None] * max(returns - 1, 0)
+    for layer, out in returned.items():
+        following = handed.get(layer + 1)
+        if not isinstance(out, tuple) or following is None or layer + 1 in later_firsts:
+            continue
+        args, kwargs = following
+        positions = [*((i, a) for i, a in enumerate(args) if i), *kwargs.items()]
+        for slot, value in enumerate(out[1:]):
+            if found[slot] is None and isinstance(value, torch.Tensor):
+                found[slot] = next((p for p, a in positions if a is value and p != "hidden_states"), None)
+    return tuple(found)
 
 
 class _GraphReach:
@@ -325,6 +383,142 @@ def inferred_pipeline_layout(model: nn.Module) -> PipelineLayout | None:
     return _layout(model, order, holder_path, layer_list)
 
 
+def encoder_decoder_layout(model: nn.Module) -> PipelineLayout:
+    """The layout of an encoder-decoder (T5, BART and their kin): its two layer lists in run order (numbered across
+    both: the decoder's after the encoder's) and every other module holding parameters placed by when a dense forward
+    first calls it: before the encoder's layers (the embeddings) on the first stage; between the two lists, the
+    encoder's own modules (its final norm) on the encoder's last stage, which sends the encoder's output on, and the
+    rest (the decoder's embedding and positions) on the first stage too, whose output travels to the decoder's first
+    stage as a per-layer input (so a shared embedding lives on one stage); after the decoder's layers on the last
+    stage. Raises for a model this cannot describe; :func:`check_stage_composition` proves the rest."""
+    name = type(model).__name__
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{name}: meshpar reads an encoder-decoder's pipeline layout off a dense forward, which a model built on "
+            "meta cannot run; build it on cpu, or use pipeline_parallel_size 1"
+        )
+    # the lists of its unsplittable blocks, or (a family that names none: Blenderbot) its lists of modules
+    lists = block_lists(model) or [
+        fqn
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+        and any(True for _ in module.parameters())
+    ]  # fmt: skip
+    if len(lists) != 2:
+        raise ValueError(
+            f"{name}: an encoder-decoder pipeline needs one layer list per stack, found {lists}; use "
+            "pipeline_parallel_size 1"
+        )
+    base_path = base_model_name(model)
+    base = model.get_submodule(base_path) if base_path else model
+    pieces = _pieces_beside(base, base_path, lists)
+    regions, lists = _regions(model, pieces, lists)
+    encoder_holder = lists[0].rpartition(".")[0]
+    before, middle, after, keep = [], [], [], []
+    for fqn in pieces:
+        region = regions.get(fqn, _tied_region(model, fqn, regions))
+        if not _holds_parameters(model, fqn):
+            keep.append(fqn)
+        elif region == "inside":
+            raise ValueError(
+                f"{name}: {fqn} holds parameters but its forward calls it among a stack's layers, so no pipeline "
+                "stage can own it; use pipeline_parallel_size 1"
+            )
+        elif region is None or region == 0 or (region == 1 and not fqn.startswith(f"{encoder_holder}.")):
+            # never called (BART's ``shared`` when the stacks' embeddings are untied from it: no grad in the dense
+            # model either): kept with the embeddings
+            before.append(fqn)
+        elif region == 1:
+            middle.append(fqn)
+        else:
+            after.append(fqn)
+    calls = _layer_calls(model, lists)
+    every_layer = [layer for fqn in lists for layer in model.get_submodule(fqn)]
+    return PipelineLayout(
+        container=lists[0],
+        before=tuple(before),
+        after=tuple(after),
+        keep=tuple(keep),
+        base=base_path,
+        num_layers=len(every_layer),
+        layer_attributes=tuple(_plain_attributes(layer) for layer in every_layer),
+        layer_returns=calls.returns,
+        carried=calls.carried,
+        stand_ins={f: _shape_only(model.get_submodule(f)) for f in (*before, *middle, *after)},
+        handed_on=calls.handed_on,
+        later_lists=((lists[1], len(model.get_submodule(lists[1]))),),
+        middle=tuple(middle),
+    )
+
+
+def _tied_region(model: nn.Module, fqn: str, regions: Mapping[str, object]) -> object:
+    """For a module the forward never calls whose parameters are all those of modules it does call (BART's
+    ``shared`` embedding, tied to both stacks' ``embed_tokens``): the earliest of their regions; else None."""
+    own = {id(p) for p in model.get_submodule(fqn).parameters()}
+    found = [
+        region
+        for other, region in regions.items()
+        if isinstance(region, int) and own and own <= {id(p) for p in model.get_submodule(other).parameters()}
+    ]
+    return min(found, default=None)
+
+
+def _pieces_beside(base: nn.Module, path: str, lists: Sequence[str]) -> list[str]:
+    """FQNs of the modules beside the layer lists: every child of a module on the way from the base model to a list
+    that is neither a list nor on the way to one (the shared embedding, each stack's embeddings and norms)."""
+    found = []
+    for name, child in base.named_children():
+        fqn = f"{path}.{name}" if path else name
+        if fqn in lists:
+            continue
+        if any(layers.startswith(f"{fqn}.") for layers in lists):
+            found += _pieces_beside(child, fqn, lists)
+        else:
+            found.append(fqn)
+    return found
+
+
+def _regions(model: nn.Module, pieces: Sequence[str], lists: Sequence[str]) -> tuple[dict[str, object], list[str]]:
+    """When a dense forward first calls each piece (a module may be reached by several names: the shared embedding):
+    0 before the first list's layers, 1 between the lists, 2 after both, "inside" among a list's layers, absent when
+    never; and the lists in the order the forward runs them."""
+    events: list[tuple[str, object]] = []
+    handles = []
+    for fqn in lists:
+        layers = model.get_submodule(fqn)
+        if len(layers) == 0:
+            raise ValueError(f"{type(model).__name__}: its layer list {fqn} is empty")
+        handles.append(layers[0].register_forward_pre_hook(lambda *_, f=fqn: events.append(("start", f))))
+        handles.append(layers[-1].register_forward_hook(lambda *_, f=fqn: events.append(("end", f))))
+    by_module: dict[int, list[str]] = {}
+    for fqn in pieces:
+        by_module.setdefault(id(model.get_submodule(fqn)), []).append(fqn)
+    for fqn in pieces:
+        module = model.get_submodule(fqn)
+        if by_module[id(module)][0] == fqn:
+            handles.append(module.register_forward_pre_hook(lambda m, *_: events.append(("piece", id(m)))))
+    try:
+        with dense_probe(model) as (forward, _):
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = list(dict.fromkeys(f for kind, f in events if kind == "start"))
+    if sorted(order) != sorted(lists):
+        raise ValueError(f"{type(model).__name__}: a dense forward runs the layer lists {order}, not {list(lists)}")
+    regions: dict[str, object] = {}
+    done, running = 0, False
+    for kind, what in events:
+        if kind == "start":
+            running = True
+        elif kind == "end":
+            running, done = False, done + 1
+        else:
+            for fqn in by_module[what]:
+                regions.setdefault(fqn, "inside" if running else done)
+    return regions, order
+
+
 def _layout(
     model: nn.Module, names: list[str], holder_path: str | None = None, layer_list: str | None = None
 ) -> PipelineLayout | None:
@@ -364,6 +558,7 @@ def _layout(
         layer_attributes=tuple(_plain_attributes(layer) for layer in base.get_submodule(layer_list)),
         layer_returns=calls.returns if calls else 0,
         carried=calls.carried if calls else (),
+        handed_on=calls.handed_on if calls else (),
         stand_ins={
             f: _shape_only(model.get_submodule(f))
             for i, f in enumerate(full)
@@ -462,7 +657,13 @@ class _Boundary:
         self.reached_stop = False  # the forward called the first layer after this stage's: ``sent`` is complete
 
     def _take(self, like: object, what: str) -> torch.Tensor:
+        """The next received tensor, checked against ``like`` (what this stage's own forward gives the same
+        argument); ``like`` None: the stage has nothing to check against (T5's position bias, which the stand-ins
+        for earlier layers hand on as they were handed it: none)."""
         piece = self.received[self.taken] if self.taken < len(self.received) else None
+        if like is None and piece is not None:
+            self.taken += 1
+            return piece
         if not isinstance(like, torch.Tensor) or piece is None or piece.shape != like.shape:
             got = "nothing" if piece is None else f"a tensor of shape {list(piece.shape)}"
             raise RuntimeError(
@@ -485,12 +686,13 @@ class _Boundary:
             c for c in carried if not c.loop_state
         ]:
             local = _argument(new_args, new_kwargs, entry.position)
-            if self.sequence_shards > 1:  # this rank's sequence shard of the stage's full-length tensor
+            # under sequence parallelism: this rank's sequence shard of the stage's full-length tensor
+            if self.sequence_shards > 1 and local is not None:
                 shape = list(local.shape)
                 shape[1] //= self.sequence_shards
                 local = torch.empty(shape, dtype=local.dtype, device="meta")
             value = self._take(local, f"layer {layer}'s argument {entry.position!r}")
-            if not local.requires_grad and not local.is_meta:
+            if local is not None and not local.requires_grad and not local.is_meta:
                 try:
                     local.copy_(value)
                     continue
@@ -541,17 +743,27 @@ class _PassThrough(nn.Module):
     was called, and carries that layer's plain attributes (a forward may read ``layer.attention_type`` of every
     layer to pick its mask). Built once per stage; holds no parameters."""
 
-    def __init__(self, index: int, runtime: _StageRuntime, attributes: tuple[tuple[str, object], ...], returns: int):
+    def __init__(self, index: int, runtime: _StageRuntime, layout: PipelineLayout):
         super().__init__()
-        for name, value in attributes:
+        for name, value in layout.layer_attributes[index]:
             setattr(self, name, value)
-        self._index, self._returns = index, returns
+        self._index, self._returns = index, layout.layer_returns
+        self._handed_on = (*layout.handed_on, *(None,) * (self._returns - 1 - len(layout.handed_on)))
         object.__setattr__(self, "_runtime", runtime)  # not a submodule
 
     def forward(self, *args: object, **kwargs: object) -> object:
         hidden = _argument(args, kwargs, 0 if args else "hidden_states")
         hidden = self._runtime.boundary.passed(self._index, args, kwargs, hidden)
-        return (hidden, *(None,) * (self._returns - 1)) if self._returns else hidden
+        if not self._returns:
+            return hidden
+        rest = [None if p is None else _argument_or_none(args, kwargs, p) for p in self._handed_on]
+        return (hidden, *rest)
+
+
+def _argument_or_none(args: Sequence[object], kwargs: Mapping[str, object], position: ArgPosition) -> object:
+    if isinstance(position, int):
+        return args[position] if position < len(args) else None
+    return kwargs.get(position)
 
 
 class _FullDepthLayers:
@@ -582,21 +794,22 @@ class _StageRuntime:
 
     def __init__(self, stage: nn.Module, layout: PipelineLayout, last: bool, device: torch.device) -> None:
         self.boundary: _Boundary | None = None
-        container = stage.get_submodule(layout.container)
-        self.owned = {int(key): layer for key, layer in container._modules.items()}
+        self.owned: dict[int, nn.Module] = {}
         self.first = all(_present(stage, name) for name in layout.before)
         for fqn, stand_in in layout.stand_ins.items():
-            if (fqn in layout.before and not self.first) or (fqn in layout.after and not last):
+            elsewhere = fqn in layout.middle and not _present(stage, fqn)
+            if elsewhere or (fqn in layout.before and not self.first) or (fqn in layout.after and not last):
                 for shape_only in stand_in.modules():
                     if isinstance(shape_only, _ShapeOnly):
                         shape_only.on = device
                 _set_module(stage, fqn, stand_in)
-        depth = [
-            self.owned.get(i) or _PassThrough(i, self, layout.layer_attributes[i], layout.layer_returns)
-            for i in range(layout.num_layers)
-        ]
-        object.__setattr__(container, "_meshpar_depth", depth)
-        mix_into(container, _FullDepthLayers, "FullDepth")
+        for fqn, start, length in layout.layer_lists():
+            container = stage.get_submodule(fqn)
+            mine = {start + int(key): layer for key, layer in container._modules.items()}
+            self.owned |= mine
+            depth = [mine.get(i) or _PassThrough(i, self, layout) for i in range(start, start + length)]
+            object.__setattr__(container, "_meshpar_depth", depth)
+            mix_into(container, _FullDepthLayers, "FullDepth")
         for index, layer in self.owned.items():
             # first among the pre-hooks: FSDP's may cast the inputs it is handed
             layer.register_forward_pre_hook(
@@ -637,13 +850,14 @@ def _run_stage(
     logits; the others run the base model's forward to its end (the later stages' layers are pass-throughs, their
     final modules shape-only stand-ins) and send what the pass-through after their last layer was handed."""
     runtime.boundary = boundary = _Boundary(layout, sorted(runtime.owned), received, sequence_shards)
+    own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
     try:
         if last:
-            own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
             logits = head_output(own(**inputs))
             boundary.check_used()
             return logits
-        stage.get_submodule(layout.base)(**inputs)
+        # the base model's forward; T5's model is its own base (its head a stand-in here)
+        (stage.get_submodule(layout.base) if layout.base else own)(**inputs)
     finally:
         runtime.boundary = None
     if not boundary.reached_stop:
@@ -660,10 +874,13 @@ def decoder_stage_forward(
     attention_mask: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    decoder_input_ids: torch.Tensor | None = None,
+    decoder_attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One stage of a causal LM split by :func:`pipeline_layout`: token ids (first stage) or the received tensor
-    in, with the microbatch's ``input_ids`` (and mask and positions, where given) on every stage; what the next
-    stage needs or (last stage) logits out."""
+    """One stage of a model split by :func:`pipeline_layout` or :func:`encoder_decoder_layout`: token ids (first
+    stage) or the received tensor in, with the microbatch's ``input_ids`` (and mask and positions, and an
+    encoder-decoder's decoder ids and mask, where given) on every stage; what the next stage needs or (last stage)
+    logits out."""
     layout: PipelineLayout = self.meshpar_layout
     runtime = self.__dict__.get("_meshpar_runtime")
     if runtime is None:  # once, at the first call: after the recipe sharded, wrapped or compiled the stage
@@ -675,6 +892,8 @@ def decoder_stage_forward(
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
     inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
     inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
+    decoder = {"decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask}
+    inputs |= {k: v for k, v in decoder.items() if v is not None}
     if self.meshpar_fold_choices and not self.meshpar_last_stage:
         # a multiple-choice head's forward folds [batch, choices, seq] into [batch * choices, seq] before the base
         # model; stages before the head run the base model alone, so they fold as it does
@@ -703,13 +922,20 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
         ids, mask = ids.unsqueeze(0), mask.unsqueeze(0)
     device = next(iter(model.parameters())).device
     ids, mask = ids.to(device), mask.to(device)
+    ids = ends_with_eos(model, ids)
+    decoder = {}
+    if layout.later_lists:  # decoder ids of their own, the second row padded at the end (as long as the encoder's:
+        # BART's classifiers pool the decoder's states where the encoder's ids end)
+        decoder_ids = ids.flip(-1).contiguous()
+        decoder = {"decoder_input_ids": decoder_ids, "decoder_attention_mask": torch.ones_like(decoder_ids)}
+        decoder["decoder_attention_mask"][1, -2:] = 0
     try:
         with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            want = head_output(model(input_ids=ids, attention_mask=mask, use_cache=False))
+            want = head_output(model(input_ids=ids, attention_mask=mask, use_cache=False, **decoder))
             x = ids
             for index in range(plan.num_stages):
                 stage = install_decoder_stage(build_stage(model, plan, index, layout.keep), layout)
-                x = stage(x, attention_mask=mask, input_ids=ids)
+                x = stage(x, attention_mask=mask, input_ids=ids, **decoder)
                 del stage
     except Exception as error:  # the forward needs something a stage does not have
         raise ValueError(

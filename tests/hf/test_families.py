@@ -169,9 +169,28 @@ def test_pipelines_refuse_layers_shared_across_the_depth() -> None:
         assert "runs 2 layers on the weights of 1 (shared across its depth" in message, message
 
 
-def test_encoder_decoder_pipelines_are_refused_naming_why() -> None:
-    for message in run_distributed(pipeline_refusal_case, 2, "t5"):
-        assert "T5ForConditionalGeneration is an encoder-decoder: meshpar does not yet split its two stacks" in message
+ENCODER_DECODERS = ["t5", "mt5", "bart", "blenderbot", "blenderbot_small", "pegasus"]
+# (family, tp, pp, vpp, schedule): every family at pp=2; T5 and BART also at tp=2 x pp=2, pp=4, two chunks per rank
+ENCODER_DECODER_LAYOUTS = [(f, 1, 2, 1, "1f1b") for f in ENCODER_DECODERS] + [
+    (f, *layout) for f in ("t5", "bart") for layout in ((2, 2, 1, "1f1b"), (1, 4, 1, "1f1b"), (1, 2, 2, "1f1b"))
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "vpp", "schedule"),
+    [
+        pytest.param(*case, marks=() if case[0] in ("t5", "bart") else pytest.mark.slow)
+        for case in ENCODER_DECODER_LAYOUTS
+    ],
+)
+def test_encoder_decoder_pipelines_match_dense(family: str, tp: int, pp: int, vpp: int, schedule: str) -> None:
+    """apex's split-rank layout: the first stages run the encoder, the rest the decoder (pp=2: one each; pp=4 and two
+    interleaved chunks per rank: two each), every stage running the model's own forward. The encoder's output is
+    carried to every decoder stage, the decoder's embedded inputs from the first stage (the shared embedding lives
+    there once, tied to the head on the last), T5's relative position bias handed from each stack's first block to
+    its later ones across stages; left-padded encoder inputs, labels with -100: logits, loss and the step equal
+    dense."""
+    run_distributed(pipeline_case, tp * pp, family, tp, pp, vpp, None, False, schedule)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe_qk_norm", "dory"])
@@ -419,6 +438,69 @@ def test_greedy_generation_across_pipeline_stages_matches_dense(family: str) -> 
     assert run_distributed(generation_case, 2, family, 1, 2) == [True, True]
 
 
+def encoder_decoder_refusal_case(case: str) -> str:
+    setup_parallel(pp=4 if case == "too_deep" else 2)
+    config = {"pipeline_parallel_size": 2, "num_microbatches": 2}
+    model = build("t5", layers=1)
+    if case == "auto_partition":
+        config["auto_partition"] = True
+    elif case == "zero_bubble":
+        config["pipeline_schedule"] = "zero_bubble"
+    elif case == "too_deep":
+        config["pipeline_parallel_size"] = config["num_microbatches"] = 4
+    elif case == "meta":
+        with torch.device("meta"):
+            model = type(model)(model.config)
+    try:
+        meshpar.parallelize(model, config)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("auto_partition", "an encoder-decoder's stages split at the encoder's end (apex's split rank)"),
+        ("too_deep", "1 encoder and 1 decoder layers cannot fill 4 pipeline stages"),
+        ("zero_bubble", "an encoder-decoder's decoder stages pass on the encoder's output too: use pipeline_schedule"),
+        ("meta", "reads an encoder-decoder's pipeline layout off a dense forward, which a model built on meta"),
+    ],
+)
+def test_encoder_decoder_pipelines_refuse_what_they_cannot_split(case: str, message: str) -> None:
+    world = 4 if case == "too_deep" else 2
+    for result in run_distributed(encoder_decoder_refusal_case, world, case):
+        assert message in result, result
+
+
+def encoder_decoder_generation_case(family: str, tp: int) -> list[bool]:
+    """Greedy and beam search (the prompt repeated per beam) from padded prompts of an encoder-decoder split into
+    an encoder and a decoder stage: the decoder's sequences equal the dense model's (the case first checks that the
+    prompt's mask changes them in one of the two)."""
+    setup_parallel(tp=tp, pp=2)
+    dense = build(family, layers=2)
+    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp, "pipeline_parallel_size": 2})
+    prompt = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, 4:] = mask[2, 5:] = 0
+    results, masked = [], []
+    for extra in ({"do_sample": False}, {"num_beams": 2, "do_sample": False}):
+        kwargs = {"max_new_tokens": 5, "min_new_tokens": 5, "attention_mask": mask, **extra}
+        want = dense.generate(prompt, **kwargs)
+        masked.append(
+            not torch.equal(want, dense.generate(prompt, **(kwargs | {"attention_mask": torch.ones_like(mask)})))
+        )
+        results.append(torch.equal(model.generate(prompt, **kwargs), want))
+    assert any(masked)
+    return results
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_encoder_decoder_generation_across_pipeline_stages_matches_dense(family: str, tp: int) -> None:
+    assert run_distributed(encoder_decoder_generation_case, 2 * tp, family, tp) == [[True, True]] * 2 * tp
+
+
 @pytest.mark.parametrize("family", ["gpt2", "opt"])  # learned absolute positions: they must follow the padding
 def test_generation_across_pipeline_stages_from_left_padded_prompts_matches_dense(family: str) -> None:
     assert run_distributed(padded_generation_case, 2, family) == [True, True]
@@ -455,15 +537,17 @@ def test_checkpoints_reshard_and_load_with_torch_tools(tmp_path, family: str) ->
     assert torch.equal(plain.get_parameter("model.embed_tokens.weight"), state["model.embed_tokens.weight"])
 
 
-def pipeline_case(family: str, tp: int, pp: int, vpp: int = 1, layers: int | None = None, sp: bool = False) -> None:
+def pipeline_case(
+    family: str, tp: int, pp: int, vpp: int = 1, layers: int | None = None, sp: bool = False, schedule: str = "1f1b"
+) -> None:
     """One step through the pipeline (each stage runs the model's own forward) against the dense model, on a
     left-padded batch: every stage builds the model's own masks."""
     setup_parallel(tp=tp, pp=pp)
     dense = build(family, layers=layers or 2 * pp * vpp)
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "virtual_pipeline_size": vpp}
-    config["sequence_parallel"] = sp
+    config["sequence_parallel"], config["pipeline_schedule"] = sp, schedule
     model = meshpar.parallelize(copy.deepcopy(dense), {**config, "num_microbatches": 2 * pp})
-    data = batch(family, rows=4)
+    data = batch(family, rows=max(4, 2 * pp))
     data["attention_mask"] = torch.ones_like(data["input_ids"])
     data["attention_mask"][1, :4] = 0
     data["labels"][1, :4] = -100

@@ -11,6 +11,9 @@ import copy
 import pytest
 import torch
 from transformers import (
+    BartConfig,
+    BartForQuestionAnswering,
+    BartForSequenceClassification,
     BertConfig,
     BertForMultipleChoice,
     BertForQuestionAnswering,
@@ -135,6 +138,9 @@ def _row_batch(name: str, rows: int) -> dict[str, torch.Tensor]:
     if name == "qwen2_sequence":  # right padding: the classifier reads each row's last non-pad token
         ids[0, 6:] = 0
         ids[3, 8:] = 0
+    if name == "bart_sequence":  # BART's classifier reads each row's last end-of-sequence token (2)
+        ids = ids.clamp_min(3)
+        ids[:, -1] = 2
     return {"input_ids": ids, "labels": labels}
 
 
@@ -244,6 +250,16 @@ def _gpt2_sequence() -> torch.nn.Module:
     return GPT2ForSequenceClassification(config)
 
 
+def _bart(cls: type) -> torch.nn.Module:
+    config = BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, classifier_dropout=0.0, num_labels=5, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )  # fmt: skip
+    return cls(config)
+
+
 PIPELINED = {
     "llama_sequence": (_llama_sequence, "qwen2_sequence"),
     "gpt2_sequence": (_gpt2_sequence, "qwen2_sequence"),
@@ -253,6 +269,9 @@ PIPELINED = {
     "bert_qa": (lambda: _bert(BertForQuestionAnswering, num_labels=2, num_hidden_layers=4), "bert_qa"),
     # [batch, choices, seq]: the stages before the head fold the choices into the batch as the head's forward does
     "bert_choice": (lambda: _bert(BertForMultipleChoice, num_hidden_layers=4), "bert_choice"),
+    # encoder-decoders: the encoder on the first stage, the decoder and the head on the last
+    "bart_sequence": (lambda: _bart(BartForSequenceClassification), "bart_sequence"),
+    "bart_qa": (lambda: _bart(BartForQuestionAnswering), "bert_qa"),
 }
 
 
