@@ -1,6 +1,6 @@
-"""Which HuggingFace families ``meshpar.parallelize`` shards exactly: every causal-LM model type of the installed
-transformers that ships a tensor-parallel plan, plus meshpar's own tables, built tiny from its config (never
-downloaded) and run against the same model on one process.
+"""Which HuggingFace families ``meshpar.parallelize`` shards exactly: every causal-LM and encoder-decoder model type
+of the installed transformers that ships a tensor-parallel plan, plus meshpar's own tables, built tiny from its config
+(never downloaded) and run against the same model on one process.
 
 For each family and layout (tp=2, dp=2, tp=2 with sequence parallelism on 2 gloo processes; pp=2 and tp2 x pp2 on 2
 and 4; for mixture-of-experts families ep=2 over dp=2, and ep2 x tp2 on 4; cp=2 on 2, cp2 x tp2 on 4) one training
@@ -58,11 +58,25 @@ HEAD_MAPPINGS = {
 }
 
 
+# the row of a family's encoder-decoder class where the family also has a causal-LM class (BART's ForCausalLM is
+# its decoder alone): "bart+seq2seq"
+SEQ2SEQ = "+seq2seq"
+
+
+def _model_type(row: str) -> str:
+    return row.removesuffix(SEQ2SEQ)
+
+
 def _families() -> dict[str, str]:
-    """model type -> causal-LM class name, for every type with a transformers tp plan or a meshpar table."""
+    """row -> class name, for every model type with a transformers tp plan or a meshpar table: its causal-LM class
+    (row: the model type) and its encoder-decoder class (row: the model type, with :data:`SEQ2SEQ` after it where
+    it has both)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
 
     from meshpar.hf.hf_plan import TABLES
 
@@ -70,9 +84,11 @@ def _families() -> dict[str, str]:
     for model_type, config_name in CONFIG_MAPPING_NAMES.items():
         config_cls = getattr(transformers, config_name, None)
         has_plan = bool(getattr(config_cls, "base_model_tp_plan", None)) or model_type in TABLES
-        model_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-        if has_plan and model_name:
-            found[model_type] = model_name if isinstance(model_name, str) else model_name[0]
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        seq2seq = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        for row, model_name in ((model_type, causal), (model_type + SEQ2SEQ if causal else model_type, seq2seq)):
+            if has_plan and model_name:
+                found[row] = model_name if isinstance(model_name, str) else model_name[0]
     return dict(sorted(found.items()))
 
 
@@ -123,9 +139,19 @@ _FAMILY_SIZES = {
 }
 
 
+# encoder-decoders name their sizes per stack (BART's kin) or T5's way
+_ENCODER_DECODER_SIZES = dict(
+    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=48, decoder_ffn_dim=48, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, d_ff=48,
+    dropout=0.0, dropout_rate=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0,
+    decoder_vocab_size=64,
+)  # fmt: skip
+
+
 def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     from transformers import AutoConfig
 
+    model_type = _model_type(model_type)
     config = AutoConfig.for_model(model_type)
     sizes = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -139,6 +165,8 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
     )  # fmt: skip
     family = _FAMILY_SIZES.get(model_type, {})
     sizes.update(family)
+    if getattr(config, "is_encoder_decoder", False):
+        sizes.update(_ENCODER_DECODER_SIZES)
     text = config.get_text_config()
     # configs with per-layer sub-configs (Gemma-4, dots3): the tiny sizes are set globally, as the keys' defaults are
     with contextlib.suppress(AttributeError):
@@ -160,6 +188,8 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
                 setattr(text, key, value)
             except AttributeError:  # a derived property
                 continue
+    if getattr(config, "is_encoder_decoder", False) and getattr(text, "decoder_start_token_id", None) is None:
+        text.decoder_start_token_id = 0  # T5's config has no such key, its checkpoints' configs do
     if hasattr(text, "layer_types") and "layer_types" not in per_layer and "layer_types" not in family:
         with contextlib.suppress(AttributeError):  # a derived property
             text.layer_types = None  # re-derived for 2 layers below
@@ -179,12 +209,15 @@ def _tiny_config(model_type: str, *, cut_layer_types: bool) -> object:
 
 
 def head_classes(model_type: str) -> dict[str, str]:
-    """kind -> the family's head class name, for the heads transformers has for this model type."""
+    """kind -> the family's head class name, for the heads transformers has for this model type (on its first row
+    only: none for an encoder-decoder row after a causal-LM one)."""
     from transformers.models.auto import modeling_auto
 
     found = {}
+    if model_type.endswith(SEQ2SEQ):
+        return found
     for kind, mapping in HEAD_MAPPINGS.items():
-        name = getattr(modeling_auto, mapping).get(model_type)
+        name = getattr(modeling_auto, mapping).get(_model_type(model_type))
         if name:
             found[kind] = name if isinstance(name, str) else name[0]
     return found
