@@ -112,9 +112,10 @@ class TokenLoss:
 
     def scored(self, labels: torch.Tensor) -> torch.Tensor:
         """The labels a token loss is computed for, at the logits' positions: causal LMs predict token t+1 at
-        position t, so the labels shift left and the last position scores nothing (as HF does; slicing the logits
-        instead would copy them forward and zero-fill plus copy a full-size grad in backward)."""
-        return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if self.causal else labels
+        position t, so the labels shift left along the sequence (the last dim: GPT-2's double heads score
+        ``[batch, choices, seq]``) and the last position scores nothing (as HF does; slicing the logits instead would
+        copy them forward and zero-fill plus copy a full-size grad in backward)."""
+        return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX) if self.causal else labels
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor, normalizer: torch.Tensor | None = None

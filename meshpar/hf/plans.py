@@ -107,7 +107,8 @@ def _seq2seq_lm_classes() -> set[str]:
 def task_of(model: nn.Module) -> str:
     """Which loss meshpar computes from the model's logits, by the HF head class."""
     name = type(model).__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
+    if name.endswith(("ForCausalLM", "LMHeadModel", "DoubleHeadsModel")):
+        # GPT-2's double heads: its ``loss`` is the language model's (the multiple-choice loss is returned apart)
         return "causal_lm"
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and (
         name.endswith("ForConditionalGeneration") or name in _seq2seq_lm_classes()

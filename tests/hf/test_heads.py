@@ -16,6 +16,7 @@ from transformers import (
     BartForSequenceClassification,
     BertConfig,
     BertForMultipleChoice,
+    BertForPreTraining,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
@@ -204,18 +205,54 @@ def _double_heads(layers: int = 1) -> torch.nn.Module:
     return GPT2DoubleHeadsModel(config)
 
 
+def _double_heads_batch(rows: int, with_labels: bool = True) -> dict[str, torch.Tensor]:
+    """``[rows, 2 choices, 8]`` ids; language-model labels with the first rows mostly unscored (-100)."""
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 64, (rows, 2, 8), generator=generator)
+    data = {"input_ids": ids, "mc_token_ids": torch.full((rows, 2), 7), "mc_labels": torch.zeros(rows).long()}
+    if with_labels:
+        data["labels"] = ids.clone()
+        data["labels"][:2, :, 2:] = -100
+    return data
+
+
 def double_heads_case(rows: tuple[int, int], with_labels: bool = True) -> dict:
-    """GPT-2's double heads (a language-model and a multiple-choice loss, returned apart) keep the model's own loss:
-    ``train_step`` trains its ``loss``, the language model's mean over each replica's tokens."""
+    """GPT-2's double heads (a language-model and a multiple-choice loss, returned apart, as HF does): ``train_step``
+    trains its ``loss``, the language model's, over the global batch's scored tokens (the ``[batch, choices, seq]``
+    labels shifted along the sequence)."""
     torch.manual_seed(0)
     dense = _double_heads()
     parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
+    data = _double_heads_batch(sum(rows), with_labels)
+    start = 0 if parallel.dims.dp_rank == 0 else rows[0]
+    mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
+    try:
+        loss = parallel.train_step(**mine).item()
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"loss": loss, "dense": dense(**data).loss.item()}
+
+
+def test_double_heads_train_the_language_model_loss_over_the_global_batch() -> None:
+    for rows in ((3, 3), (4, 2)):  # uneven rows, the first replica's tokens mostly unscored
+        for result in run_distributed(double_heads_case, 2, rows):
+            assert abs(result["loss"] - result["dense"]) < 1e-5, result
+    for result in run_distributed(double_heads_case, 2, (3, 3), False):  # only the multiple-choice loss's targets
+        assert "a training or evaluation step needs the targets its loss scores (labels)" in result["refused"]
+
+
+def own_loss_case(rows: tuple[int, int], unscored: bool = False) -> dict:
+    """BERT's pre-training heads (masked LM plus next-sentence prediction, one loss meshpar does not compute) keep
+    the model's own loss, a mean over each replica's rows: exact only with equal rows and nothing unscored."""
+    torch.manual_seed(0)
+    dense = _bert(BertForPreTraining)
+    parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
     generator = torch.Generator().manual_seed(6)
     total = sum(rows)
-    ids = torch.randint(0, 64, (total, 2, 8), generator=generator)
-    data = {"input_ids": ids, "mc_token_ids": torch.full((total, 2), 7), "mc_labels": torch.zeros(total).long()}
-    if with_labels:
-        data["labels"] = ids
+    ids = torch.randint(0, 64, (total, 8), generator=generator)
+    data = {"input_ids": ids, "labels": ids.clone(), "next_sentence_label": torch.zeros(total).long()}
+    if unscored:
+        data["labels"][0, 3:] = -100
     start = 0 if parallel.dims.dp_rank == 0 else rows[0]
     mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
     try:
@@ -226,12 +263,12 @@ def double_heads_case(rows: tuple[int, int], with_labels: bool = True) -> dict:
 
 
 def test_head_with_the_models_own_loss_is_exact_with_equal_rows_and_refused_otherwise() -> None:
-    for result in run_distributed(double_heads_case, 2, (3, 3)):
+    for result in run_distributed(own_loss_case, 2, (3, 3)):
         assert abs(result["loss"] - result["dense"]) < 1e-5, result
-    for result in run_distributed(double_heads_case, 2, (4, 2)):
+    for result in run_distributed(own_loss_case, 2, (4, 2)):
         assert "replicas hold [4, 2] rows" in result["refused"], result
-    for result in run_distributed(double_heads_case, 2, (3, 3), False):  # only the multiple-choice loss
-        assert "returned no loss for this batch (it returned ['mc_loss']" in result["refused"], result
+    for result in run_distributed(own_loss_case, 2, (3, 3), True):
+        assert "replicas hold [3, 3] rows and 5 labels of -100" in result["refused"], result
 
 
 def _llama_sequence() -> torch.nn.Module:
@@ -269,6 +306,8 @@ PIPELINED = {
     "bert_qa": (lambda: _bert(BertForQuestionAnswering, num_labels=2, num_hidden_layers=4), "bert_qa"),
     # [batch, choices, seq]: the stages before the head fold the choices into the batch as the head's forward does
     "bert_choice": (lambda: _bert(BertForMultipleChoice, num_hidden_layers=4), "bert_choice"),
+    # [batch, choices, seq] ids through GPT-2's own folding; the language model's loss, the multiple-choice head idle
+    "gpt2_double": (lambda: _double_heads(layers=4), "double"),
     # encoder-decoders: the encoder on the first stage, the decoder and the head on the last
     "bart_sequence": (lambda: _bart(BartForSequenceClassification), "bart_sequence"),
     "bart_qa": (lambda: _bart(BartForQuestionAnswering), "bert_qa"),
@@ -298,7 +337,10 @@ def pipelined_head_case(name: str, tp: int) -> dict:
     parallel = meshpar.parallelize(
         copy.deepcopy(dense), {"tensor_parallel_size": tp, "pipeline_parallel_size": 2, "num_microbatches": 2}
     )
-    data = _token_batch() if batch_kind == "token" else _row_batch(batch_kind, 4)
+    if batch_kind == "double":
+        data = _double_heads_batch(4)
+    else:
+        data = _token_batch() if batch_kind == "token" else _row_batch(batch_kind, 4)
     optimizer = meshpar.DistributedOptimizer(parallel, torch.optim.SGD, lr=0.5)
     loss = parallel.train_step(**data)
     dense_loss = dense(**data).loss
@@ -324,7 +366,7 @@ def test_classifier_heads_through_pipelines_equal_dense(name: str, tp: int) -> N
 
 def refused_pipeline_case() -> str:
     try:
-        meshpar.parallelize(_double_heads(layers=2), {"pipeline_parallel_size": 2, "num_microbatches": 2})
+        meshpar.parallelize(_bert(BertForPreTraining), {"pipeline_parallel_size": 2, "num_microbatches": 2})
     except ValueError as error:
         return str(error)
     return "accepted"
