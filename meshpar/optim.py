@@ -7,8 +7,11 @@ optimizer state for about ``1/dp`` of the parameters (whole tensors, balanced by
 parameters after the step (NxD's ``use_zero1_optimizer``). Grads must then already be averaged over dp, unless
 ``reduce_scatter_grads=True``: the optimizer then reduce-scatters the raw grads itself, so each rank receives only the
 averaged grads of what it owns (Megatron's distributed optimizer). A step then moves the bytes of one all-reduce
-(reduce-scatter + all-gather) instead of 1.5 (all-reduce + all-gather). With ``master_weights=True`` low-precision
-parameters are updated through fp32 copies.
+(reduce-scatter + all-gather) instead of 1.5 (all-reduce + all-gather). Under expert parallelism the expert weights
+(different experts on different dp ranks) are owned within the expert-data-parallel group, the dp ranks holding the
+same experts, as Megatron's distributed optimizer does; their grads are summed there and divided by dp, as
+:class:`meshpar.data_parallel.DataParallelGrads` does. With ``master_weights=True`` low-precision parameters are
+updated through fp32 copies.
 
 ``state_dict()`` is keyed by the model's original parameter FQNs (the stages' names, never a wrapper's prefixes),
 with tensor states as DTensors carrying the parameter's placements, so :mod:`meshpar.checkpoint` saves and reshards
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +45,21 @@ def _assign_owners(sizes: list[int], ranks: int) -> list[int]:
         owners[index] = rank
         load[rank] += sizes[index]
     return owners
+
+
+@dataclass
+class _Partition:
+    """Parameters replicated over one group, each owned by one of its ranks under ZeRO-1: the dense ones over dp, the
+    expert weights over the expert-data-parallel group. ``layouts``: per dtype, the parameter indices each rank of
+    the group owns and the length of one rank's segment (see :meth:`DistributedOptimizer._owner_layouts`)."""
+
+    mesh: DeviceMesh
+    indices: list[int]
+    layouts: dict[torch.dtype, tuple[list[list[int]], int]] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
 
 
 class DistributedOptimizer:
@@ -79,15 +98,18 @@ class DistributedOptimizer:
             dp_mesh = dims.dp_mesh
         self.dp_mesh = dp_mesh
         self.zero1 = zero1 and dp_mesh is not None and dp_mesh.size() > 1
-        if self.zero1:
-            self._check_zero1_layout()
         self.reduce_scatter_grads = reduce_scatter_grads and self.zero1
         self.reduce_dtype = reduce_dtype
-        dp, self._dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if self.zero1 else (1, 0)
         sizes = [local_tensor(p).numel() for _, p in self.named_params]
-        self.owners = _assign_owners(sizes, dp) if self.zero1 else [0] * len(sizes)
-        self.owned = [i for i, owner in enumerate(self.owners) if owner == self._dp_rank]
-        self._layouts = self._owner_layouts(dp) if self.zero1 else {}
+        self.owners = [0] * len(sizes)  # each parameter's owner: a rank of its partition's group
+        self._partitions = self._partition() if self.zero1 else []
+        for part in self._partitions:
+            owners = _assign_owners([sizes[i] for i in part.indices], part.mesh.size())
+            for i, owner in zip(part.indices, owners, strict=True):
+                self.owners[i] = owner
+            part.layouts = self._owner_layouts(part)
+        ranks = {i: part.rank for part in self._partitions for i in part.indices}
+        self.owned = [i for i, owner in enumerate(self.owners) if owner == ranks.get(i, 0)]
         self._reduced: dict[int, torch.Tensor] | None = None  # owned index -> averaged grad (reduce_scatter_grads)
         self.master_weights = master_weights
         self._leaves: dict[int, torch.Tensor] = {}
@@ -133,33 +155,46 @@ class DistributedOptimizer:
             raise ValueError(f"parameters in no param group: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         return group_of, options
 
-    def _check_zero1_layout(self) -> None:
-        """ZeRO-1 assigns owners from the parameter list and pairs every rank's segments in its collectives: refuse
-        dp-sharded (FSDP2) parameters, and check once that all dp ranks list the same parameters."""
+    def _partition(self) -> list[_Partition]:
+        """ZeRO-1's partitions: the dense parameters over dp; expert weights (sharded over ep, so dp ranks hold
+        different experts under one name) over the expert-data-parallel group, the dp ranks holding the same ones.
+        Each partition's ranks must list the same parameters (checked once; its collectives pair their segments);
+        dp-sharded (FSDP2) parameters are refused."""
         refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
-        experts = [name for name, p in self.named_params if is_expert_parallel(p)]
-        if experts:  # dp ranks hold different experts under one name: an owner's update would overwrite the others'
+        experts = [i for i, (_, p) in enumerate(self.named_params) if is_expert_parallel(p)]
+        expert_mesh = self.dims.expert_dp_mesh if self.dims is not None else None
+        if experts and expert_mesh is None:
             raise ValueError(
-                f"DistributedOptimizer(zero1=True) does not take expert-parallel weights yet ({experts[0]} and "
-                f"{len(experts) - 1} more are sharded over ep, so dp ranks hold different experts); use zero1=False"
+                f"DistributedOptimizer(zero1=True): {self.named_params[experts[0]][0]} is sharded over ep, but the "
+                "optimizer was given no mesh with an expert-data-parallel group: pass dims= (the model's ParallelDims)"
             )
-        check_same_across_dp(
-            [(name, tuple(local_tensor(p).shape), str(p.dtype)) for name, p in self.named_params],
-            self.dp_mesh.get_group(),
-            self.dp_mesh.size(),
-            lambda lay: f"{len(lay)} tensors, {sum(math.prod(shape) for _, shape, _ in lay)} elements",
-            "their ZeRO-1 owner layouts",
-        )
+        dense = [i for i in range(len(self.named_params)) if i not in set(experts)]
+        parts = [_Partition(self.dp_mesh, dense)] + ([_Partition(expert_mesh, experts)] if experts else [])
+        for part in parts:
+            check_same_across_dp(
+                [
+                    (self.named_params[i][0], tuple(local_tensor(self.named_params[i][1]).shape), str(p.dtype))
+                    for i in part.indices
+                    for p in [self.named_params[i][1]]
+                ],
+                part.mesh.get_group(),
+                part.mesh.size(),
+                lambda lay: f"{len(lay)} tensors, {sum(math.prod(shape) for _, shape, _ in lay)} elements",
+                "their ZeRO-1 owner layouts",
+            )
+        return parts
 
-    def _owner_layouts(self, dp: int) -> dict[torch.dtype, tuple[list[list[int]], int]]:
-        """Per dtype: the parameter indices each dp rank owns and the length of one rank's segment (the largest
-        owner's total plus one has-a-grad flag per tensor, so every segment of a flat ``dp * segment`` buffer has the
-        same size). The reduce-scatter of the grads and the all-gather of the updated parameters share this layout."""
-        tensors = [local_tensor(p) for _, p in self.named_params]
+    def _owner_layouts(self, part: _Partition) -> dict[torch.dtype, tuple[list[list[int]], int]]:
+        """Per dtype: the parameter indices of ``part`` each rank of its group owns and the length of one rank's
+        segment (the largest owner's total plus one has-a-grad flag per tensor, so every segment of a flat
+        ``ranks * segment`` buffer has the same size). The reduce-scatter of the grads and the all-gather of the
+        updated parameters share this layout."""
+        tensors = {i: local_tensor(self.named_params[i][1]) for i in part.indices}
         layouts = {}
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
+        for dtype in sorted({t.dtype for t in tensors.values()}, key=str):
             by_owner = [
-                [i for i, t in enumerate(tensors) if t.dtype == dtype and self.owners[i] == r] for r in range(dp)
+                [i for i, t in tensors.items() if t.dtype == dtype and self.owners[i] == r]
+                for r in range(part.mesh.size())
             ]
             segment = max(sum(tensors[i].numel() for i in owned) + len(owned) for owned in by_owner)
             if segment:
@@ -206,22 +241,23 @@ class DistributedOptimizer:
         :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
         if not self.reduce_scatter_grads or self._reduced is not None:
             return
-        group, dp = self.dp_mesh.get_group(), self.dp_mesh.size()
+        dp = self.dp_mesh.size()  # every partition's grads are summed over its group and divided by dp
         params = [p for _, p in self.named_params]
         self._reduced = {}
-        for dtype, (by_owner, segment) in self._layouts.items():
-            send = torch.zeros(dp * segment, dtype=self.reduce_dtype or dtype, device=local_tensor(params[0]).device)
+        for part, dtype, (by_owner, segment) in self._layouts():
+            ranks = part.mesh.size()
+            send = torch.zeros(ranks * segment, dtype=self.reduce_dtype or dtype, device=local_tensor(params[0]).device)
             for _, i, span, flag in self._spans_and_flags(by_owner, segment):
                 if params[i].grad is not None:
                     send[span].copy_(local_tensor(params[i].grad).reshape(-1))
                     send[flag] = 1
             send.div_(dp)  # pre-divide: the sum of dp means stays in range in low precision
             received = send.new_empty(segment)
-            dist.reduce_scatter_tensor(received, send, group=group)
-            mine = self._dp_rank * segment  # where this rank's segment starts in the flat layout
+            dist.reduce_scatter_tensor(received, send, group=part.mesh.get_group())
+            mine = part.rank * segment  # where this rank's segment starts in the flat layout
             lacking: dict[int, int] = {}  # owned parameters without a local grad -> their flag in received
             for owner, i, span, flag in self._spans_and_flags(by_owner, segment):
-                if owner == self._dp_rank:
+                if owner == part.rank:
                     local = local_tensor(params[i])
                     self._reduced[i] = received[span.start - mine : span.stop - mine].view(local.shape)
                     if params[i].grad is None:
@@ -232,6 +268,12 @@ class DistributedOptimizer:
                         del self._reduced[i]
         for param in params:
             param.grad = None
+
+    def _layouts(self) -> Iterator[tuple[_Partition, torch.dtype, tuple[list[list[int]], int]]]:
+        """Every partition's owner layout per dtype, in one order on every rank."""
+        for part in self._partitions:
+            for dtype, layout in part.layouts.items():
+                yield part, dtype, layout
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -272,15 +314,15 @@ class DistributedOptimizer:
     def _gather_updated_params(self) -> None:
         """Every dp rank hands the parameters it owns to the others: one all-gather per dtype over the owner layout,
         instead of one broadcast per owner."""
-        group, dp, me = self.dp_mesh.get_group(), self.dp_mesh.size(), self._dp_rank
         tensors = [local_tensor(p) for _, p in self.named_params]
-        for dtype, (by_owner, segment) in self._layouts.items():
+        for part, dtype, (by_owner, segment) in self._layouts():
+            me = part.rank
             send = torch.zeros(segment, dtype=dtype, device=tensors[0].device)
             mine = [tensors[i] for i in by_owner[me]]
             if mine:
                 torch.cat([t.reshape(-1) for t in mine], out=send[: sum(t.numel() for t in mine)])
-            gathered = send.new_empty(dp * segment)
-            dist.all_gather_into_tensor(gathered, send, group=group)
+            gathered = send.new_empty(part.mesh.size() * segment)
+            dist.all_gather_into_tensor(gathered, send, group=part.mesh.get_group())
             for owner, i, span in self._spans(by_owner, segment):
                 if owner != me:
                     tensors[i].copy_(gathered[span].view_as(tensors[i]))

@@ -36,9 +36,11 @@ def expert_parallel_case(
     rows: int = 4,
     implementation: str | None = None,
     extra: dict | None = None,
+    zero1: str = "",
 ) -> dict[str, object]:
     """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them
-    (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both)."""
+    (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both). ``zero1``: the step
+    by meshpar's ZeRO-1 optimizer (``"reduce_scatter"``: reducing the raw grads itself, so they are not compared)."""
     dims = setup_parallel(tp=tp, pp=pp, ep=ep)
     dense = build(family)
     if implementation is not None:
@@ -55,12 +57,16 @@ def expert_parallel_case(
     torch.optim.AdamW(dense.parameters(), **adamw).step()
     share = rows // dims.dp
     mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-    loss = model.train_step(**mine)
+    if zero1:
+        scatter = zero1 == "reduce_scatter"
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=scatter, **adamw)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    loss = model.train_step(**mine, sync_dp_grads=zero1 != "reduce_scatter")
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     modules = model.local_modules()
     checked = 0
-    for module in modules:
+    for module in modules if zero1 != "reduce_scatter" else ():
         for name, param in module.named_parameters():
             dense_grad = dense_grads.get(name)
             if dense_grad is None:
@@ -115,12 +121,13 @@ def test_expert_parallel_composes_with_tp_and_pp(ep: int, tp: int, pp: int) -> N
     assert all(r["expert_params"] > 0 for r in results), results
 
 
-def save_case(directory: str, ep: int, tp: int) -> dict[str, torch.Tensor] | None:
-    """One AdamW step at (ep, tp), saved; the whole parameters and Adam moments (rank 0)."""
+def save_case(directory: str, ep: int, tp: int, zero1: bool = False) -> dict[str, torch.Tensor] | None:
+    """One AdamW step at (ep, tp), saved; the whole parameters and Adam moments (rank 0; under ZeRO-1 the moments
+    it owns)."""
     setup_parallel(tp=tp, ep=ep)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
     model = meshpar.parallelize(build("mixtral"), config)
-    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     dims = model.dims
     share = 4 // dims.dp
     data = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in batch("mixtral").items()}
@@ -130,11 +137,11 @@ def save_case(directory: str, ep: int, tp: int) -> dict[str, torch.Tensor] | Non
     return _whole(model, optimizer)
 
 
-def load_case(directory: str, ep: int, tp: int) -> dict[str, torch.Tensor] | None:
+def load_case(directory: str, ep: int, tp: int, zero1: bool = False) -> dict[str, torch.Tensor] | None:
     setup_parallel(tp=tp, ep=ep)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
     model = meshpar.parallelize(build("mixtral"), config)
-    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     checkpoint.load(directory, model, optimizer)
     return _whole(model, optimizer)
 
@@ -158,6 +165,22 @@ def test_expert_parallel_checkpoints_reshard(tmp_path) -> None:
         assert loaded.keys() == saved.keys()
         for name, value in loaded.items():
             torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{name} at ep={ep} tp={tp}")
+
+
+def test_zero1_expert_checkpoints_reshard(tmp_path) -> None:
+    """Saved under ZeRO-1 at ep2 (each expert's Adam moments on one of the two dp ranks holding it), loaded in one
+    process and again at ep2 under ZeRO-1: the same parameters and moments as the same step saved without ZeRO-1."""
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "zero1")
+    run_distributed(save_case, 4, plain, 2, 1)
+    run_distributed(save_case, 4, sharded, 2, 1, True)
+    want = run_distributed(load_case, 1, plain, 1, 1)[0]
+    got = run_distributed(load_case, 1, sharded, 1, 1)[0]
+    assert got.keys() == want.keys() and any("experts" in name and "exp_avg" in name for name in got)
+    resumed = run_distributed(load_case, 4, sharded, 2, 1, True)[0]  # rank 0: its parameters, the moments it owns
+    assert any("experts" in name and "exp_avg" in name for name in resumed)
+    for loaded in (got, resumed):
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def collectives_case(ep: int, tp: int) -> dict[str, int]:
@@ -210,18 +233,31 @@ def test_bad_expert_parallel_layouts_are_refused_before_any_group(family: str, c
     assert says in _refusal(family, config)
 
 
-def zero1_case() -> str:
+@pytest.mark.parametrize(
+    "ep,tp,zero1", [(2, 1, "zero1"), (2, 1, "reduce_scatter"), _slow(2, 2, "reduce_scatter"), _slow(4, 1, "zero1")]
+)
+def test_zero1_owns_expert_weights_within_the_expert_data_parallel_group(ep: int, tp: int, zero1: str) -> None:
+    """ZeRO-1 over an ep model (Megatron's distributed optimizer): dense weights owned over dp, expert weights over
+    the dp ranks holding the same experts (edp = 2 at ep2 on 4 ranks; 1 at ep2 x tp2 and ep4: each rank owns its
+    experts), with the grads all-reduced first or reduce-scattered by the optimizer (summed over the group, divided
+    by dp): the parameters after the step equal dense."""
+    results = run_distributed(expert_parallel_case, 4, "mixtral", ep, tp, 1, 4, None, None, zero1)
+    assert all(r["expert_params"] > 0 for r in results), results
+
+
+def zero1_without_dims_case() -> str:
     setup_parallel(ep=2)
     model = meshpar.parallelize(build("mixtral"), {"expert_parallel_size": 2})
     try:
-        DistributedOptimizer(model, torch.optim.AdamW, zero1=True, lr=0.01)
+        DistributedOptimizer(list(model.named_parameters()), torch.optim.AdamW, zero1=True, dp_mesh=model.dims.dp_mesh)
     except ValueError as error:
         return str(error)
     return "accepted"
 
 
-def test_zero1_refuses_expert_parallel_weights() -> None:
-    assert all("expert-parallel weights" in m for m in run_distributed(zero1_case, 4))
+def test_zero1_of_expert_weights_without_the_expert_group_is_refused() -> None:
+    for message in run_distributed(zero1_without_dims_case, 4):
+        assert "is sharded over ep, but the optimizer was given no mesh with an expert-data-parallel group" in message
 
 
 def router_loss_case(family: str, ep: int, tp: int) -> None:
