@@ -173,6 +173,8 @@ class ParallelizedModel(nn.Module):
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         probe = dense_probe_logits(model, 4 * self.dims.cp) if self.dims.cp > 1 and not self._from_meta else None
+        # the user's attention implementation: generate() decodes with it (no sequence to split, step by step)
+        self._dense_attention = getattr(model.config, "_attn_implementation", None)
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
         if self.dims.pp == 1:
@@ -717,9 +719,8 @@ class ParallelizedModel(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """HF ``generate`` (greedy, sampling, beams, ...) with full logits gathered over tp; under pp one rank per
         replica drives HF's loop over the pipeline (:mod:`meshpar.hf.generation`) and every rank returns its
-        sequences."""
-        if self.dims.cp > 1:
-            raise RuntimeError("generate() with context_parallel_size > 1 is not supported: decode with cp 1")
+        sequences. Under context parallelism every cp rank decodes the whole prompt with the model's own attention
+        (the weights are whole over cp; a decoding step has one token to split), with its KV cache."""
         if self.pipeline is not None:
             if self.dims.ep > 1:
                 raise RuntimeError(
@@ -738,11 +739,26 @@ class ParallelizedModel(nn.Module):
         previous = getattr(head, "gather_output", None)
         if previous is not None:
             head.gather_output = True
+        with self._dense_attention_for_decoding():
+            try:
+                return self.module.generate(*args, **kwargs)
+            finally:
+                if previous is not None:
+                    head.gather_output = previous
+
+    @contextlib.contextmanager
+    def _dense_attention_for_decoding(self) -> Any:
+        """Under context parallelism, the model's own attention implementation while it decodes; context-parallel
+        attention again after."""
+        if self.dims.cp == 1:
+            yield
+            return
+        cp_attention = self.module.config._attn_implementation
+        self.module.set_attn_implementation(self._dense_attention)
         try:
-            return self.module.generate(*args, **kwargs)
+            yield
         finally:
-            if previous is not None:
-                head.gather_output = previous
+            self.module.set_attn_implementation(cp_attention)
 
     def plan_summary(self) -> str:
         return "\n\n".join(plan_summary(m, self.plan.styles) for m in self.local_modules())
