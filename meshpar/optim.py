@@ -10,7 +10,8 @@ averaged grads of what it owns (Megatron's distributed optimizer). A step then m
 (reduce-scatter + all-gather) instead of 1.5 (all-reduce + all-gather). Under expert parallelism the expert weights
 (different experts on different dp ranks) are owned within the expert-data-parallel group, the dp ranks holding the
 same experts, as Megatron's distributed optimizer does; their grads are summed there and divided by dp, as
-:class:`meshpar.data_parallel.DataParallelGrads` does. With ``master_weights=True`` low-precision parameters are
+:class:`meshpar.data_parallel.DataParallelGrads` does. Under context parallelism the dense weights are owned over dp x
+cp (every cp rank holds them, and a share of each grad). With ``master_weights=True`` low-precision parameters are
 updated through fp32 copies.
 
 ``state_dict()`` is keyed by the model's original parameter FQNs (the stages' names, never a wrapper's prefixes),
@@ -97,7 +98,9 @@ class DistributedOptimizer:
         if dp_mesh is None and dims is not None:
             dp_mesh = dims.dp_mesh
         self.dp_mesh = dp_mesh
-        self.zero1 = zero1 and dp_mesh is not None and dp_mesh.size() > 1
+        # what a dense weight is replicated over: dp, and cp with it (each cp rank holds a share of every grad)
+        self._replica_mesh = dims.grad_mesh if dims is not None and dims.cp > 1 else dp_mesh
+        self.zero1 = zero1 and self._replica_mesh is not None and self._replica_mesh.size() > 1
         self.reduce_scatter_grads = reduce_scatter_grads and self.zero1
         self.reduce_dtype = reduce_dtype
         sizes = [local_tensor(p).numel() for _, p in self.named_params]
@@ -156,8 +159,9 @@ class DistributedOptimizer:
         return group_of, options
 
     def _partition(self) -> list[_Partition]:
-        """ZeRO-1's partitions: the dense parameters over dp; expert weights (sharded over ep, so dp ranks hold
-        different experts under one name) over the expert-data-parallel group, the dp ranks holding the same ones.
+        """ZeRO-1's partitions: the dense parameters over dp (and cp: under context parallelism the reduce-scatter
+        also sums the cp ranks' shares of the grads); expert weights (sharded over ep, so dp ranks hold different
+        experts under one name) over the expert-data-parallel group, the dp ranks holding the same ones.
         Each partition's ranks must list the same parameters (checked once; its collectives pair their segments);
         dp-sharded (FSDP2) parameters are refused."""
         refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
@@ -169,7 +173,7 @@ class DistributedOptimizer:
                 "optimizer was given no mesh with an expert-data-parallel group: pass dims= (the model's ParallelDims)"
             )
         dense = [i for i in range(len(self.named_params)) if i not in set(experts)]
-        parts = [_Partition(self.dp_mesh, dense)] + ([_Partition(expert_mesh, experts)] if experts else [])
+        parts = [_Partition(self._replica_mesh, dense)] + ([_Partition(expert_mesh, experts)] if experts else [])
         for part in parts:
             check_same_across_dp(
                 [
@@ -241,7 +245,7 @@ class DistributedOptimizer:
         :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
         if not self.reduce_scatter_grads or self._reduced is not None:
             return
-        dp = self.dp_mesh.size()  # every partition's grads are summed over its group and divided by dp
+        dp = self.dims.dp if self.dims is not None else self.dp_mesh.size()  # each group's sum is divided by dp
         params = [p for _, p in self.named_params]
         self._reduced = {}
         for part, dtype, (by_owner, segment) in self._layouts():

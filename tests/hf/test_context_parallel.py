@@ -13,6 +13,7 @@ import torch
 import meshpar
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
+from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from tests.hf._configs import batch, build
 
@@ -38,7 +39,9 @@ def _dense(family: str, window: int | None) -> torch.nn.Module:
     return model
 
 
-def context_parallel_case(family: str, cp: int, tp: int, implementation: str, window: int | None) -> float:
+def context_parallel_case(
+    family: str, cp: int, tp: int, implementation: str, window: int | None, zero1: str = ""
+) -> float:
     dims = setup_parallel(tp=tp, cp=cp)
     dense = _dense(family, window)
     config = {
@@ -59,10 +62,14 @@ def context_parallel_case(family: str, cp: int, tp: int, implementation: str, wi
     torch.optim.AdamW(dense.parameters(), **adamw).step()
     share = 4 // dims.dp
     mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-    loss = model.train_step(**mine)
+    if zero1:  # meshpar's ZeRO-1 ("reduce_scatter": reducing the raw grads itself, so they are not compared)
+        scatter = zero1 == "reduce_scatter"
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=scatter, **adamw)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    loss = model.train_step(**mine, sync_dp_grads=zero1 != "reduce_scatter")
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
-    for name, param in model.module.named_parameters():
+    for name, param in model.module.named_parameters() if zero1 != "reduce_scatter" else ():
         dense_grad = dense.get_parameter(name).grad
         if dense_grad is None:
             continue
@@ -216,3 +223,10 @@ def generation_case(family: str, cp: int, tp: int) -> None:
 @pytest.mark.parametrize("family,cp,tp", [("qwen3", 2, 1), _slow("llama", 2, 2)])
 def test_generation_under_context_parallelism_matches_dense(family: str, cp: int, tp: int) -> None:
     run_distributed(generation_case, 4, family, cp, tp)
+
+
+@pytest.mark.parametrize("cp,zero1", [(2, "zero1"), (2, "reduce_scatter"), _slow(4, "reduce_scatter")])
+def test_zero1_owns_state_over_dp_and_cp(cp: int, zero1: str) -> None:
+    """ZeRO-1 under context parallelism: every weight is replicated over dp x cp, so owners spread over both and the
+    optimizer's reduce-scatter sums the cp ranks' shares of each sequence (cp4: dp = 1, cp alone); equal to dense."""
+    run_distributed(context_parallel_case, 4, "qwen3", cp, 1, "all_gather", None, zero1)
