@@ -24,12 +24,12 @@ MODULES_NOT_PROVIDED: dict[str, str] = {
     "modules.lora.layer": "LoRA: meshpar has no LoRA support",
     "modules.lora.model": "LoRA: meshpar has no LoRA support",
     "modules.lora.tp_layer": "LoRA: meshpar has no LoRA support",
-    "modules.moe": "mixture-of-experts layers: they map onto expert parallelism, which meshpar lacks (issue #39)",
+    "modules.moe": "NxD's own mixture-of-experts layers (router, expert MLPs, token permutation): meshpar's expert "
+    "parallelism runs HF's MoE blocks (expert_parallel_size), not these modules",
     "optimizer.convert_zero_checkpoints": "converters of NxD's ZeRO-1 checkpoint files",
     "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (meshpar.checkpoint saves ZeRO-1 state with DCP)",
     "parallel_layers.comm": "torch_xla collective helpers over replica-group lists",
     "parallel_layers.layers_utils": "private helpers of NxD's layers",
-    "pipeline.partition": _RUNTIME,
     "pipeline.timeline": _RUNTIME,
     "trainer.checkpoint_storage": "NxD's storage backends (S3, shared memory); checkpoints go to a filesystem path",
 }
@@ -90,6 +90,17 @@ NOT_PROVIDED: dict[str, str] = {
         )
     },
     "pipeline.model.mark_timeline": _RUNTIME,
+    **{
+        f"pipeline.partition.{name}": _RUNTIME
+        for name in (
+            "PipelineIO",
+            "adding_live_obj_for_previous_stages",
+            "analyze_pipeline_module",
+            "analyze_shared_weights_across_stages",
+            "iterate_graph_model_outputs",
+            "partition_traced_model",
+        )
+    },
     "trainer.checkpoint.dcp_utils": "NxD's DCP format for ZeRO-1 state",
     "trainer.checkpoint.g_iostate": "NxD's global asynchronous-save state (saves here are synchronous)",
     "trainer.checkpoint.is_interpreter_active": "NxD's asynchronous-save shutdown check",

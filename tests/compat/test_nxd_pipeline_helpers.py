@@ -1,0 +1,32 @@
+"""NxD's layer-placement helpers (``pipeline.partition``): the cuts its examples pass to ``NxDPPModel``."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpar.compat.nxd.pipeline.partition import create_partitions, stage_to_pipeline_parallel_rank
+
+NAMES = [f"model.layers.{i}" for i in range(10)]
+
+
+@pytest.mark.parametrize(
+    ("stages", "cuts"),
+    [
+        (1, []),
+        (2, ["model.layers.4"]),
+        (3, ["model.layers.2", "model.layers.5"]),  # 3 + 3 + 4: the remainder on the last stages
+        (4, ["model.layers.1", "model.layers.3", "model.layers.6"]),  # 2 + 2 + 3 + 3
+        (10, NAMES[:-1]),
+    ],
+)
+def test_create_partitions_gives_the_remainder_to_the_last_stages(stages: int, cuts: list[str]) -> None:
+    assert create_partitions(stages, NAMES) == cuts
+
+
+def test_create_partitions_refuses_more_stages_than_layers() -> None:
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 pipeline stages"):
+        create_partitions(4, NAMES[:3])
+
+
+def test_virtual_stages_go_round_the_ranks() -> None:
+    assert [stage_to_pipeline_parallel_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
