@@ -69,10 +69,12 @@ def make_replicas_equal(module: nn.Module, dims: ParallelDims, over: Sequence[st
     if not tensors or any(t.is_meta for t in tensors.values()):
         return
     changed: list[str] = []
-    meshes = {"tp": (dims.tp, dims.tp_mesh), "pp": (dims.pp, dims.pp_mesh), "dp": (dims.dp, dims.dp_mesh)}
-    for dim in over:
-        size, mesh = meshes[dim]
-        if size > 1:
+    sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp}
+    # cp never shards a weight: whatever is replicated over dp is replicated over cp too (each cp rank runs a part of
+    # the same sequences with the same weights)
+    for dim in [*over, *(["cp"] if "dp" in over and "cp" not in over else [])]:
+        if sizes[dim] > 1:
+            mesh = getattr(dims, f"{dim}_mesh")
             changed += _broadcast_coalesced(tensors, mesh.get_group(), dims.device)
     if changed:
         names = sorted(set(changed))

@@ -230,3 +230,27 @@ def test_zero1_owns_state_over_dp_and_cp(cp: int, zero1: str) -> None:
     """ZeRO-1 under context parallelism: every weight is replicated over dp x cp, so owners spread over both and the
     optimizer's reduce-scatter sums the cp ranks' shares of each sequence (cp4: dp = 1, cp alone); equal to dense."""
     run_distributed(context_parallel_case, 4, "qwen3", cp, 1, "all_gather", None, zero1)
+
+
+def unequal_replicas_case() -> None:
+    """Every rank builds its model from its own seed (the first rank's values are taken, over dp and cp alike): the
+    step equals the first rank's dense model. Before, the cp ranks kept their own weights, and the context-parallel
+    probe refused the model blaming its attention."""
+    dims = setup_parallel(cp=2)
+    own = build("qwen3")  # build() seeds 0 itself: perturb after, from each rank's own seed
+    torch.manual_seed(100 + torch.distributed.get_rank())
+    with torch.no_grad():
+        for param in own.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    first = copy.deepcopy(own)
+    for param in first.parameters():
+        torch.distributed.broadcast(param.data, src=0)
+    model = meshpar.parallelize(own, {"context_parallel_size": 2})
+    data = batch("qwen3", rows=2 * dims.dp, seq=S)
+    mine = {k: v[2 * dims.dp_rank : 2 * dims.dp_rank + 2] for k, v in data.items()}
+    expected = first(**data)
+    torch.testing.assert_close(model.train_step(**mine), expected.loss.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_cp_replicas_take_the_first_ranks_weights() -> None:
+    run_distributed(unequal_replicas_case, 4)
