@@ -102,12 +102,15 @@ class DataParallelGrads:
         self.mode = mode
         self.dp_mesh = dp_mesh
         self.divisor = dp_mesh.size() if divisor is None else divisor
-        if self.divisor != dp_mesh.size() and mode in ("fsdp", "optimizer"):
-            raise ValueError(
-                f"data-parallel mode {mode!r} reduces over dp alone; context parallelism needs the all-reduce modes"
-            )
         self.expert_dp_mesh = expert_dp_mesh
         self.chunks = list(chunks)
+        fsdp_divisors = {u._meshpar_grad_divisor for c in self.chunks for u in c.modules() if _is_fsdp_unit(u)}
+        wrong = mode == "optimizer" or (mode == "fsdp" and fsdp_divisors != {self.divisor})
+        if self.divisor != dp_mesh.size() and wrong:
+            raise ValueError(
+                f"data-parallel mode {mode!r} divides the grads' sum by its group's size, not by {self.divisor} "
+                "(context parallelism: dp alone); use the all-reduce modes, or apply_fsdp(..., divisor=dp)"
+            )
         experts = [p for chunk in self._chunk_parameters(experts=True) for p in chunk]
         if experts and (expert_dp_mesh is None or mode in ("fsdp", "optimizer")):
             raise ValueError(
@@ -195,6 +198,10 @@ class _GradUsage:
         self.filled: set[str] = set()
 
 
+def _is_fsdp_unit(module: torch.nn.Module) -> bool:
+    return hasattr(module, "_meshpar_grad_divisor")
+
+
 def _unit_parameters(unit: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
     """The parameters one ``fully_shard`` unit manages (its own, not those of nested units), as (name within the
     unit, module, attribute): FSDP swaps sharded and unsharded parameter objects, names stay."""
@@ -264,8 +271,11 @@ def apply_fsdp(
     block_cls: type | tuple[type, ...] | None = None,
     reshard_after_forward: bool = True,
     mp_policy: object | None = None,
+    divisor: int | None = None,
 ) -> torch.nn.Module:
-    """FSDP2 ``fully_shard`` over ``mesh["dp"]`` (per block, then the root), on top of tensor parallelism.
+    """FSDP2 ``fully_shard`` over ``mesh["dp"]`` (per block, then the root), on top of tensor parallelism; under
+    context parallelism over dp x cp (``dims.grad_mesh``), the grads' sum divided by ``divisor`` (dp) instead of the
+    mesh's size.
 
     Apply after TP (and activation checkpointing): parameters that are DTensors on the tp mesh become 2-D
     ``(dp, tp)`` DTensors, sharded over dp between steps and gathered for each block's forward and backward.
@@ -282,6 +292,10 @@ def apply_fsdp(
     units = [m for m in model.modules() if isinstance(m, block_cls)] if block_cls is not None else []
     for unit in [*units, model]:
         fully_shard(unit, **kwargs)
+        if divisor is not None:
+            unit.set_gradient_divide_factor(float(divisor))
+            unit.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no pre-scaled sum)
+        unit._meshpar_grad_divisor = divisor if divisor is not None else dp_mesh.size()
         _give_unused_parameters_zero_grads(unit)  # after fully_shard: its post-backward wraps the inputs outside
     return model
 

@@ -94,10 +94,17 @@ def apply_recipe(
     elif recipe.compile and classes:
         for block in _submodule(module, recipe.blocks):
             block.compile(fullgraph=False)
-    if recipe.fsdp and dims.dp > 1:
+    if recipe.fsdp and dims.grad_mesh.size() > 1:
         # under pp a stage runs each microbatch forward then backward: keep its gathered parameters between the two
-        # instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled)
-        apply_fsdp(module, dims.dp_mesh, block_cls=classes or None, reshard_after_forward=dims.pp == 1)
+        # instead of all-gathering them again (torchtitan: reshard_after_forward = not pp_enabled); under cp over
+        # dp x cp, whose ranks all hold every weight and a share of each grad (summed, then divided by dp)
+        apply_fsdp(
+            module,
+            dims.grad_mesh,
+            block_cls=classes or None,
+            reshard_after_forward=dims.pp == 1,
+            divisor=dims.dp if dims.cp > 1 else None,
+        )
     return module
 
 

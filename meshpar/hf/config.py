@@ -104,7 +104,6 @@ class ParallelConfig:
             others = {
                 "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                 "sequence_parallel": self.sequence_parallel,
-                "fsdp": self.fsdp,
                 "expert_parallel_size > 1": self.expert_parallel_size > 1,
             }
             clash = [name for name, on in others.items() if on]

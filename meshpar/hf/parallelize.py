@@ -260,7 +260,7 @@ class ParallelizedModel(nn.Module):
 
     @property
     def _fsdp(self) -> bool:
-        return self.parallel_config.fsdp and self.dims.dp > 1
+        return self.parallel_config.fsdp and self.dims.grad_mesh.size() > 1
 
     # -- building ------------------------------------------------------------------------------------------------
     def _recipe(self) -> Recipe:

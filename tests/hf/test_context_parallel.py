@@ -39,8 +39,18 @@ def _dense(family: str, window: int | None) -> torch.nn.Module:
     return model
 
 
+def _mine(
+    tensor: torch.Tensor, full: torch.Tensor, module: torch.nn.Module, name: str, param: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's ``tensor``, the dense ``full`` one to compare it with): local shards, or whole tensors for a
+    parameter FSDP shards over dp x cp on top of tp (two shardings of one dim)."""
+    if isinstance(tensor, DTensor) and len(tensor.placements) > 1:
+        return tensor.full_tensor(), in_parameter_layout(full, module, name)
+    return _local(tensor), local_slice(in_parameter_layout(full, module, name), param)
+
+
 def context_parallel_case(
-    family: str, cp: int, tp: int, implementation: str, window: int | None, zero1: str = ""
+    family: str, cp: int, tp: int, implementation: str, window: int | None, zero1: str = "", fsdp: bool = False
 ) -> float:
     dims = setup_parallel(tp=tp, cp=cp)
     dense = _dense(family, window)
@@ -48,6 +58,7 @@ def context_parallel_case(
         "tensor_parallel_size": tp,
         "context_parallel_size": cp,
         "context_parallel_implementation": implementation,
+        "fsdp": fsdp,
     }
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=4, seq=S)
@@ -73,12 +84,12 @@ def context_parallel_case(
         dense_grad = dense.get_parameter(name).grad
         if dense_grad is None:
             continue
-        want = local_slice(in_parameter_layout(dense_grad, model.module, name), param)
-        torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+        got, want = _mine(param.grad, dense_grad, model.module, name, param)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
     optimizer.step()
     for name, param in model.module.named_parameters():
-        want = local_slice(in_parameter_layout(dense.get_parameter(name).detach(), model.module, name), param)
-        torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
+        got, want = _mine(param, dense.get_parameter(name).detach(), model.module, name, param)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():
         evaluated = model.eval_loss(**mine)
     torch.testing.assert_close(evaluated, dense.eval()(**data).loss, atol=1e-5, rtol=1e-5)
@@ -180,7 +191,7 @@ def test_packed_documents_attend_within_themselves(implementation: str) -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [{"pipeline_parallel_size": 2}, {"sequence_parallel": True}, {"fsdp": True}, {"expert_parallel_size": 2},
+    [{"pipeline_parallel_size": 2}, {"sequence_parallel": True}, {"expert_parallel_size": 2},
      {"context_parallel_implementation": "ulysses"}],
 )  # fmt: skip
 def test_layouts_context_parallelism_does_not_compose_with_yet_are_refused_by_the_config(config: dict) -> None:
@@ -254,3 +265,11 @@ def unequal_replicas_case() -> None:
 
 def test_cp_replicas_take_the_first_ranks_weights() -> None:
     run_distributed(unequal_replicas_case, 4)
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 1), _slow(4, 1), _slow(2, 2)])
+def test_fsdp_shards_over_dp_and_cp(cp: int, tp: int) -> None:
+    """FSDP2 under context parallelism (torchtitan's dp_shard_cp): the weights sharded over dp x cp, whose ranks all
+    hold every weight and a share of each grad, the reduce-scatter's sum divided by dp (cp4: dp = 1, cp alone; with
+    tp inside: 2-D DTensors); loss, every grad and the step equal dense."""
+    run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "all_gather", None, "", True)
