@@ -236,13 +236,20 @@ def _run_order(model: nn.Module, holder: nn.Module) -> list[str]:
     for name, child in holder.named_children():
         calls = child[0] if isinstance(child, nn.ModuleList) and len(child) > 0 else child
         handles.append(calls.register_forward_pre_hook(lambda *_, n=name: calls_seen.append(n)))
+    _probe_with_hooks(model, handles)
+    return calls_seen
+
+
+def _probe_with_hooks(
+    model: nn.Module, handles: Sequence[torch.utils.hooks.RemovableHandle], grad: bool = False
+) -> None:
+    """One dense forward (:func:`dense_probe`) with the hooks of ``handles`` installed, removed after it."""
     try:
-        with dense_probe(model) as (forward, _):
+        with dense_probe(model, grad=grad) as (forward, _):
             forward()
     finally:
         for handle in handles:
             handle.remove()
-    return calls_seen
 
 
 def _argument(args: Sequence[object], kwargs: Mapping[str, object], position: ArgPosition) -> object:
@@ -301,12 +308,7 @@ def _layer_calls(model: nn.Module, containers: str | Sequence[str]) -> _LayerCal
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda _m, a, k, i=index: record(i, a, k), with_kwargs=True))
         handles.append(layer.register_forward_hook(lambda _m, _a, out, i=index: output(i, out)))
-    try:
-        with dense_probe(model, grad=True) as (forward, _):
-            forward()
-    finally:
-        for handle in handles:
-            handle.remove()
+    _probe_with_hooks(model, handles, grad=True)
     from_layers = _GraphReach({t.grad_fn for t in outputs if t.grad_fn is not None})
     carried = tuple(
         tuple(
@@ -497,12 +499,7 @@ def _regions(model: nn.Module, pieces: Sequence[str], lists: Sequence[str]) -> t
         module = model.get_submodule(fqn)
         if by_module[id(module)][0] == fqn:
             handles.append(module.register_forward_pre_hook(lambda m, *_: events.append(("piece", id(m)))))
-    try:
-        with dense_probe(model) as (forward, _):
-            forward()
-    finally:
-        for handle in handles:
-            handle.remove()
+    _probe_with_hooks(model, handles)
     order = list(dict.fromkeys(f for kind, f in events if kind == "start"))
     if sorted(order) != sorted(lists):
         raise ValueError(f"{type(model).__name__}: a dense forward runs the layer lists {order}, not {list(lists)}")

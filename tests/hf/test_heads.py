@@ -221,9 +221,13 @@ def double_heads_case(rows: tuple[int, int], with_labels: bool = True) -> dict:
     trains its ``loss``, the language model's, over the global batch's scored tokens (the ``[batch, choices, seq]``
     labels shifted along the sequence)."""
     torch.manual_seed(0)
-    dense = _double_heads()
+    return _step_on_two_replicas(_double_heads(), _double_heads_batch(sum(rows), with_labels), rows)
+
+
+def _step_on_two_replicas(dense: torch.nn.Module, data: dict, rows: tuple[int, int]) -> dict:
+    """``train_step`` at dp=2 with ``rows`` of ``data`` on each replica: its loss and the dense model's on all of
+    them, or the refusal."""
     parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
-    data = _double_heads_batch(sum(rows), with_labels)
     start = 0 if parallel.dims.dp_rank == 0 else rows[0]
     mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
     try:
@@ -245,21 +249,13 @@ def own_loss_case(rows: tuple[int, int], unscored: bool = False) -> dict:
     """BERT's pre-training heads (masked LM plus next-sentence prediction, one loss meshpar does not compute) keep
     the model's own loss, a mean over each replica's rows: exact only with equal rows and nothing unscored."""
     torch.manual_seed(0)
-    dense = _bert(BertForPreTraining)
-    parallel = meshpar.parallelize(copy.deepcopy(dense), {"data_parallel_size": 2})
     generator = torch.Generator().manual_seed(6)
     total = sum(rows)
     ids = torch.randint(0, 64, (total, 8), generator=generator)
     data = {"input_ids": ids, "labels": ids.clone(), "next_sentence_label": torch.zeros(total).long()}
     if unscored:
         data["labels"][0, 3:] = -100
-    start = 0 if parallel.dims.dp_rank == 0 else rows[0]
-    mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
-    try:
-        loss = parallel.train_step(**mine).item()
-    except ValueError as error:
-        return {"refused": str(error)}
-    return {"loss": loss, "dense": dense(**data).loss.item()}
+    return _step_on_two_replicas(_bert(BertForPreTraining), data, rows)
 
 
 def test_head_with_the_models_own_loss_is_exact_with_equal_rows_and_refused_otherwise() -> None:
