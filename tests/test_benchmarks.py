@@ -38,6 +38,7 @@ RUNS = {
     "peers": "bench_peers.py --layers 2 --hidden 64 --heads 2 --seq 16 --batch 2 --vocab 128 --rounds 1",
     "ep": "bench_ep.py --layers 1 --hidden 32 --seq 16 --batch 4 --rounds 1",
     "cp": "bench_cp.py --layers 1 --hidden 32 --seq 16 --rounds 1",
+    "projection": "bench_projection.py --deepseek-layers 2 --llama-layers 1 --layouts tp8 ep8 cp1 cp8",
 }
 
 
@@ -194,3 +195,24 @@ def test_bench_cp_prints_every_layout() -> None:
     assert set(rows) == {"cp1", "cp2 all_gather", "cp2 ring"}, out
     assert rows["cp1"][1] == "0" and rows["cp2 all_gather"][1] == rows["cp2 ring"][1] != "0"
     assert rows["cp2 ring"][0] == 2 * rows["cp1"][0]
+
+
+def test_bench_projection_shards_at_scale_on_the_fake_process_group() -> None:
+    """DeepSeek-V3-shaped layers on 64 fake ranks and Llama-3-8B-shaped ones at cp8, sharded by meshpar's real plans
+    on meta: ep8 holds expert weights over ep, tp8 none; at top-8 over ep8 an MoE layer moves as many bytes as tp8's
+    all-reduces for the same global batch; cp shards no weight, splits the tokens, and exchanges K/V."""
+    out = _run("projection")
+    ds = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(r"^(tp8|ep8)\s+([\d.]+) B\s+(\d+)%\s+(\d+)\s+(\d+)\s+(\d+)", out, re.M)
+    }
+    assert set(ds) == {"tp8", "ep8"}, out
+    assert ds["tp8"][1] == "0" and int(ds["ep8"][1]) > 0
+    assert ds["tp8"][4] == ds["ep8"][4]  # MiB per MoE layer: k = 8 rows per token over ep8 = tp8's all-reduces
+    ll = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(r"^(cp1|cp8)\s+([\d.]+) B\s+([\d,]+)\s+(\d+)\s+(\d+)", out, re.M)
+    }
+    assert set(ll) == {"cp1", "cp8"}, out
+    assert ll["cp1"][0] == ll["cp8"][0] and ll["cp1"][3] == "0" and ll["cp8"][3] != "0"
+    assert int(ll["cp1"][1].replace(",", "")) == 8 * int(ll["cp8"][1].replace(",", ""))
