@@ -391,3 +391,14 @@ def batch(family: str, rows: int = 4, seq: int = 16, vocab: int = VOCAB) -> dict
     if family == "bert_cls":
         return {"input_ids": ids, "labels": torch.randint(0, 3, (rows,), generator=generator)}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def adamw_for(model: torch.nn.Module, zero1: str, **adamw: float) -> object:
+    """The step's optimizer: torch's AdamW over the model's parameters (``zero1`` empty), or meshpar's ZeRO-1
+    (``"zero1"``; ``"reduce_scatter"``: reducing the raw grads itself, so ``train_step(sync_dp_grads=False)``)."""
+    if not zero1:
+        return torch.optim.AdamW(model.parameters(), **adamw)
+    from meshpar.optim import DistributedOptimizer
+
+    scatter = zero1 == "reduce_scatter"
+    return DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=scatter, **adamw)

@@ -13,9 +13,8 @@ import torch
 import meshpar
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
-from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
-from tests.hf._configs import batch, build
+from tests.hf._configs import adamw_for, batch, build
 
 S = 16
 
@@ -73,11 +72,7 @@ def context_parallel_case(
     torch.optim.AdamW(dense.parameters(), **adamw).step()
     share = 4 // dims.dp
     mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
-    if zero1:  # meshpar's ZeRO-1 ("reduce_scatter": reducing the raw grads itself, so they are not compared)
-        scatter = zero1 == "reduce_scatter"
-        optimizer = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=scatter, **adamw)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    optimizer = adamw_for(model, zero1, **adamw)  # "reduce_scatter": raw grads, so they are not compared
     loss = model.train_step(**mine, sync_dp_grads=zero1 != "reduce_scatter")
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     for name, param in model.module.named_parameters() if zero1 != "reduce_scatter" else ():

@@ -16,7 +16,7 @@ from meshpar._shards import in_parameter_layout, local_slice
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from meshpar.testing.dispatch import AtenOps
-from tests.hf._configs import batch, build
+from tests.hf._configs import adamw_for, batch, build
 
 
 def _slow(*values: object) -> object:
@@ -57,11 +57,7 @@ def expert_parallel_case(
     torch.optim.AdamW(dense.parameters(), **adamw).step()
     share = rows // dims.dp
     mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
-    if zero1:
-        scatter = zero1 == "reduce_scatter"
-        optimizer = DistributedOptimizer(model, torch.optim.AdamW, zero1=True, reduce_scatter_grads=scatter, **adamw)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    optimizer = adamw_for(model, zero1, **adamw)
     loss = model.train_step(**mine, sync_dp_grads=zero1 != "reduce_scatter")
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
     modules = model.local_modules()
