@@ -3,10 +3,11 @@
 ``neuronx_distributed_config(...)`` fills NxD's defaults and (in a distributed job) sets up the parallel state;
 ``initialize_parallel_model(config, model_fn, ...)`` builds the model (on ``meta`` with ``meta_device_init``),
 wraps it in ``NxDPPModel`` at pp > 1 (``pipeline_config`` holds its arguments), moves it to the process's device,
-pads it, applies activation checkpointing and returns an ``NxDModel``; ``initialize_parallel_optimizer`` builds the
-optimizer (ZeRO-1 with ``optimizer_config["zero_one_enabled"]``) and returns an ``NxDOptimizer``. LoRA configs are
-refused (meshpar has no LoRA); mixed-precision settings ``use_master_weights`` / ``use_fp32_grad_acc`` keep fp32
-master copies / reduce in fp32 in the ZeRO-1 optimizer.
+adds LoRA adapters (``lora_config``: a ``LoraModel`` around it, :mod:`meshpar.compat.nxd.modules.lora`), pads it,
+applies activation checkpointing and returns an ``NxDModel``; ``initialize_parallel_optimizer`` builds the
+optimizer (ZeRO-1 with ``optimizer_config["zero_one_enabled"]``) and returns an ``NxDOptimizer``. Mixed-precision
+settings ``use_master_weights`` / ``use_fp32_grad_acc`` keep fp32 master copies / reduce in fp32 in the ZeRO-1
+optimizer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar.compat.nxd import xla
+from meshpar.compat.nxd.modules.lora import LoraModel
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.parallel_layers.pad import pad_model as _pad_model
@@ -61,8 +63,6 @@ def neuronx_distributed_config(
     lnc_size: int = 1,
 ) -> dict[str, Any]:
     """NxD's training config with its defaults filled in; sets up the parallel state when torch.distributed is."""
-    if lora_config is not None:
-        raise NotImplementedError("neuronx_distributed_config(lora_config=...): meshpar has no LoRA support")
     if optimizer_config is None:
         optimizer_config = {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": 1.0}
     elif not isinstance(optimizer_config, dict):
@@ -121,6 +121,8 @@ def _initialize_state(config: dict[str, Any]) -> None:
 
 def _checkpointed_classes(config: dict[str, Any], model: nn.Module, base_model: nn.Module) -> tuple[type, ...]:
     choice = config["activation_checkpoint_config"]
+    if isinstance(model, LoraModel):
+        model = model.get_base_model()
     if choice == "full":
         if isinstance(model, NxDPPModel):
             return (model.transformer_layer_cls,)
@@ -158,6 +160,8 @@ def initialize_parallel_model(
         pipeline_config.update(param_init_fn=param_init_fn, use_model_wrapper=True)
         model = NxDPPModel(model, **pipeline_config)
     model = get_model_sequential(model, xla.xla_device(), init["sequential_move_factor"], param_init_fn)
+    if nxd_config.get("lora_config") is not None:
+        model = LoraModel(model, nxd_config["lora_config"])
     if nxd_config["pad_model"]:
         if not is_hf_pretrained_model(base_model):
             raise ValueError("pad_model=True is supported for HuggingFace models only (as in NxD)")
