@@ -19,8 +19,6 @@ _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 _TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative drafts) with no CPU/CUDA meaning"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 MODULES_NOT_PROVIDED: dict[str, str] = {
-    "modules.moe": "NxD's own mixture-of-experts layers (router, expert MLPs, token permutation): meshpar's expert "
-    "parallelism runs HF's MoE blocks (expert_parallel_size), not these modules",
     "optimizer.convert_zero_checkpoints": "converters of NxD's ZeRO-1 checkpoint files",
     "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (meshpar.checkpoint saves ZeRO-1 state with DCP)",
     "parallel_layers.comm": "torch_xla collective helpers over replica-group lists",

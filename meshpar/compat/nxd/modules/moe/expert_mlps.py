@@ -1,0 +1,250 @@
+"""``neuronx_distributed.modules.moe.expert_mlps``: ``ExpertMLPs``, every expert's MLP over the tokens routed to it.
+
+The experts' weights are split over tp along the intermediate dim (NxD's layout, the parameters plain local shards
+with NxD's attributes): ``mlp_op.gate_up_proj.weight`` ``[E, H, 2I/tp]`` (each rank's gate columns then its up
+columns; ``mlp_op.up_proj.weight`` ``[E, H, I/tp]`` without a gate) and ``mlp_op.down_proj.weight``
+``[E, I/tp, H]``. The output is each rank's partial sum over its intermediate slice; the ``MoE`` layer sums it over tp
+once, after the experts' outputs are combined (NxD's delayed all-reduce).
+
+Routing to experts (training): each token goes to its ``top_k`` experts, its output the sum of their outputs
+weighted by the token's affinities for them (renormalised over the chosen experts with
+``normalize_top_k_affinities``). With a ``capacity_factor`` each expert takes at most
+``C = min(T, ceil(T * top_k * capacity_factor / E))`` tokens, first come first served in token order, and the rest
+of its tokens are dropped for that expert (their affinity for it set to zero before any renormalisation: NxD's
+policy); a factor of at least ``E / top_k`` (or ``None``) drops nothing. NxD's blockwise path
+(``capacity_factor <= 0``) is dropless, so it computes what ``None`` does. Each expert computes only the tokens it
+takes. Expert parallelism is not part of this view (``expert_model_parallel_size`` 1; meshpar's own expert
+parallelism shards HF's MoE blocks: ``parallelize(model, {"expert_parallel_size": ...})``); NxD's Neuron kernel
+options are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshpar.compat.nxd.modules.moe.model_utils import ACT2FN, GLUType
+from meshpar.compat.nxd.parallel_layers import parallel_state
+from meshpar.compat.nxd.parallel_layers.layers import create_local_weight
+from meshpar.compat.nxd.parallel_layers.mappings import copy_to_tensor_model_parallel_region, group_mesh
+from meshpar.compat.nxd.parallel_layers.utils import divide, set_tensor_model_parallel_attributes
+
+
+class _ShareOfReplicated(torch.autograd.Function):
+    """A replicated weight's ``1/tp`` share in a tp-partial sum (the sum over tp holds it once), with the grad of the
+    whole weight: every rank's incoming grad is the same (the sum's grad reaches each rank whole), so passing it
+    through unscaled is the sum of the ranks' shares' grads, and the replicas stay equal."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, tp: int) -> torch.Tensor:
+        return weight / tp
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, tp: int) -> nn.Parameter:
+    local = create_local_weight(full, dim, full.shape[dim] // tp, stride)
+    param = nn.Parameter(local.contiguous())
+    set_tensor_model_parallel_attributes(param, True, dim, stride, tp)
+    return param
+
+
+class _ExpertProjection(nn.Module):
+    """One projection of every expert: ``weight`` ``[E, in, out]`` (the local shard), optional ``bias``."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
+class _Experts(nn.Module):
+    """The experts' MLPs (NxD's ``Experts``: ``gate_up_proj`` or ``up_proj``, then ``down_proj``)."""
+
+    def __init__(self, mlps: ExpertMLPs, init_method: Callable | None, output_init_method: Callable | None) -> None:
+        super().__init__()
+        config = mlps
+        tp = mlps.tp_mesh.size()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
+        divide(inter, tp)
+
+        def full(rows: int, cols: int, method: Callable | None) -> torch.Tensor:
+            weight = torch.empty(experts, rows, cols, dtype=config.dtype)
+            for e in range(experts):  # each expert's [in, out] matrix initialised alone, as NxD does
+                if method is None:
+                    nn.init.kaiming_uniform_(weight[e], a=math.sqrt(5))
+                else:
+                    method(weight[e])
+            return weight.to(config.device)
+
+        def bias(size: int, fan_in: int) -> torch.Tensor:
+            bound = 1 / math.sqrt(fan_in)
+            return torch.empty(experts, size, dtype=config.dtype).uniform_(-bound, bound).to(config.device)
+
+        columns = 2 * inter if config.glu_mlp else inter
+        up_weight = _sharded_parameter(full(hidden, columns, init_method), 2, 2 if config.glu_mlp else 1, tp)
+        up_bias = _sharded_parameter(bias(columns, hidden), 1, 2 if config.glu_mlp else 1, tp) if config.bias else None
+        setattr(self, "gate_up_proj" if config.glu_mlp else "up_proj", _ExpertProjection(up_weight, up_bias))
+        down_weight = _sharded_parameter(full(inter, hidden, output_init_method), 1, 1, tp)
+        down_bias = nn.Parameter(bias(hidden, inter)) if config.bias else None
+        self.down_proj = _ExpertProjection(down_weight, down_bias)
+
+
+class ExpertMLPs(nn.Module):
+    """The routed experts' MLPs (see the module docstring); ``forward(hidden_states [T, H], expert_affinities
+    [T, E], expert_index [T, k], seq_len)`` returns this rank's partial ``[T, H]`` output."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        glu_mlp: bool,
+        capacity_factor: float | None,
+        sequence_parallel_enabled: bool = False,
+        block_size: int | None = None,
+        normalize_top_k_affinities: bool = False,
+        bias: bool = False,
+        glu_type: GLUType | str | None = GLUType.GLU,
+        hidden_act_scaling_factor: float = 1.0,
+        hidden_act_bias: float = 0.0,
+        gate_clamp_upper_limit: float | None = None,
+        gate_clamp_lower_limit: float | None = None,
+        up_clamp_upper_limit: float | None = None,
+        up_clamp_lower_limit: float | None = None,
+        return_bias: bool = False,
+        init_method: Callable | None = nn.init.kaiming_uniform_,
+        output_layer_init_method: Callable | None = nn.init.kaiming_uniform_,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tensor_model_parallel_group: Any = None,
+        expert_model_parallel_group: Any = None,
+        **neuron_kernel_options: Any,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"Invalid top_k={top_k} for num_experts={num_experts}")
+        if hidden_act not in ACT2FN:
+            raise ValueError(f"Unknown activation: {hidden_act} ; Supported: {list(ACT2FN)}")
+        if normalize_top_k_affinities and top_k == 1:
+            raise ValueError("top_k must be greater than 1 for normalizing top-k expert affinities")
+        if return_bias:
+            raise NotImplementedError("Returning bias is currently unsupported for MoE")
+        if neuron_kernel_options.get("expert_distribution") is not None:
+            raise NotImplementedError("expert_distribution places experts on expert-parallel ranks; this view runs "
+                                      "NxD's MoE at expert_model_parallel_size 1")  # fmt: skip
+        if capacity_factor is not None and (capacity_factor <= 0 or capacity_factor >= num_experts / top_k):
+            capacity_factor = None  # blockwise (dropless) or a capacity no expert can exceed: nothing dropped
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.intermediate_size, self.hidden_act, self.glu_mlp = intermediate_size, hidden_act, glu_mlp
+        self.capacity_factor, self.block_size = capacity_factor, block_size
+        self.normalize_top_k_affinities, self.bias = normalize_top_k_affinities, bias
+        self.glu_type = GLUType.validate(glu_type) if glu_mlp else glu_type
+        self.hidden_act_scaling_factor, self.hidden_act_bias = hidden_act_scaling_factor, hidden_act_bias
+        self.gate_limits = (gate_clamp_lower_limit, gate_clamp_upper_limit)
+        self.up_limits = (up_clamp_lower_limit, up_clamp_upper_limit)
+        self.sequence_parallel_enabled, self.return_bias = sequence_parallel_enabled, return_bias
+        self.dtype, self.device = dtype, device
+        self.tensor_parallel_group = (
+            tensor_model_parallel_group
+            if tensor_model_parallel_group is not None
+            else parallel_state.get_tensor_model_parallel_group()
+        )
+        self.tp_mesh = group_mesh(self.tensor_parallel_group)
+        self.mlp_op = _Experts(self, init_method, output_layer_init_method)
+
+    # -- routing ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def get_expert_mask(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """``[T, E]``: 1 where the token chose the expert (a k-hot row per token)."""
+        mask = torch.zeros(expert_index.shape[0], num_experts, dtype=torch.float64, device=expert_index.device)
+        return mask.scatter_add_(1, expert_index, torch.ones_like(expert_index, dtype=torch.float64))
+
+    @staticmethod
+    def get_expert_affinities_masked(
+        expert_affinities: torch.Tensor, expert_mask: torch.Tensor, normalize_top_k_affinities: bool
+    ) -> torch.Tensor:
+        """The affinities of the kept (token, expert) pairs, zero elsewhere (renormalised to sum 1 per token)."""
+        masked = expert_affinities.masked_fill(expert_mask == 0, 0)
+        if normalize_top_k_affinities:
+            masked = masked / masked.abs().sum(dim=1, keepdim=True).clamp_min(1e-12)
+        return masked
+
+    def expert_capacity(self, total_tokens: int) -> int:
+        if self.capacity_factor is None:
+            return total_tokens
+        wanted = math.ceil(total_tokens * self.top_k * self.capacity_factor / self.num_experts)
+        return min(wanted, total_tokens)
+
+    def _kept(self, expert_index: torch.Tensor, total_tokens: int) -> torch.Tensor:
+        """The ``[T, E]`` mask of (token, expert) pairs that are computed: each expert's first ``C`` tokens."""
+        mask = self.get_expert_mask(expert_index, self.num_experts)
+        if self.capacity_factor is not None:
+            position = mask.cumsum(dim=0)  # 1-based arrival order of each token at each expert
+            mask = mask.masked_fill(position > self.expert_capacity(total_tokens), 0)
+        return mask
+
+    # -- the experts' MLPs ----------------------------------------------------------------------------------------
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACT2FN[self.hidden_act]
+        if not self.glu_mlp:
+            return act(x)
+        gate, up = x.chunk(2, dim=-1)  # this rank's gate columns, then its up columns
+        if any(v is not None for v in self.gate_limits):
+            gate = gate.clamp(*self.gate_limits)
+        if any(v is not None for v in self.up_limits):
+            up = up.clamp(*self.up_limits)
+        activated = act(self.hidden_act_scaling_factor * gate)
+        if self.glu_type == GLUType.SWIGLU:
+            activated = gate * activated
+        return activated * (up + self.hidden_act_bias)
+
+    def _expert(self, e: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s partial output (this rank's intermediate slice) for ``tokens`` ``[n, H]``."""
+        op = self.mlp_op
+        up = op.gate_up_proj if self.glu_mlp else op.up_proj
+        hidden = tokens @ up.weight[e]
+        if up.bias is not None:
+            hidden = hidden + up.bias[e]
+        return self._activation(hidden) @ op.down_proj.weight[e]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        expert_affinities: torch.Tensor,
+        expert_index: torch.Tensor,
+        seq_len: int | None = None,
+        padding_mask: torch.Tensor | None = None,
+        expert_affinities_masked_full: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's partial output ``[T, H]``: per token the affinity-weighted sum of its kept experts' outputs
+        (``padding_mask`` ``[B, S]``: padded tokens' affinities zeroed)."""
+        total = hidden_states.shape[0]
+        kept = self._kept(expert_index, total)
+        affinities = self.get_expert_affinities_masked(expert_affinities, kept, self.normalize_top_k_affinities)
+        if padding_mask is not None:
+            affinities = affinities * padding_mask.reshape(-1, 1).to(affinities.dtype)
+        x = copy_to_tensor_model_parallel_region(hidden_states, self.tensor_parallel_group)
+        output = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            rows = kept[:, e].nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            out = self._expert(e, x[rows]) * affinities[rows, e].unsqueeze(1).to(hidden_states.dtype)
+            output = output.index_add(0, rows, out)
+        down_bias = self.mlp_op.down_proj.bias
+        if down_bias is not None:  # each token's affinity-weighted expert biases, a 1/tp share on every rank
+            share = _ShareOfReplicated.apply(down_bias, self.tp_mesh.size())
+            output = output + affinities.to(down_bias.dtype) @ share
+        return output
+
+
+__all__ = ["ExpertMLPs"]
