@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -185,7 +184,6 @@ def traced_stages(
     tracer_cls: Any = None,
     autowrap_modules: tuple | None = None,
     autowrap_functions: tuple | None = None,
-    trace_file_path: str | None = None,
     device: torch.device | None = None,
 ) -> tuple[list[tuple[int, nn.Module, list[str]]], StagePlan]:
     """This rank's stages ``[(stage_index, GraphModule, model inputs it reads), ...]`` and the stage plan."""
@@ -213,8 +211,6 @@ def traced_stages(
         autowrap_modules=autowrap_modules,
         autowrap_functions=autowrap_functions,
     )
-    if trace_file_path is not None:
-        Path(trace_file_path).write_text(traced.code)
     stage_of = _stage_of_nodes(traced.graph, _cut_layers(plan))
     stages = []
     for index in range(pp_rank, num_stages, pp):

@@ -21,10 +21,6 @@ _TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative
 MODULES_NOT_PROVIDED: dict[str, str] = {
     "optimizer.convert_zero_checkpoints": "converters of NxD's ZeRO-1 checkpoint files",
     "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (meshpar.checkpoint saves ZeRO-1 state with DCP)",
-    "parallel_layers.comm": "torch_xla collective helpers over replica-group lists",
-    "parallel_layers.layers_utils": "private helpers of NxD's layers",
-    "pipeline.timeline": _RUNTIME,
-    "trainer.checkpoint_storage": "NxD's storage backends (S3, shared memory); checkpoints go to a filesystem path",
 }
 # single names meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 NOT_PROVIDED: dict[str, str] = {
@@ -82,7 +78,6 @@ NOT_PROVIDED: dict[str, str] = {
             "set_tensor_model_parallel_size",
         )
     },
-    "pipeline.model.mark_timeline": _RUNTIME,
     **{
         f"pipeline.partition.{name}": _RUNTIME
         for name in (

@@ -6,20 +6,22 @@ Two ways to cut the module, both keeping the original FQNs. Given a ``loss_fn`` 
 split by structure (the layers of ``transformer_layer_cls`` in one container, :mod:`meshpar.pipeline.split`) and
 stages run the module's own submodules; the last stage computes ``loss_fn(output, **microbatch)``. Without one (NxD's
 own usage: the loss is computed inside ``forward`` and picked with ``output_loss_value_spec``), or when one of NxD's
-tracing arguments is given (``leaf_module_cls``, ``autowrap_functions``, ``autowrap_modules``, ``tracer_cls``,
-``trace_file_path``), the forward is traced with torch.fx and cut after layers (:mod:`meshpar.pipeline.trace`).
+tracing arguments is given (``leaf_module_cls``, ``autowrap_functions``, ``autowrap_modules``, ``tracer_cls``), the
+forward is traced with torch.fx and cut after layers (:mod:`meshpar.pipeline.trace`).
 Every stage receives the microbatch's keyword inputs; the first stage calls the module with the ``input_names``
 inputs, later stages with the received activation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from meshpar.compat.nxd.pipeline.timeline import PPTimeline
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
@@ -27,7 +29,17 @@ from meshpar.pipeline.split import build_stages, plan_stages
 from meshpar.pipeline.trace import traced_stages
 from meshpar.replicas import make_replicas_equal
 
-__all__ = ["INPUTS_ARG_NAME", "LABLES_ARG_NAME", "NxDPPModel"]
+__all__ = ["INPUTS_ARG_NAME", "LABLES_ARG_NAME", "NxDPPModel", "mark_timeline"]
+
+
+@contextmanager
+def mark_timeline(timeline: PPTimeline, msg: str) -> Iterator[None]:
+    """A span named ``msg`` on ``timeline`` around the block (ended even if the block raises)."""
+    timeline.mark_event_start(msg)
+    try:
+        yield
+    finally:
+        timeline.mark_event_end(msg)
 
 
 INPUTS_ARG_NAME = "inputs"  # a manually partitioned pipeline's model input
@@ -192,7 +204,6 @@ class NxDPPModel(PipelineModel):
             "autowrap_functions": autowrap_functions,
             "autowrap_modules": autowrap_modules,
             "tracer_cls": tracer_cls,
-            "trace_file_path": trace_file_path,
         }
         trace_it = loss_fn is None or any(value is not None for value in tracing.values())
         if trace_it and param_init_fn is not None:
@@ -260,6 +271,7 @@ class NxDPPModel(PipelineModel):
         self.return_loss_on_cpu = return_loss_on_cpu
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
+        self.timeline = PPTimeline(trace_file_path, dims.pp_rank)  # NxD's trace file: a timeline of the steps
 
     @property
     def local_stage_modules(self) -> list[nn.Module]:
@@ -267,7 +279,9 @@ class NxDPPModel(PipelineModel):
         return self.local_modules()
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
-        loss = super()._run(forward_only, inputs, keep_outputs)
+        with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
+            loss = super()._run(forward_only, inputs, keep_outputs)
+        self.timeline.mark_step_end()
         result = self.last_losses if self.return_mb_loss else loss
         if self.return_loss_on_cpu and result is not None:
             if isinstance(result, list):
