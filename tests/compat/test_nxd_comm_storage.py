@@ -14,6 +14,7 @@ import torch
 
 from meshpar.testing import run_distributed
 from tests.compat.test_nxd_trainer import Block, Net, S, V
+from tests.seeds._dense import copy_dense_into
 
 
 def comm_case() -> None:
@@ -157,3 +158,93 @@ def test_nxd_pipeline_timeline(tmp_path) -> None:
         assert mine.count(("train_step", "B")) == 2 and mine.count(("train_step", "E")) == 2
         assert mine.count(("eval_step", "B")) == 1 and mine.count(("eval_step", "E")) == 1
     assert {pid for pid, _, _ in spans} == {0, 1}
+
+
+def _zero1_setup(tmp: str):
+    import meshpar.compat.nxd as nxd
+
+    config = nxd.neuronx_distributed_config(
+        tensor_parallel_size=2, optimizer_config={"zero_one_enabled": True, "grad_clipping": False}
+    )
+    dense = Net(parallel=False, layers=2)
+
+    def build() -> torch.nn.Module:
+        module = Net(parallel=True, layers=2)
+        copy_dense_into(module, dict(dense.named_parameters()))
+        return module
+
+    model = nxd.initialize_parallel_model(config, build)
+    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=1e-2)
+    dense_optimizer = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    return nxd, model, optimizer, dense, dense_optimizer
+
+
+def _step(model, optimizer, dense, dense_optimizer, seed: int) -> None:
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    torch.manual_seed(seed)
+    ids, labels = torch.randint(0, V, (4, S)), torch.randint(0, V, (4, S))
+    rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    model.run_train(ids[rows], labels[rows])
+    optimizer.step()
+    optimizer.zero_grad()
+    torch.stack([dense(ids[r * 4 // dp : (r + 1) * 4 // dp], labels[r * 4 // dp : (r + 1) * 4 // dp])
+                 for r in range(dp)]).mean().backward()  # fmt: skip
+    dense_optimizer.step()
+    dense_optimizer.zero_grad()
+
+
+def zero1_save_case(tmp: str) -> None:
+    """tp 2 x dp 2 with ZeRO-1: two steps equal to dense, then an NxD checkpoint and the dense state beside it."""
+    from tests.seeds._dense import assert_params_match
+
+    nxd, model, optimizer, dense, dense_optimizer = _zero1_setup(tmp)
+    for seed in (1, 2):
+        _step(model, optimizer, dense, dense_optimizer, seed)
+    assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
+    nxd.save_checkpoint(tmp, "s2", model=model, optimizer=optimizer)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"model": dense.state_dict(), "optimizer": dense_optimizer.state_dict()}, f"{tmp}/dense.pt")
+    torch.distributed.barrier()
+
+
+def zero1_resume_case(tmp: str, tag: str) -> None:
+    """The checkpoint loads at another dp size and the next step equals the dense run's third."""
+    from tests.seeds._dense import assert_params_match
+
+    nxd, model, optimizer, dense, dense_optimizer = _zero1_setup(tmp)
+    saved = torch.load(f"{tmp}/dense.pt", weights_only=False)
+    dense.load_state_dict(saved["model"])
+    dense_optimizer.load_state_dict(saved["optimizer"])
+    nxd.load_checkpoint(tmp, tag=tag, model=model, optimizer=optimizer)
+    assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
+    _step(model, optimizer, dense, dense_optimizer, 3)
+    assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
+
+
+def test_nxd_zero1_checkpoint_loads_at_another_dp_size_and_converts(tmp_path) -> None:
+    from meshpar.compat.nxd.optimizer import convert_zero_checkpoints as convert
+
+    run_distributed(zero1_save_case, 4, str(tmp_path))  # tp 2 x dp 2
+    run_distributed(zero1_resume_case, 2, str(tmp_path), "s2")  # tp 2 x dp 1: both dp ranks' shares read back
+    tag = tmp_path / "s2"
+    args = type("Args", (), {"input_dir": str(tag)})()
+    assert convert.get_parallel_info(args) == (2, 2, 1) and not convert.is_full(args) and not convert.is_xser(args)
+    full = tmp_path / "full"
+    convert.main(["--input_dir", str(tag), "--output_dir", str(full), "--convert_to_full"])
+    assert sorted(p.name for p in (full / "optim").iterdir()) == [f"full_tp_rank_0{t}_pp_rank_00.pt" for t in (0, 1)]
+    merged = convert.merge_optim_dp_checkpoints(args, 0, 0)["state"]["state"]
+    assert set(merged) == set(torch.load(full / "optim" / "full_tp_rank_00_pp_rank_00.pt",
+                                         weights_only=False)["state"]["state"])  # fmt: skip
+    # the full states in place of the dp files: the checkpoint still loads (and resumes) at dp 1
+    for old in (tag / "optim").iterdir():
+        old.unlink()
+    for new in (full / "optim").iterdir():
+        new.rename(tag / "optim" / new.name)
+    run_distributed(zero1_resume_case, 2, str(tmp_path), "s2")
+    with pytest.raises(ValueError, match="full optim states to full"):
+        convert.main(["--input_dir", str(tag), "--output_dir", str(full), "--convert_to_full"])
+    resharded = tmp_path / "dp4"
+    convert.main(["--input_dir", str(tag), "--output_dir", str(resharded), "--convert_to_sharded", "--dp_size", "4"])
+    assert len(list((resharded / "optim").iterdir())) == 8  # 4 dp x 2 tp files

@@ -19,8 +19,8 @@ _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 _TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative drafts) with no CPU/CUDA meaning"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 MODULES_NOT_PROVIDED: dict[str, str] = {
-    "optimizer.convert_zero_checkpoints": "converters of NxD's ZeRO-1 checkpoint files",
-    "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (meshpar.checkpoint saves ZeRO-1 state with DCP)",
+    "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (the view's ZeRO-1 files reshard across dp "
+    "without it; meshpar.checkpoint saves ZeRO-1 state with DCP)",
 }
 # single names meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 NOT_PROVIDED: dict[str, str] = {

@@ -214,7 +214,7 @@ def other_layout_case(tmp: str, tp: int) -> None:
 
 def test_nxd_checkpoint_at_another_layout_is_refused_on_every_rank(tmp_path) -> None:
     run_distributed(other_layout_case, 4, str(tmp_path), 2)
-    with pytest.raises(AssertionError, match="do not reshard") as info:
+    with pytest.raises(AssertionError, match="reshard across dp only") as info:
         run_distributed(other_layout_case, 4, str(tmp_path), 4)
     assert str(info.value).count("ValueError: load_checkpoint failed on rank") == 4
 

@@ -11,8 +11,11 @@
 
 Every file is written to a temporary name and renamed, and a tag counts only once its ``done`` marker exists, so a
 save killed half way leaves the previous checkpoint as the newest one. Each file records the tp / pp / dp layout it
-was written at; loading at another layout is refused on every rank (this format does not reshard, as NxD's does not:
-:mod:`meshpar.checkpoint` does). ``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
+was written at. A checkpoint loads at another dp size (the model and a plain optimizer's state come from dp rank 0;
+a ZeRO-1 optimizer's, split by parameter over the saved dp ranks, is put back together from every saved dp rank's
+file, or from ``optim/full_tp_rank_XX_pp_rank_YY.pt`` written by ``convert_zero_checkpoints``); another tp or pp
+size is refused on every rank (:mod:`meshpar.checkpoint` reshards those too).
+``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
 (``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers`` /
 ``use_zero1_dcp`` (Neuron's serialisation and its throttling) change nothing.
 """
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
+from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
 from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
@@ -143,16 +147,34 @@ def save_checkpoint(
     dist.barrier()
 
 
+def _same_tp_pp(saved: dict[str, int] | None) -> bool:
+    now = _layout()
+    return saved is not None and (saved["tp"], saved["pp"]) == (now["tp"], now["pp"])
+
+
 def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
+    """This rank's part: ``(None, state)``, or ``(why not, None)``. The dp size may differ from the save's."""
     file = directory / relative
     if not file.exists():
         return f"{file} does not exist (saved at another layout, or without this part)", None
     payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
-    if payload.get("layout") != _layout():
+    if not _same_tp_pp(payload.get("layout")):
         return (
-            f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints do not "
-            "reshard (meshpar.checkpoint does)"
+            f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints reshard "
+            "across dp only (meshpar.checkpoint reshards across tp and pp too)"
         ), None
+    return None, payload["state"]
+
+
+def merged_zero1_state(directory: Path, tp_rank: int, pp_rank: int) -> tuple[str | None, Any]:
+    """This (tp, pp) rank's ZeRO-1 state with every parameter's entry, from the saved dp ranks' files (or the
+    converter's full file): ``(None, state)`` or ``(why not, None)``."""
+    try:
+        payload = read_full_state(directory / "optim", tp_rank, pp_rank, map_location=get_parallel().device)
+    except (FileNotFoundError, ValueError) as error:
+        return str(error), None
+    if not _same_tp_pp(payload["layout"]):
+        return f"{directory} was saved at tp / pp {payload['layout']}, this run is {_layout()}", None
     return None, payload["state"]
 
 
@@ -185,7 +207,13 @@ def load_checkpoint(
         zero1 = _is_zero1(optimizer, False) or (
             isinstance(optimizer, dict) and (directory / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").exists()
         )
-        error, state = _read(directory, _file("optim", zero1))
+        if zero1 and not isinstance(optimizer, dict):  # an optimizer takes its own entries from the whole state
+            dims = get_parallel()
+            error, state = merged_zero1_state(directory, dims.tp_rank, dims.pp_rank)
+        elif zero1:  # a dict gets this rank's file as saved
+            error, state = _read(directory, _file("optim", True))
+        else:
+            error, state = _read(directory, _file("optim", False))
         if error is None and not isinstance(optimizer, dict):
             try:
                 optimizer.load_state_dict(state)
