@@ -46,6 +46,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+# what ``nn.Module.load_state_dict`` returns (missing_keys, unexpected_keys), for loaders that merge several results
+IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
+
 # an assertion on a tensor that raises without a host sync on accelerators (immediately on the CPU)
 assert_async = torch._assert_async
 
@@ -177,6 +180,7 @@ __all__ = [
     "CommDebugMode",
     "DTensor",
     "DeviceMesh",
+    "IncompatibleKeys",
     "PPAction",
     "ParallelStyle",
     "Partial",

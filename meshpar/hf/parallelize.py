@@ -76,6 +76,9 @@ PIPELINE_TASKS = (
     "multiple_choice",
     "question_answering",
 )
+# heads whose loss is a sum over tokens each cp rank scores for its own part of the sequence, causal or bidirectional
+# attention alike (a sequence's pooled or span scores would need the whole sequence on one rank)
+CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification")
 
 
 def _check_existing_mesh(config: ParallelConfig) -> None:
@@ -130,10 +133,10 @@ class ParallelizedModel(nn.Module):
             raise TypeError(f"parallelize takes a HuggingFace model (an nn.Module), got {type(model).__name__}")
         _check_existing_mesh(config)
         built = plan_for(model, config, plan=plan)
-        if config.context_parallel_size > 1 and built.task != "causal_lm":
+        if config.context_parallel_size > 1 and built.task not in CONTEXT_PARALLEL_TASKS:
             raise ValueError(
-                f"context parallelism is for causal LMs; {type(model).__name__} is a "
-                f"{built.task.replace('_', ' ')} model"
+                f"context parallelism is for causal / masked LMs and token classifiers (a loss per token, each rank "
+                f"scoring its own); {type(model).__name__} is a {built.task.replace('_', ' ')} model"
             )
         _log.info("%s", built)  # the plan that runs (meshpar.hf.plan_for returns it, to print, edit and pass back)
         return built

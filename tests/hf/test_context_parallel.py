@@ -122,7 +122,7 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
     "family,config,seq,says",
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
-        ("bert_cls", {"context_parallel_size": 2}, S, "context parallelism is for causal LMs"),
+        ("bert_cls", {"context_parallel_size": 2}, S, "context parallelism is for causal / masked LMs and token"),
         ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
     ],
 )
@@ -268,3 +268,31 @@ def test_fsdp_shards_over_dp_and_cp(cp: int, tp: int) -> None:
     hold every weight and a share of each grad, the reduce-scatter's sum divided by dp (cp4: dp = 1, cp alone; with
     tp inside: 2-D DTensors); loss, every grad and the step equal dense."""
     run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "all_gather", None, "", True)
+
+
+def fsdp_cp_checkpoint_case(directory: str, save_cp: int) -> None:
+    """A checkpoint of a model FSDP shards over dp x cp loads into a model FSDP shards over dp alone, and back (DCP
+    reshards the shards): a step of the loaded model equals the saved weights' dense loss."""
+    load_cp = 1 if save_cp > 1 else 2
+    setup_parallel(cp=save_cp)
+    model = meshpar.parallelize(build("qwen3"), {"fsdp": True, "context_parallel_size": save_cp})
+    with torch.no_grad():
+        for param in model.parameters():
+            _local(param).add_(0.01)
+    model.save_parallelized(directory)
+    dims = setup_parallel(cp=load_cp)
+    fresh = meshpar.parallelize(build("qwen3"), {"fsdp": True, "context_parallel_size": load_cp})
+    fresh.from_parallelized(directory)
+    reference = build("qwen3")
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.01)
+    data = batch("qwen3", rows=2 * dims.dp, seq=S)
+    mine = {k: v[2 * dims.dp_rank : 2 * dims.dp_rank + 2] for k, v in data.items()}
+    loss = fresh.train_step(**mine)
+    torch.testing.assert_close(loss.detach(), reference(**data).loss.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("save_cp", [2, _slow(1)])
+def test_fsdp_over_dp_and_cp_checkpoints_reshard(tmp_path, save_cp: int) -> None:
+    run_distributed(fsdp_cp_checkpoint_case, 4, str(tmp_path / "ckpt"), save_cp)

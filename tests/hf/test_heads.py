@@ -15,6 +15,7 @@ from transformers import (
     BartForQuestionAnswering,
     BartForSequenceClassification,
     BertConfig,
+    BertForMaskedLM,
     BertForMultipleChoice,
     BertForPreTraining,
     BertForQuestionAnswering,
@@ -56,6 +57,7 @@ def _qwen2(cls: type = Qwen2ForTokenClassification, layers: int = 2) -> torch.nn
 
 BUILDERS = {
     "bert_token": lambda: _bert(BertForTokenClassification),
+    "bert_mlm": lambda: _bert(BertForMaskedLM),
     "qwen2_token": _qwen2,
     "bert_sequence": lambda: _bert(BertForSequenceClassification),
     "bert_regression": lambda: _bert(BertForSequenceClassification, num_labels=1),
@@ -371,3 +373,24 @@ def refused_pipeline_case() -> str:
 def test_pipelines_refuse_a_head_without_a_loss_of_meshpars_naming_why() -> None:
     for message in run_distributed(refused_pipeline_case, 2):
         assert "'base' head: meshpar has no loss of its own for it to compute on the last stage" in message, message
+
+
+@pytest.mark.parametrize(
+    "name,layout",
+    [
+        ("qwen2_token", {"context_parallel_size": 2}),
+        pytest.param("qwen2_token", {"context_parallel_size": 2, "data_parallel_size": 2}, marks=pytest.mark.slow),
+        ("bert_token", {"context_parallel_size": 2, "context_parallel_implementation": "ring"}),
+        pytest.param("bert_mlm", {"context_parallel_size": 2, "tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    ],
+)
+def test_token_heads_under_context_parallelism_equal_dense(name: str, layout: dict) -> None:
+    """Per-token heads with the sequence split over cp (each rank scores its chunks' tokens; labels are not
+    shifted), causal (Qwen2) and bidirectional (BERT) attention, rows padded unevenly: loss, every grad and the AdamW
+    step equal dense."""
+    world = 2 * layout.get("data_parallel_size", 1) * layout.get("tensor_parallel_size", 1)
+    for result in run_distributed(head_case, world, name, layout):
+        assert result["n"] > 0
+        assert abs(result["loss"] - result["dense"]) < 1e-5, result
+        assert result["grad"] < 1e-5, result
+        assert result["param"] < 1e-4, result

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
+from meshpar._compat import IncompatibleKeys
 from meshpar.compat.nxd.modules.lora.config import LoraConfig
 from meshpar.compat.nxd.modules.lora.layer import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, _hf_conv1d
 from meshpar.compat.nxd.modules.lora.tp_layer import LoraGQAQKVParallelLinear, LoraParallelLinear
@@ -460,7 +460,7 @@ class LoraModel(nn.Module):
                     state_dict[key] = state_dict.pop(plain)
         return state_dict
 
-    def _load_into_model(self, state: dict[str, Any], strict: bool) -> _IncompatibleKeys:
+    def _load_into_model(self, state: dict[str, Any], strict: bool) -> IncompatibleKeys:
         state = self._shard_adapter_state(dict(state))
         roots = self._roots()
         if len(roots) == 1 and roots[0] is self.module:
@@ -474,11 +474,11 @@ class LoraModel(nn.Module):
         unexpected = sorted(set(state) - used)
         if strict and (missing or unexpected):
             raise RuntimeError(f"loading the LoRA model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return _IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any] | None = None, strict: bool = False, assign: bool = False
-    ) -> _IncompatibleKeys | None:
+    ) -> IncompatibleKeys | None:
         """Load the base model's state (base names are moved under ``base_layer``) and then, with
         ``load_lora_from_ckpt``, the adapter read at construction. An adapter alone (what ``state_dict`` saves)
         loads into the adapters; ``strict`` then asks that every adapter tensor is in it."""
@@ -493,7 +493,7 @@ class LoraModel(nn.Module):
                 missing = [k for k in wanted if k not in state]
                 if strict and missing:
                     raise RuntimeError(f"the LoRA adapter state lacks {missing[:5]}")
-                result = _IncompatibleKeys(missing, result.unexpected_keys)
+                result = IncompatibleKeys(missing, result.unexpected_keys)
             else:
                 if self.is_lora_enabled:
                     state = self.update_state_dict_keys(state)
@@ -584,7 +584,7 @@ class LoraModel(nn.Module):
         adapter_tag: str | None = None,
         ckpt_path: str | None = None,
         adapter_only: bool = True,
-    ) -> _IncompatibleKeys:
+    ) -> IncompatibleKeys:
         """Load the adapter read at construction (one process only); ``adapter_only=False`` first loads the base
         weights from ``ckpt_path`` (default ``save_dir[/adapter_tag]/adapter_model.pt``)."""
         if model_parallel_is_initialized():
@@ -597,7 +597,7 @@ class LoraModel(nn.Module):
         adapter_tag: str | None = None,
         ckpt_path: str | None = None,
         adapter_only: bool = True,
-    ) -> _IncompatibleKeys:
+    ) -> IncompatibleKeys:
         if not adapter_only:
             if ckpt_path is None:
                 directory = self.lora_config.lora_save_dir if save_dir is None else save_dir
@@ -611,7 +611,7 @@ class LoraModel(nn.Module):
         self.is_base_model_loaded = True
         return self.load_lora_adapter()
 
-    def load_lora_adapter(self) -> _IncompatibleKeys:
+    def load_lora_adapter(self) -> IncompatibleKeys:
         """Put the adapter read by :meth:`load_checkpoint` into the model (adding the adapters first unless the
         checkpoint holds the base with the adapter merged in)."""
         config = self.lora_config
