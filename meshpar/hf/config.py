@@ -102,14 +102,13 @@ class ParallelConfig:
             )
         if self.context_parallel_size > 1:
             others = {
-                "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                 "expert_parallel_size > 1": self.expert_parallel_size > 1,
             }
             clash = [name for name, on in others.items() if on]
             if clash:
                 raise ValueError(
                     f"config key 'context_parallel_size' > 1 cannot be combined with {', '.join(clash)} yet; "
-                    "it composes with tensor (and sequence) and data parallelism"
+                    "it composes with tensor (and sequence), pipeline and data parallelism"
                 )
         if self.expert_parallel_size > 1 and self.fsdp:
             raise ValueError(

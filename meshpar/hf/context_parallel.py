@@ -56,6 +56,15 @@ class ContextParallelInputs:
     key_padding: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None  # [batch, seq]: sequences packed into one row
 
+    def row_slice(self, start: int, stop: int) -> ContextParallelInputs:
+        """The inputs of rows ``start:stop`` (a pipeline's microbatch)."""
+        return ContextParallelInputs(
+            self.mesh,
+            self.implementation,
+            self.key_padding[start:stop] if self.key_padding is not None else None,
+            self.document_ids[start:stop] if self.document_ids is not None else None,
+        )
+
 
 def _attention(
     module: nn.Module,

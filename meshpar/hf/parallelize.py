@@ -31,6 +31,7 @@ from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, st
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
     dense_probe_logits,
     shard_batch,
@@ -191,6 +192,9 @@ class ParallelizedModel(nn.Module):
                 divisor=self.dims.dp,
             )
         else:
+            if probe is not None:  # proven on the whole model (every rank holds it until the split)
+                self._verify_context_parallel(model, *probe)
+                probe = None
             self.pipeline = self._split(model)
             self.module = None
             self.data_parallel = self.pipeline.data_parallel
@@ -202,13 +206,13 @@ class ParallelizedModel(nn.Module):
                     mark_shared_copy(param)
         self._record_replacements(originals)
         if probe is not None:
-            self._verify_context_parallel(*probe)
+            self._verify_context_parallel(self.module, *probe)
 
-    def _verify_context_parallel(self, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
+    def _verify_context_parallel(self, module: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
         """The context-parallel model's logits on a probe equal the dense model's, on every rank (else refused on
         every rank alike)."""
         impl = self.parallel_config.context_parallel_implementation
-        found = verify_context_parallel(self.module, ids, dense_logits, self.dims, impl)
+        found = verify_context_parallel(module, ids, dense_logits, self.dims, impl)
         failed = first_failure_on_any_rank(found)
         if failed is not None:
             rank, what = failed
@@ -400,8 +404,10 @@ class ParallelizedModel(nn.Module):
         transformers' pipeline plan, meshpar's table (GPT-2, BERT) or a plan read off the model) and sharded, then run
         by meshpar's pipeline runtime."""
         config, loss_fn = self.parallel_config, self.loss_fn
-        # a refusal is agreed on by every rank (one collective), so it leaves the job usable
-        layout, plan = agree("parallelize", lambda: self._pipeline_plan(model))
+        # a refusal is agreed on by every rank (one collective), so it leaves the job usable; the plan's probes run
+        # the dense forward, with the model's own attention under context parallelism
+        with self._own_attention(model):
+            layout, plan = agree("parallelize", lambda: self._pipeline_plan(model))
         if loss_fn is None:  # _pipeline_plan refuses heads meshpar has no loss for; this guards that invariant
             raise ValueError(f"{type(model).__name__}: pipeline stages need meshpar's loss for the model's head")
         shards = self.dims.tp if config.sequence_parallel else 1  # later stages receive sequence shards
@@ -413,7 +419,8 @@ class ParallelizedModel(nn.Module):
             device=self.dims.device,
         )  # fmt: skip
         # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
-        calls = ("attention_mask", "input_ids", "position_ids", "decoder_input_ids", "decoder_attention_mask")
+        calls = ("attention_mask", "input_ids", "position_ids", "decoder_input_ids", "decoder_attention_mask",
+                 CONTEXT_INPUTS)  # fmt: skip
         chunks = [
             StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
             for index, stage in stages
@@ -613,13 +620,14 @@ class ParallelizedModel(nn.Module):
             loss.backward()
             loss = loss.detach()
         else:
+            labels, inputs = (targets, model_inputs) if self.dims.cp > 1 else (labels, inputs)
             loss = self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
         if sync_dp_grads:
             self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
         if self.pipeline is not None:
             self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
         # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
-        return self._mean_over_dp(loss) if self.pipeline is None else loss
+        return self._mean_over_dp(loss) if self.pipeline is None else self._summed_over_cp(loss)
 
     def _step_loss(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> torch.Tensor:
         """The loss a step (pp=1) trains or evaluates on a checked batch split by :meth:`_split_targets`: the
@@ -642,6 +650,14 @@ class ParallelizedModel(nn.Module):
         # under cp each rank holds its tokens' share of its replica's loss: summed over cp, averaged over dp
         dist.all_reduce(loss, group=self.dims.grad_mesh.get_group())
         return loss / self.dims.dp
+
+    def _summed_over_cp(self, loss: torch.Tensor) -> torch.Tensor:
+        """A pipeline's loss (the dp mean) under cp: each cp rank's is its tokens' share, summed to the batch's."""
+        if self.dims.cp == 1:
+            return loss
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=self.dims.cp_mesh.get_group())
+        return loss
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Any:
@@ -667,7 +683,10 @@ class ParallelizedModel(nn.Module):
             if self.pipeline is None:
                 return self._mean_over_dp(self._step_loss(targets, model_inputs, normalizer))
             # already the dp mean on every rank
-            return self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
+            labels, inputs = (targets, model_inputs) if self.dims.cp > 1 else (labels, inputs)
+            return self._summed_over_cp(
+                self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
+            )
 
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor | None:
@@ -730,7 +749,8 @@ class ParallelizedModel(nn.Module):
                     "generate() with expert_parallel_size > 1 and pipeline_parallel_size > 1 is not supported yet: "
                     "the dp replicas of an ep group must decode in lockstep"
                 )
-            return pipelined_generate(self, *args, **kwargs)
+            with self._dense_attention_for_decoding():
+                return pipelined_generate(self, *args, **kwargs)
         if self.dims.ep > 1:
             # every MoE layer exchanges tokens with the other dp replicas of the ep group: all of them must run the
             # same number of decoding steps, however many each needs (HF's lockstep loop, as for ZeRO-3)
@@ -749,19 +769,27 @@ class ParallelizedModel(nn.Module):
                 if previous is not None:
                     head.gather_output = previous
 
+    def _dense_attention_for_decoding(self) -> contextlib.AbstractContextManager:
+        """Under context parallelism, the model's own attention implementation while it decodes (on each of this
+        rank's pipeline stages); context-parallel attention again after."""
+        stack = contextlib.ExitStack()
+        for module in self.local_modules():
+            stack.enter_context(self._own_attention(module))
+        return stack
+
     @contextlib.contextmanager
-    def _dense_attention_for_decoding(self) -> Any:
-        """Under context parallelism, the model's own attention implementation while it decodes; context-parallel
-        attention again after."""
+    def _own_attention(self, model: nn.Module) -> Any:
+        """Under context parallelism, ``model`` with its own attention implementation inside (decoding, a dense
+        probe); context-parallel attention again after."""
         if self.dims.cp == 1:
             yield
             return
-        cp_attention = self.module.config._attn_implementation
-        self.module.set_attn_implementation(self._dense_attention)
+        cp_attention = model.config._attn_implementation
+        model.set_attn_implementation(self._dense_attention)
         try:
             yield
         finally:
-            self.module.set_attn_implementation(cp_attention)
+            model.set_attn_implementation(cp_attention)
 
     def plan_summary(self) -> str:
         return "\n\n".join(plan_summary(m, self.plan.styles) for m in self.local_modules())

@@ -41,6 +41,7 @@ import copy
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -873,11 +874,13 @@ def decoder_stage_forward(
     position_ids: torch.Tensor | None = None,
     decoder_input_ids: torch.Tensor | None = None,
     decoder_attention_mask: torch.Tensor | None = None,
+    **context: Any,
 ) -> torch.Tensor:
     """One stage of a model split by :func:`pipeline_layout` or :func:`encoder_decoder_layout`: token ids (first
     stage) or the received tensor in, with the microbatch's ``input_ids`` (and mask and positions, and an
     encoder-decoder's decoder ids and mask, where given) on every stage; what the next stage needs or (last stage)
-    logits out."""
+    logits out. ``context``: what the model's forward carries down to its attention layers (context parallelism's
+    inputs: :data:`meshpar.hf.context_parallel.INPUTS_KEY`)."""
     layout: PipelineLayout = self.meshpar_layout
     runtime = self.__dict__.get("_meshpar_runtime")
     if runtime is None:  # once, at the first call: after the recipe sharded, wrapped or compiled the stage
@@ -887,7 +890,7 @@ def decoder_stage_forward(
     ids = x if runtime.first else input_ids
     if ids is None:
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
-    inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
+    inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False, **context}
     inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
     decoder = {"decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask}
     inputs |= {k: v for k, v in decoder.items() if v is not None}

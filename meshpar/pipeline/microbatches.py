@@ -134,10 +134,11 @@ def build_num_microbatches_calculator(
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """``num_microbatches`` equal row slices of every tensor of a list / tuple / dict batch (other values, 0-d tensors
-    included, repeated in each); any other object (``None``, an iterator a step function draws from) is handed to
-    every microbatch as it is. Refuses a batch with fewer rows than microbatches, rows that do not divide, or tensors
-    of unequal rows."""
+    """``num_microbatches`` equal row slices of every tensor of a list / tuple / dict batch, and of every value with a
+    ``row_slice(start, stop)`` method (an object holding per-row tensors: it returns its own slice); other values, 0-d
+    tensors included, are repeated in each; any other object (``None``, an iterator a step function draws from) is
+    handed to every microbatch as it is. Refuses a batch with fewer rows than microbatches, rows that do not divide,
+    or tensors of unequal rows."""
     m = num_microbatches
     if m < 1:
         raise ValueError(f"num_microbatches={m} must be >= 1")
@@ -158,7 +159,11 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     rows = size // m
 
     def part(x: Any, k: int) -> Any:
-        return x[k * rows : (k + 1) * rows] if torch.is_tensor(x) and x.dim() > 0 else x
+        if torch.is_tensor(x) and x.dim() > 0:
+            return x[k * rows : (k + 1) * rows]
+        if size and callable(getattr(x, "row_slice", None)):
+            return x.row_slice(k * rows, (k + 1) * rows)
+        return x
 
     if isinstance(batch, dict):
         return [{name: part(x, k) for name, x in batch.items()} for k in range(m)]

@@ -57,8 +57,9 @@ def context_parallel_case(
     zero1: str = "",
     fsdp: bool = False,
     sequence_parallel: bool = False,
+    pp: int = 1,
 ) -> float:
-    dims = setup_parallel(tp=tp, cp=cp)
+    dims = setup_parallel(tp=tp, cp=cp, pp=pp)
     dense = _dense(family, window)
     config = {
         "tensor_parallel_size": tp,
@@ -66,6 +67,8 @@ def context_parallel_case(
         "context_parallel_implementation": implementation,
         "fsdp": fsdp,
         "sequence_parallel": sequence_parallel,
+        "pipeline_parallel_size": pp,
+        "num_microbatches": 2 if pp > 1 else None,
     }
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=4, seq=S)
@@ -83,15 +86,16 @@ def context_parallel_case(
     optimizer = adamw_for(model, zero1, **adamw)  # "reduce_scatter": raw grads, so they are not compared
     loss = model.train_step(**mine, sync_dp_grads=zero1 != "reduce_scatter")
     torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
-    for name, param in model.module.named_parameters() if zero1 != "reduce_scatter" else ():
+    local = [(module, name, param) for module in model.local_modules() for name, param in module.named_parameters()]
+    for module, name, param in local if zero1 != "reduce_scatter" else ():
         dense_grad = dense.get_parameter(name).grad
         if dense_grad is None:
             continue
-        got, want = _mine(param.grad, dense_grad, model.module, name, param)
+        got, want = _mine(param.grad, dense_grad, module, name, param)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
     optimizer.step()
-    for name, param in model.module.named_parameters():
-        got, want = _mine(param, dense.get_parameter(name).detach(), model.module, name, param)
+    for module, name, param in local:
+        got, want = _mine(param, dense.get_parameter(name).detach(), module, name, param)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():
         evaluated = model.eval_loss(**mine)
@@ -114,6 +118,17 @@ def test_context_parallel_matches_dense(family: str, window: int | None, impleme
 @pytest.mark.parametrize("cp,tp", [(2, 2), _slow(4, 1)])
 def test_context_parallel_composes_with_tp(cp: int, tp: int) -> None:
     run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "ring", None)
+
+
+@pytest.mark.parametrize(
+    "family,window,implementation",
+    [("qwen3", None, "all_gather"), ("llama", None, "ring"), _slow("gemma2", 5, "all_gather"),
+     _slow("mistral", 6, "ring")],
+)  # fmt: skip
+def test_context_parallel_composes_with_pipelines(family: str, window: int | None, implementation: str) -> None:
+    """cp2 x pp2 (two microbatches): each microbatch's rows keep their chunks' positions, padding and document
+    masks on every stage; loss, every grad, the AdamW step and eval equal dense."""
+    run_distributed(context_parallel_case, 4, family, 2, 1, implementation, window, "", False, False, 2)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +219,7 @@ def test_packed_documents_attend_within_themselves(implementation: str) -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [{"pipeline_parallel_size": 2}, {"expert_parallel_size": 2}, {"context_parallel_implementation": "ulysses"}],
+    [{"expert_parallel_size": 2}, {"context_parallel_implementation": "ulysses"}],
 )  # fmt: skip
 def test_layouts_context_parallelism_does_not_compose_with_yet_are_refused_by_the_config(config: dict) -> None:
     from meshpar.hf.config import load_config
@@ -224,13 +239,14 @@ def test_a_mask_the_model_builds_itself_is_refused() -> None:
         _attention(torch.nn.Module(), q, k, v, torch.zeros(1, 1, 4, 8), meshpar_context=inputs)
 
 
-def generation_case(family: str, cp: int, tp: int) -> None:
+def generation_case(family: str, cp: int, tp: int, pp: int = 1) -> None:
     """After a training step at cp (the context-parallel attention in use), greedy decoding of left-padded prompts:
     every cp rank decodes the whole prompt with the model's own attention and gets the dense model's tokens; the next
     training step runs context-parallel again."""
-    dims = setup_parallel(tp=tp, cp=cp)
+    dims = setup_parallel(tp=tp, cp=cp, pp=pp)
     dense = build(family)
-    model = meshpar.parallelize(copy.deepcopy(dense), {"tensor_parallel_size": tp, "context_parallel_size": cp})
+    config = {"tensor_parallel_size": tp, "context_parallel_size": cp, "pipeline_parallel_size": pp}
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=2 * dims.dp, seq=S)
     share = 2
     mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
@@ -243,9 +259,9 @@ def generation_case(family: str, cp: int, tp: int) -> None:
     torch.testing.assert_close(model.train_step(**mine), first, atol=1e-6, rtol=1e-6)  # same weights: same loss
 
 
-@pytest.mark.parametrize("family,cp,tp", [("qwen3", 2, 1), _slow("llama", 2, 2)])
-def test_generation_under_context_parallelism_matches_dense(family: str, cp: int, tp: int) -> None:
-    run_distributed(generation_case, 4, family, cp, tp)
+@pytest.mark.parametrize("family,cp,tp,pp", [("qwen3", 2, 1, 1), _slow("llama", 2, 2, 1), _slow("qwen3", 2, 1, 2)])
+def test_generation_under_context_parallelism_matches_dense(family: str, cp: int, tp: int, pp: int) -> None:
+    run_distributed(generation_case, 4, family, cp, tp, pp)
 
 
 @pytest.mark.parametrize("cp,zero1", [(2, "zero1"), (2, "reduce_scatter"), _slow(4, "reduce_scatter")])
