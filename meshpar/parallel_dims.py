@@ -7,11 +7,13 @@ parallelism (``cp``, :mod:`meshpar.context_parallel`) is a dim of its own betwee
 for): the cp ranks of one (dp, pp, tp) position split each sequence, and dense grads are reduced over dp and cp
 together (:attr:`ParallelDims.grad_mesh`).
 
-Expert parallelism (``ep``) is carved out of dp, as in Megatron-Core and torchtitan: the dp dim is split into
-``("edp", "ep")`` with ep varying fastest, so with dp=4 and ep=2 the dp ranks ``[0, 1]`` and ``[2, 3]`` of each
-(pp, tp) position form the ep groups and ``[0, 2]``, ``[1, 3]`` the expert-data-parallel groups. Experts are sharded
+Expert parallelism (``ep``) is carved out of dp x cp, as in Megatron-Core and torchtitan: the dp x cp ranks of each
+(pp, tp) position (cp varying fastest) are split into ``("edp", "ep")`` with ep varying fastest, so with dp=4 and
+ep=2 the dp ranks ``[0, 1]`` and ``[2, 3]`` of each (pp, tp) position form the ep groups and ``[0, 2]``, ``[1, 3]``
+the expert-data-parallel groups, and with cp=2, dp=1, ep=2 the two cp ranks form the ep group. Experts are sharded
 over ``("ep", "tp")`` (:attr:`ParallelDims.expert_mesh`), everything else keeps its tp layout; the batch is still split
-over all of dp (ep does not split it again), and an expert's grads are reduced over edp only.
+over all of dp (ep does not split it again), and an expert's grads are reduced over edp only (their sum divided by
+dp, as the dense grads' over dp x cp).
 
 ::
 
@@ -57,7 +59,8 @@ def _check_positive(name: str, value: int) -> None:
 class _BuiltMesh:
     world: dist.ProcessGroup | None  # the default group the mesh's groups belong to
     mesh: DeviceMesh
-    expert_mesh: DeviceMesh | None  # (edp, ep, pp, cp, tp), dp split in two; None when ep == 1
+    expert_mesh: DeviceMesh | None  # (edp, ep, pp, cp, tp) with dp split in two, or (edp, ep, pp, tp) with dp x cp
+    # split in two; None when ep == 1
     dp_cp_mesh: DeviceMesh | None  # dp and cp flattened into one dim; None when cp == 1
     extra_groups: dict[str, dist.ProcessGroup | None]  # see ParallelDims.pipeline_ends_group
 
@@ -115,14 +118,14 @@ class ParallelDims:
                 f"{shown} = {self.dp * model} does not equal the world size {self.world_size}; pass dp=-1 to use "
                 "the rest of the world for data parallelism"
             )
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError("context parallelism (cp > 1) with expert parallelism (ep > 1) is not supported yet")
         _check_positive("ep", self.ep)
-        if self.dp % self.ep:
+        replicas = self.dp * self.cp  # the ranks of one (pp, tp) position that hold every dense weight
+        if replicas % self.ep:
+            what = "data parallel size" if self.cp == 1 else "data x context parallel size"
             raise ValueError(
-                f"expert parallel size {self.ep} does not divide the data parallel size {self.dp} (ep is carved out of "
-                f"dp: the experts of each ep group are spread over ep of its dp replicas); use ep in "
-                f"{{{', '.join(str(d) for d in range(1, self.dp + 1) if self.dp % d == 0)}}}"
+                f"expert parallel size {self.ep} does not divide the {what} {replicas} (ep is carved out of dp x cp: "
+                f"the experts of each ep group are spread over ep of those ranks); use ep in "
+                f"{{{', '.join(str(d) for d in range(1, replicas + 1) if replicas % d == 0)}}}"
             )
         if self.virtual_pipeline_size is not None:
             _check_positive("virtual_pipeline_size", self.virtual_pipeline_size)
@@ -137,9 +140,7 @@ class ParallelDims:
         if built is None or built.world is not dist.GroupMember.WORLD:  # none yet, or torch.distributed restarted
             shape = (self.dp, self.pp, self.cp, self.tp)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-            experts = None
-            if self.ep > 1:
-                experts = unflatten_mesh_dim(mesh, "dp", (self.dp // self.ep, self.ep), EXPERT_DIM_NAMES)
+            experts = self._carve_experts(mesh) if self.ep > 1 else None
             # the dense weights' grads are summed over cp (each cp rank saw a part of every sequence) and dp
             dp_cp = flatten_mesh_dims(mesh, ("dp", "cp"), "dp_cp") if self.cp > 1 else None
             built = _BuiltMesh(dist.GroupMember.WORLD, mesh, experts, dp_cp, {})
@@ -147,6 +148,14 @@ class ParallelDims:
         self.mesh, self._expert_mesh, self._extra_groups = built.mesh, built.expert_mesh, built.extra_groups
         self._dp_cp_mesh = built.dp_cp_mesh
         return self.mesh
+
+    def _carve_experts(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The expert mesh: dp split into ``(edp, ep)`` (a collective call on every rank); under cp the dp x cp ranks
+        of each (pp, tp) position, cp fastest, split so (a mesh of its own over the same ranks)."""
+        if self.cp == 1:
+            return unflatten_mesh_dim(mesh, "dp", (self.dp // self.ep, self.ep), EXPERT_DIM_NAMES)
+        ranks = mesh.mesh.permute(0, 2, 1, 3).reshape(self.dp * self.cp // self.ep, self.ep, self.pp, self.tp)
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*EXPERT_DIM_NAMES, "pp", "tp"))
 
     def _require_mesh(self) -> DeviceMesh:
         if self.mesh is None:

@@ -137,14 +137,14 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
-    """This rank's ep group (the dp ranks its experts are spread over); ``None`` without expert parallelism."""
+    """This rank's ep group (the dp x cp ranks its experts are spread over); ``None`` without expert parallelism."""
     mesh = get_parallel().ep_mesh
     return mesh.get_group() if mesh is not None else None
 
 
 def get_expert_data_parallel_world_size() -> int:
     dims = get_parallel()
-    return dims.dp // dims.ep
+    return dims.dp * dims.cp // dims.ep
 
 
 def get_expert_data_parallel_rank() -> int:

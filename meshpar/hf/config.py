@@ -16,7 +16,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = -1  # -1: the rest of the world
-    # experts sharded over ep dp replicas (carved out of dp, which must be a multiple; tokens routed by all-to-all)
+    # experts sharded over ep replicas (carved out of dp x cp, which must be a multiple; tokens routed by all-to-all)
     expert_parallel_size: int = 1
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most ceil(tokens * k / experts
     # * factor) routes of one forward of one replica's tokens, by routing weight ("probs") or token order ("position")
@@ -100,16 +100,11 @@ class ParallelConfig:
                 "config key 'context_parallel_implementation' must be 'all_gather' or 'ring', got "
                 f"{self.context_parallel_implementation!r}"
             )
-        if self.context_parallel_size > 1:
-            others = {
-                "expert_parallel_size > 1": self.expert_parallel_size > 1,
-            }
-            clash = [name for name, on in others.items() if on]
-            if clash:
-                raise ValueError(
-                    f"config key 'context_parallel_size' > 1 cannot be combined with {', '.join(clash)} yet; "
-                    "it composes with tensor (and sequence), pipeline and data parallelism"
-                )
+        if self.context_parallel_size > 1 and factor is not None:
+            raise ValueError(
+                "config keys 'context_parallel_size' > 1 and 'expert_capacity_factor' cannot be combined: an expert's "
+                "capacity counts the routes of one forward of a replica's whole sequences, which cp splits over ranks"
+            )
         if self.expert_parallel_size > 1 and self.fsdp:
             raise ValueError(
                 "config keys 'expert_parallel_size' > 1 and 'fsdp' cannot be combined yet: FSDP2 would shard the "

@@ -37,15 +37,17 @@ def expert_parallel_case(
     implementation: str | None = None,
     extra: dict | None = None,
     zero1: str = "",
+    cp: int = 1,
 ) -> dict[str, object]:
     """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them
     (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both). ``zero1``: the step
     by meshpar's ZeRO-1 optimizer (``"reduce_scatter"``: reducing the raw grads itself, so they are not compared)."""
-    dims = setup_parallel(tp=tp, pp=pp, ep=ep)
+    dims = setup_parallel(tp=tp, pp=pp, ep=ep, cp=cp)
     dense = build(family)
     if implementation is not None:
         dense.config._experts_implementation = implementation
-    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep, **(extra or {})}
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
+              "context_parallel_size": cp, **(extra or {})}  # fmt: skip
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=rows)
     data["labels"][0, :7] = -100  # dp rank 0 scores fewer tokens: the step weighs every token alike
@@ -114,6 +116,20 @@ def test_expert_parallel_composes_with_the_step_options(extra: dict) -> None:
 @pytest.mark.parametrize("ep,tp,pp", [_slow(4, 1, 1), (2, 2, 1), _slow(2, 1, 2)])
 def test_expert_parallel_composes_with_tp_and_pp(ep: int, tp: int, pp: int) -> None:
     results = run_distributed(expert_parallel_case, 4, "mixtral", ep, tp, pp)
+    assert all(r["expert_params"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize(
+    "family,ep,cp,tp,pp,zero1",
+    [("mixtral", 2, 2, 1, 1, ""), _slow("qwen2_moe", 4, 2, 1, 1, ""), _slow("mixtral", 2, 2, 2, 1, ""),
+     _slow("mixtral", 2, 2, 1, 2, ""), _slow("mixtral", 4, 2, 1, 1, "zero1")],
+)  # fmt: skip
+def test_expert_parallel_carved_from_dp_and_cp(family: str, ep: int, cp: int, tp: int, pp: int, zero1: str) -> None:
+    """ep carved from dp x cp (Megatron-Core's layout): at cp2 with ep2 the ep groups are the cp pairs of each dp
+    rank (dp2), at ep4 they span both dp and cp, under pp they stay within a stage; each cp rank routes its chunks'
+    tokens by all-to-all, expert grads summed over the ranks holding the same experts and divided by dp; loss, grads
+    and the AdamW step equal dense."""
+    results = run_distributed(expert_parallel_case, 4, family, ep, tp, pp, 4, None, None, zero1, cp)
     assert all(r["expert_params"] > 0 for r in results), results
 
 
