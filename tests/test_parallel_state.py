@@ -112,7 +112,10 @@ def test_reinitialising_reuses_the_process_groups_of_an_equal_layout() -> None:
         ({"dp": 2, "pp": 1, "tp": 2, "world_size": 4, "ep": 0}, "ep must be a positive int"),
         ({"dp": -1, "pp": 1, "tp": 3, "world_size": 8, "cp": 2}, r"not divisible by tp\*cp\*pp = 3\*2\*1 = 6"),
         ({"dp": 2, "pp": 1, "tp": 1, "world_size": 8, "cp": 2}, r"dp\*pp\*cp\*tp = 2\*1\*2\*1 = 4 does not equal"),
-        ({"dp": 2, "pp": 1, "tp": 1, "world_size": 4, "cp": 2, "ep": 2}, "is not supported yet"),
+        (
+            {"dp": 3, "pp": 1, "tp": 1, "world_size": 6, "cp": 2, "ep": 4},
+            r"does not divide the data x context parallel size 6 .*use ep in \{1, 2, 3, 6\}",
+        ),
     ],
 )
 def test_bad_sizes_fail_before_any_collective(kwargs: dict, message: str) -> None:
@@ -267,3 +270,25 @@ def test_context_parallel_groups_sit_between_pp_and_tp() -> None:
         assert result["cp"] == (2, cp_rank) and result["dp"] == 2, result
         assert result["cp_group"] == [first, first + 2], result
         assert result["dp_cp"] == [tp_rank, tp_rank + 2, tp_rank + 4, tp_rank + 6], result
+
+
+def expert_groups_under_cp_case() -> tuple[list[int], list[int], int]:
+    import torch.distributed as dist
+
+    dims = meshpar.init_parallel(tp=1, cp=2, ep=2)  # 4 ranks: dp2 x cp2, ep carved from dp x cp
+    out = (
+        dist.get_process_group_ranks(dims.ep_mesh.get_group()),
+        dist.get_process_group_ranks(dims.edp_mesh.get_group()),
+        parallel_state.get_expert_data_parallel_world_size(),
+    )
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_expert_groups_under_context_parallelism_are_carved_from_dp_and_cp() -> None:
+    """With cp2 x dp2 and ep2 the ep groups are the cp pairs of each dp rank (cp fastest), the expert-data-parallel
+    groups the same cp rank of the two dp ranks."""
+    results = run_distributed(expert_groups_under_cp_case, 4)
+    assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert {r[2] for r in results} == {2}

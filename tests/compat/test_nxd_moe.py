@@ -208,6 +208,11 @@ def refusals_case() -> None:
         ExpertMLPs(E, 1, H, INTER, "silu", True, None, normalize_top_k_affinities=True)
     with pytest.raises(ValueError, match=r"divisible|divide"):
         ExpertMLPs(E, 1, H, 7, "silu", True, None)  # intermediate 7 over tp 2
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        ExpertMLPs(E, 1, H, INTER, "silu", True, None, capacity_facter=1.0)
+    with pytest.raises(NotImplementedError, match="early_expert_affinity_modulation"):
+        ExpertMLPs(E, 1, H, INTER, "silu", True, None, early_expert_affinity_modulation=True)
+    ExpertMLPs(E, 1, H, INTER, "silu", True, None, use_torch_block_wise=True, logical_nc_config=2)  # kernel knobs
     with pytest.raises(NotImplementedError, match="token shuffling"):
         MoE(RouterTopK(E, 1, H), ExpertMLPs(E, 1, H, INTER, "silu", True, None), token_shuffle_group_size=2)
 

@@ -80,6 +80,11 @@ WEIGHTS_NAME = "adapter_model.pt"
 CONFIG_NAME = "adapter_config.json"
 
 
+def _adapter_file(directory: str, tag: str | None) -> str:
+    """Where one process's adapter lives: ``directory[/tag]/adapter_model.pt``."""
+    return os.path.join(directory if tag is None else os.path.join(directory, tag), WEIGHTS_NAME)
+
+
 def _is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -523,9 +528,9 @@ class LoraModel(nn.Module):
             raise ValueError("no directory for the LoRA adapter: set LoraConfig.lora_save_dir")
         if _is_main_process():
             state = self._get_lora_adapter_state_dict(directory)
-            out = directory if adapter_tag is None else os.path.join(directory, adapter_tag)
-            os.makedirs(out, exist_ok=True)
-            torch.save(state, os.path.join(out, WEIGHTS_NAME))
+            path = _adapter_file(directory, adapter_tag)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path)
             if self.is_lora_merged:
                 self.unmerge_lora()
 
@@ -537,8 +542,7 @@ class LoraModel(nn.Module):
         if not save_dir:
             raise ValueError("load_lora_from_ckpt needs LoraConfig.lora_save_dir")
         if not model_parallel_is_initialized():
-            directory = save_dir if tag is None else os.path.join(save_dir, tag)
-            path = os.path.join(directory, WEIGHTS_NAME)
+            path = _adapter_file(save_dir, tag)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} is not found.")
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -600,10 +604,7 @@ class LoraModel(nn.Module):
     ) -> IncompatibleKeys:
         if not adapter_only:
             if ckpt_path is None:
-                directory = self.lora_config.lora_save_dir if save_dir is None else save_dir
-                ckpt_path = os.path.join(
-                    directory if adapter_tag is None else os.path.join(directory, adapter_tag), WEIGHTS_NAME
-                )
+                ckpt_path = _adapter_file(self.lora_config.lora_save_dir if save_dir is None else save_dir, adapter_tag)
             if not os.path.exists(ckpt_path):
                 raise FileNotFoundError(f"The checkpoint file {ckpt_path} is not found.")
             if not self.lora_config.save_lora_base:

@@ -15,7 +15,8 @@ policy); a factor of at least ``E / top_k`` (or ``None``) drops nothing. NxD's b
 (``capacity_factor <= 0``) is dropless, so it computes what ``None`` does. Each expert computes only the tokens it
 takes. Expert parallelism is not part of this view (``expert_model_parallel_size`` 1; meshpar's own expert
 parallelism shards HF's MoE blocks: ``parallelize(model, {"expert_parallel_size": ...})``); NxD's Neuron kernel
-options are accepted and change nothing.
+options are accepted and change nothing, the few that would change the result (``early_expert_affinity_modulation``,
+hybrid sharding, ``expert_distribution``) are refused, and so are names NxD does not have.
 """
 
 from __future__ import annotations
@@ -32,6 +33,32 @@ from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.parallel_layers.layers import create_local_weight
 from meshpar.compat.nxd.parallel_layers.mappings import copy_to_tensor_model_parallel_region, group_mesh
 from meshpar.compat.nxd.parallel_layers.utils import divide, set_tensor_model_parallel_attributes
+
+# NxD's options of its Neuron kernels and inference sharding: accepted, and change nothing here (the torch path)
+_NEURON_OPTIONS = frozenset({
+    "enable_spmd_rank", "blockwise_nki_autograd_cls", "use_torch_block_wise", "logical_nc_config",
+    "parallelize_token_to_block_mapping", "optimized_block_to_token_mapping", "use_block_parallel",
+    "always_augment_inputs_for_blockwise_matmul", "block_sharding_strategy", "skip_dma_token", "skip_dma_weight",
+    "tkg_tensor_model_parallel_group", "tkg_expert_model_parallel_group", "cte_tensor_model_parallel_group",
+    "cte_expert_model_parallel_group", "is_prefill", "use_shard_on_intermediate_dynamic_while",
+    "use_shard_on_block_dynamic_while", "use_index_calc_kernel",
+})  # fmt: skip
+# options that would change what is computed, refused when set
+_REFUSED_OPTIONS = {
+    "early_expert_affinity_modulation": "scaling the experts' inputs by the affinities is not provided",
+    "enabled_hybrid_sharding": "hybrid prefill / decode sharding is Neuron inference; not provided",
+    "expert_distribution": "expert_distribution places experts on expert-parallel ranks; this view runs NxD's MoE at "
+    "expert_model_parallel_size 1",
+}
+
+
+def _check_neuron_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - _NEURON_OPTIONS - set(_REFUSED_OPTIONS))
+    if unknown:
+        raise TypeError(f"ExpertMLPs got unexpected keyword arguments {unknown}")
+    for name, why in _REFUSED_OPTIONS.items():
+        if options.get(name):
+            raise NotImplementedError(f"ExpertMLPs({name}=...): {why}")
 
 
 class _ShareOfReplicated(torch.autograd.Function):
@@ -138,9 +165,7 @@ class ExpertMLPs(nn.Module):
             raise ValueError("top_k must be greater than 1 for normalizing top-k expert affinities")
         if return_bias:
             raise NotImplementedError("Returning bias is currently unsupported for MoE")
-        if neuron_kernel_options.get("expert_distribution") is not None:
-            raise NotImplementedError("expert_distribution places experts on expert-parallel ranks; this view runs "
-                                      "NxD's MoE at expert_model_parallel_size 1")  # fmt: skip
+        _check_neuron_options(neuron_kernel_options)
         if capacity_factor is not None and (capacity_factor <= 0 or capacity_factor >= num_experts / top_k):
             capacity_factor = None  # blockwise (dropless) or a capacity no expert can exceed: nothing dropped
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
