@@ -161,6 +161,18 @@ def shard_batch(
     return labels, out
 
 
+def local_key_padding(inputs: dict[str, Any], mesh: DeviceMesh) -> torch.Tensor:
+    """Which of this cp rank's tokens are real (``[batch, local seq]``, 1 / 0): the whole sequence's padding mask
+    cut to the rank's chunks (all ones without padding)."""
+    context = inputs[INPUTS_KEY]
+    tokens = inputs.get("input_ids")
+    tokens = tokens if isinstance(tokens, torch.Tensor) else inputs["inputs_embeds"]
+    if context.key_padding is None:
+        return torch.ones(tokens.shape[:2], device=tokens.device)
+    positions = local_positions(context.key_padding.shape[1], mesh.size(), mesh.get_local_rank(), tokens.device)
+    return context.key_padding[:, positions].to(torch.float32)
+
+
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, the dense model's logits) of one probe sequence, computed before the model is changed."""
     with dense_probe(model, length=seq_len) as (forward, ids):

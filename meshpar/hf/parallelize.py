@@ -34,6 +34,7 @@ from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
     dense_probe_logits,
+    local_key_padding,
     shard_batch,
     use_context_parallel_attention,
     verify_context_parallel,
@@ -164,7 +165,7 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel, self.dims.cp)
+        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel)
         self._router_loss = RouterLoss(model)
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
@@ -524,7 +525,8 @@ class ParallelizedModel(nn.Module):
         out = self.module(**inputs)
         out["loss"] = self.loss_fn.of_output(out, targets, normalizer)
         if router_loss_wanted(out):  # the routers' load-balancing loss, over the global batch as the tokens' loss
-            out["loss"] = out["loss"] + self._router_loss(out, inputs.get("attention_mask"), self.dims)
+            scored = local_key_padding(inputs, self.dims.cp_mesh) if self.dims.cp > 1 else None
+            out["loss"] = out["loss"] + self._router_loss(out, inputs.get("attention_mask"), self.dims, scored)
         return out
 
     def _split_targets(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

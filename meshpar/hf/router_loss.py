@@ -7,6 +7,10 @@ mean of per-token terms, so the mean of each dp replica's own value is not the g
 counts and token counts are summed over dp (they carry no grad), and each replica scores its own probabilities
 against them: the replicas' values average to the global loss, and each one's grads are its exact share.
 
+Under context parallelism each cp rank routes its own chunks' tokens: the counts are summed over dp x cp, each rank
+scores its tokens' probabilities (padding masked by the whole sequence's padding mask, cut to the rank's chunks), and
+the cp ranks' shares sum to their replica's.
+
 The formula is checked once against the model's own loss on its own outputs (``output.aux_loss``); a family whose
 auxiliary loss it does not reproduce is refused, never approximated.
 """
@@ -23,13 +27,14 @@ from meshpar.hf.hf_plan import expert_count, text_config
 from meshpar.parallel_dims import ParallelDims
 
 
-def check_router_loss_layout(model: nn.Module, pp: int, sequence_parallel: bool, cp: int = 1) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int, sequence_parallel: bool) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
-    (pp = 1, full sequences on every tp rank); elsewhere a model that asks for it is refused before any step."""
-    split = pp > 1 or sequence_parallel or cp > 1
+    (or of its cp ranks' chunks; pp = 1, whole sequences or chunks on every tp rank); elsewhere a model that asks for
+    it is refused before any step."""
+    split = pp > 1 or sequence_parallel
     if not getattr(text_config(model.config), "output_router_logits", False) or not split:
         return
-    where = "pipeline_parallel_size > 1" if pp > 1 else "sequence_parallel" if sequence_parallel else "cp > 1"
+    where = "pipeline_parallel_size > 1" if pp > 1 else "sequence_parallel"
     raise ValueError(
         f"{type(model).__name__} adds the routers' load-balancing loss (output_router_logits=True), which meshpar "
         f"computes over the global batch only without {where}; set config.output_router_logits=False (the loss "
@@ -77,14 +82,22 @@ class RouterLoss:
         self.family = type(model).__name__
         self.checked = False
 
-    def __call__(self, output: Any, attention_mask: torch.Tensor | None, dims: ParallelDims) -> torch.Tensor:
+    def __call__(
+        self,
+        output: Any,
+        attention_mask: torch.Tensor | None,
+        dims: ParallelDims,
+        scored: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's share; ``attention_mask``: what the model's forward was given (its own loss used it),
+        ``scored``: which of this rank's tokens count when that is not the mask (cp: the padding of its chunks)."""
         if self.experts is None or self.top_k is None or self.coef is None:
             raise ValueError(
                 f"{self.family} returned a router auxiliary loss, but meshpar cannot read its experts, top-k or "
                 "coefficient from the config to compute it over the global batch; set output_router_logits=False"
             )
         assigned, probs, tokens = _sums(output.router_logits, self.experts, self.top_k, attention_mask)
-        if not self.checked:  # the model's own value on this replica's batch: the formula must reproduce it
+        if not self.checked:  # the model's own value on this rank's batch: the formula must reproduce it
             own = _balance(assigned, probs, tokens, self.experts).detach()
             if not torch.allclose(own, output.aux_loss.detach().float(), rtol=1e-4, atol=1e-6):
                 raise ValueError(
@@ -92,9 +105,12 @@ class RouterLoss:
                     f"load-balancing loss meshpar makes global ({float(own):.6g}); set output_router_logits=False"
                 )
             self.checked = True
-        if dims.dp > 1:
+        if scored is not None:
+            assigned, probs, tokens = _sums(output.router_logits, self.experts, self.top_k, scored)
+        if dims.dp > 1 or dims.cp > 1:
             counts = torch.cat([assigned, tokens.reshape(1)])
-            dist.all_reduce(counts, group=dims.dp_mesh.get_group())
+            dist.all_reduce(counts, group=dims.grad_mesh.get_group())
             assigned, tokens = counts[:-1], counts[-1]
-        # each replica's grads are averaged over dp afterwards: dp times its share, so the mean is the global value
+        # grads are summed over dp x cp and divided by dp afterwards: dp times each rank's share, so the result is the
+        # global value
         return self.coef * dims.dp * _balance(assigned, probs, tokens.clamp(min=1), self.experts)

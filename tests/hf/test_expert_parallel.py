@@ -272,14 +272,15 @@ def test_zero1_of_expert_weights_without_the_expert_group_is_refused() -> None:
         assert "is sharded over ep, but the optimizer was given no mesh with an expert-data-parallel group" in message
 
 
-def router_loss_case(family: str, ep: int, tp: int) -> None:
+def router_loss_case(family: str, ep: int, tp: int, cp: int = 1) -> None:
     """With output_router_logits the step's loss and grads include the routers' load-balancing loss of the global
-    batch (dp replicas with different token counts), as the dense model's do."""
-    dims = setup_parallel(tp=tp, ep=ep)
+    batch (dp replicas with different token counts; under cp each rank routing its chunks, the padding across a
+    chunk border), as the dense model's do."""
+    dims = setup_parallel(tp=tp, ep=ep, cp=cp)
     dense = build(family)
     dense.config.output_router_logits = True
     dense.router_aux_loss_coef = 0.5  # large enough for its grads to show
-    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "context_parallel_size": cp}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=4)
     data["attention_mask"] = torch.ones_like(data["input_ids"])
@@ -298,21 +299,25 @@ def router_loss_case(family: str, ep: int, tp: int) -> None:
             torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
 
 
-@pytest.mark.parametrize("family,ep,tp", [("mixtral", 2, 1), _slow("qwen2_moe", 2, 2), _slow("mixtral", 1, 1)])
-def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int) -> None:
-    run_distributed(router_loss_case, 4, family, ep, tp)
+@pytest.mark.parametrize(
+    "family,ep,tp,cp",
+    [("mixtral", 2, 1, 1), _slow("qwen2_moe", 2, 2, 1), _slow("mixtral", 1, 1, 1), ("mixtral", 2, 1, 2),
+     _slow("qwen2_moe", 1, 1, 2)],
+)  # fmt: skip
+def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int, cp: int) -> None:
+    run_distributed(router_loss_case, 4, family, ep, tp, cp)
 
 
-@pytest.mark.parametrize("pp,sp,cp", [(2, False, 1), (1, True, 1), (1, False, 2)])
-def test_router_loss_where_it_cannot_be_global_is_refused(pp: int, sp: bool, cp: int) -> None:
+@pytest.mark.parametrize("pp,sp", [(2, False), (1, True)])
+def test_router_loss_where_it_cannot_be_global_is_refused(pp: int, sp: bool) -> None:
     from meshpar.hf.router_loss import check_router_loss_layout
 
     model = build("mixtral")
     model.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
-        check_router_loss_layout(model, pp, sp, cp)
+        check_router_loss_layout(model, pp, sp)
     model.config.output_router_logits = False
-    check_router_loss_layout(model, pp, sp, cp)  # nothing asked for, nothing refused
+    check_router_loss_layout(model, pp, sp)  # nothing asked for, nothing refused
 
 
 def _dropping_dense(dense: torch.nn.Module, factor: float, policy: str) -> list[int]:
