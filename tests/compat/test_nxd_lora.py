@@ -336,3 +336,25 @@ def lora_gqa_case(fuse_qkv: bool) -> None:
 @pytest.mark.parametrize("fuse_qkv", [True, False])
 def test_nxd_lora_gqa_qkv_equals_dense_heads(fuse_qkv: bool) -> None:
     run_distributed(lora_gqa_case, 4, fuse_qkv)
+
+
+def overlapped_pipeline_case() -> str:
+    import meshpar.compat.nxd as nxd
+
+    pipeline_config = {"transformer_layer_cls": Block, "num_microbatches": 2, "output_loss_value_spec": True,
+                       "input_names": ["ids", "labels"], "overlap_grad_reduce": True}  # fmt: skip
+    config = nxd.neuronx_distributed_config(
+        pipeline_parallel_size=2, pipeline_config=pipeline_config, lora_config=_config(target_modules=["up", "down"])
+    )
+    try:
+        nxd.initialize_parallel_model(config, lambda: Net(parallel=True, layers=2))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_lora_refuses_a_pipeline_whose_dp_buckets_were_fixed_before_the_adapters() -> None:
+    """pp2 x dp2 with overlapped dp grad reduction: the buckets hold the parameters the pipeline had when built, so
+    the adapters' grads would never be averaged over dp; refused on every rank, naming the fix."""
+    messages = run_distributed(overlapped_pipeline_case, 4)
+    assert all("overlap_grad_reduce" in m for m in messages), messages
