@@ -109,6 +109,9 @@ def moe_case(glu: bool, top_k: int, capacity_factor: float | None, normalize: bo
             torch.testing.assert_close(up.bias.grad, _shard(dense_params[2].grad, 1, tp, rank, stride), atol=1e-5,
                                        rtol=1e-4)  # fmt: skip
             torch.testing.assert_close(experts.mlp_op.down_proj.bias.grad, dense_params[4].grad, atol=1e-5, rtol=1e-4)
+        layer.eval()  # evaluation routes the same (a sequence-parallel router gathers its logits there too)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(local_x)[0], expected, atol=1e-5, rtol=1e-5)
         parallel_state.destroy_model_parallel()
 
 

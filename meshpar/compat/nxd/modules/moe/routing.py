@@ -2,11 +2,12 @@
 
 A router is a replicated ``linear_router`` (``[E, H]``) giving ``router_logits`` ``[T, E]`` for the flattened tokens,
 the ``expert_affinities`` (softmax or sigmoid of the logits, ``[T, E]``) and the ``expert_index`` (``[T, k]``).
-Under sequence parallelism (training) each rank scores its own tokens and the logits are gathered, so every rank
-returns all tokens' rows; the router's weight grad is then partial per rank and is marked
-``sequence_parallel_enabled`` for NxD's tp sum. :class:`RouterTopK` takes the ``k`` largest logits
-(``apply_act_fn_over_topk``: the activation over those ``k`` only, zero elsewhere); :class:`RouterSinkhorn` (top-1)
-picks by a fixed number of Sinkhorn balancing iterations while training and by the logits otherwise.
+Under sequence parallelism each rank scores its own tokens and the logits are gathered, so every rank returns all
+tokens' rows (in training and evaluation alike: NxD's inference path gathers later, to the same result); the
+router's weight grad is then partial per rank and is marked ``sequence_parallel_enabled`` for NxD's tp sum.
+:class:`RouterTopK` takes the ``k`` largest logits (``apply_act_fn_over_topk``: the activation over those ``k`` only,
+zero elsewhere); :class:`RouterSinkhorn` (top-1) picks by a fixed number of Sinkhorn balancing iterations while
+training and by the logits otherwise.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class RouterBase(nn.Module, ABC):
         if self.jitter_eps != 0.0 and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         logits = self.linear_router(x)
-        if self.sequence_parallel_enabled and self.training:
+        if self.sequence_parallel_enabled:
             logits = mappings.gather_from_sequence_parallel_region(
                 logits, self.sequence_dimension, to_model_parallel=False, process_group=self.tensor_parallel_group
             )
