@@ -379,7 +379,6 @@ def test_pipelines_refuse_a_head_without_a_loss_of_meshpars_naming_why() -> None
     "name,layout",
     [
         ("qwen2_token", {"context_parallel_size": 2}),
-        pytest.param("qwen2_token", {"context_parallel_size": 2, "data_parallel_size": 2}, marks=pytest.mark.slow),
         ("bert_token", {"context_parallel_size": 2, "context_parallel_implementation": "ring"}),
         pytest.param("bert_mlm", {"context_parallel_size": 2, "tensor_parallel_size": 2}, marks=pytest.mark.slow),
     ],
