@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpar.compat.nxd.parallel_layers import comm
 from meshpar.compat.nxd.parallel_layers.mappings import group_mesh
 
 
@@ -26,16 +27,12 @@ def _group(ctx: Any) -> dist.ProcessGroup:
 
 
 def _gather_along_dim(x: torch.Tensor, dim: int, process_group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(parts, x.contiguous(), group=process_group)
-    return torch.cat(parts, dim=dim)
+    return comm.all_gather(x, dim=dim, groups=process_group)
 
 
 def _reduce_scatter_along_dim(x: torch.Tensor, dim: int, process_group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(process_group)
-    summed = x.contiguous().clone()
-    dist.all_reduce(summed, group=process_group)
-    return summed.chunk(size, dim=dim)[dist.get_rank(process_group)].contiguous()
+    return comm.reduce_scatter("sum", x, 1, dim, size, groups=process_group).contiguous()
 
 
 def _linear_autograd_base_setup_fwd(
