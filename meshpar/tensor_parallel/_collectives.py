@@ -73,7 +73,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return _all_reduce(x, mesh)
+        out = _all_reduce(x, mesh)
+        if out is x:  # summed in place: say so, so the output is not an alias of the input (which FSDP2 warns of)
+            ctx.mark_dirty(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
