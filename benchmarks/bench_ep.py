@@ -5,7 +5,8 @@ and expert weights held per rank, in one invocation.
 
 Layouts of the same global batch on 4 ranks: ``tp4`` (every rank sees every token, holds 2 of the 8 experts and a
 quarter of every other weight; one all-reduce of the MoE output per layer), ``ep4`` (each rank a quarter of the
-batch, 2 experts, every other weight whole; tokens routed by all-to-all) and ``ep2 x tp2``. Bytes: what each rank
+batch, 2 experts, every other weight whole; tokens routed by all-to-all), ``ep2 x tp2`` and ``ep2 fsdp`` (FSDP2:
+the dense weights sharded over dp4, each ep rank's 4 experts over its 2 edp ranks). Bytes: what each rank
 hands to its collectives per step (all-reduce counted as a ring sends it, ``2 (p-1)/p`` of the tensor; all-to-all as
 the rows it sends, its own share included). Times are alternated round by round and paired against ``tp4``.
 """
@@ -30,7 +31,8 @@ import meshpar
 from meshpar._compat import DTensor
 from meshpar.testing import run_distributed, setup_parallel
 
-LAYOUTS = {"tp4": (4, 1), "ep4": (1, 4), "ep2 x tp2": (2, 2)}  # (tp, ep)
+# (tp, ep, FSDP2): under FSDP2 the dense weights are sharded over dp, the experts over edp (ranks holding the same ones)
+LAYOUTS = {"tp4": (4, 1, False), "ep4": (1, 4, False), "ep2 x tp2": (2, 2, False), "ep2 fsdp": (1, 2, True)}
 
 
 class SentBytes(TorchDispatchMode):
@@ -56,9 +58,13 @@ class SentBytes(TorchDispatchMode):
             elif "allreduce" in name:
                 p = self._p["dp" if tensors[0].dim() == 1 else "tp"]
                 self.all_reduce += sum(t.numel() * t.element_size() for t in tensors) * 2 * (p - 1) / max(p, 1)
-            elif "allgather" in name or "reduce_scatter" in name:  # (outputs per rank..., input)
+            elif "allgather" in name or "reduce_scatter" in name:
                 part = min(tensors, key=lambda t: t.numel())
-                self.gathers += part.numel() * part.element_size() * (len(tensors) - 2)
+                if len(tensors) == 2:  # one flat tensor each way (FSDP2's): (p - 1) parts of p leave this rank
+                    whole = max(tensors, key=lambda t: t.numel())
+                    self.gathers += (whole.numel() - part.numel()) * part.element_size()
+                else:  # (outputs per rank..., input)
+                    self.gathers += part.numel() * part.element_size() * (len(tensors) - 2)
             elif name.endswith("send"):
                 self.sends += sum(t.numel() * t.element_size() for t in tensors)
         return func(*args, **(kwargs or {}))
@@ -81,9 +87,9 @@ def ep_case(args: argparse.Namespace) -> dict:
     dense = _model(args)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     runs, report = {}, {}
-    for key, (tp, ep) in LAYOUTS.items():
+    for key, (tp, ep, fsdp) in LAYOUTS.items():
         dims = setup_parallel(tp=tp, ep=ep)
-        config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "overlap_grad_reduce": False}
+        config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "overlap_grad_reduce": False, "fsdp": fsdp}
         model = meshpar.parallelize(copy.deepcopy(dense), config)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         rows = args.batch // dims.dp
@@ -98,7 +104,7 @@ def ep_case(args: argparse.Namespace) -> dict:
 
         with SentBytes({"dp": dims.dp, "tp": tp}) as sent:
             step()
-        report[key] = {"held": held, "experts": experts, "bytes": (sent.all_reduce, sent.all_to_all)}
+        report[key] = {"held": held, "experts": experts, "bytes": (sent.all_reduce, sent.all_to_all, sent.gathers)}
         runs[key] = step
     report["times"] = alternate(runs, args.rounds)
     return report
@@ -117,13 +123,13 @@ def main() -> None:
     print(f"Mixtral-shaped: {args.layers} layers x hidden {args.hidden}, {args.experts} experts top-2, seq {args.seq},")
     print(f"global batch {args.batch}, fp32, SGD; 4 gloo processes (rank 0's view)\n")
     print(f"{'layout':10s} {'params/rank':>12s} {'experts/rank':>13s} {'all-reduce B':>14s} {'all-to-all B':>14s}"
-          f" {'step ms':>9s} {'vs tp4':>8s}")  # fmt: skip
+          f" {'gather/scatter B':>17s} {'step ms':>9s} {'vs tp4':>8s}")  # fmt: skip
     base = result["times"]["tp4"]
     for key in LAYOUTS:
         r, times = result[key], result["times"][key]
         ratio = statistics.median(a / b for a, b in zip(times, base, strict=True))
-        reduce, to_all = r["bytes"]
-        print(f"{key:10s} {r['held']:12,d} {r['experts']:13,d} {reduce:14,.0f} {to_all:14,.0f}"
+        reduce, to_all, gathers = r["bytes"]
+        print(f"{key:10s} {r['held']:12,d} {r['experts']:13,d} {reduce:14,.0f} {to_all:14,.0f} {gathers:17,.0f}"
               f" {statistics.median(times) * 1e3:9.1f} {ratio:7.2f}x")  # fmt: skip
 
 

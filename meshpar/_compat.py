@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp shard of a tp-sharded dim
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -189,6 +190,7 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "_StridedShard",
     "all_gather_single",
     "custom_op_body",
     "distribute_tensor",

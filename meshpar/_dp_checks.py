@@ -12,8 +12,10 @@ from meshpar._compat import DTensor
 
 
 def is_dp_sharded(param: torch.Tensor) -> bool:
-    """Sharded over the ``dp`` mesh dim (FSDP2), which reduce-scatters its own grads."""
-    return isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ())
+    """Sharded over the ``dp`` mesh dim, or an expert weight over ``edp`` (FSDP2), which reduce-scatters its own
+    grads."""
+    names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+    return "dp" in names or "edp" in names
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:

@@ -5,19 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshpar._compat import DTensor, Shard
+from meshpar._compat import DTensor, Shard, _StridedShard
 from meshpar._stored_layout import from_layout, to_layout
 
 
 def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` that ``like`` (a DTensor with even ``Shard`` / ``Replicate`` placements) holds here."""
+    """The part of ``full`` that ``like`` (a DTensor with ``Shard`` / ``Replicate`` placements, or FSDP2's
+    ``_StridedShard`` over dp ahead of a tp shard of the same dim) holds here. A strided shard splits what the later
+    shards left (FSDP2 shards each tp shard), so it is cut last; uneven cuts as ``torch.chunk`` (FSDP2's padding)."""
     if not isinstance(like, DTensor):
         return full
-    out = full
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            mesh = like.device_mesh
-            out = out.chunk(mesh.size(mesh_dim), placement.dim)[mesh.get_local_rank(mesh_dim)]
+    mesh, out = like.device_mesh, full
+    strided = [(d, p) for d, p in enumerate(like.placements) if isinstance(p, _StridedShard)]
+    plain = [(d, p) for d, p in enumerate(like.placements) if isinstance(p, Shard)]
+    for mesh_dim, placement in plain + strided:
+        parts = out.chunk(mesh.size(mesh_dim), placement.dim)
+        rank = mesh.get_local_rank(mesh_dim)
+        out = parts[rank] if rank < len(parts) else out.narrow(placement.dim, 0, 0)
     return out
 
 

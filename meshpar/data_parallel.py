@@ -84,8 +84,8 @@ class DataParallelGrads:
     Under context parallelism ``dp_mesh`` is dp x cp (:attr:`ParallelDims.grad_mesh`) and ``divisor`` dp: the cp
     ranks' grads are parts of one replica's, summed. Under expert parallelism (``expert_dp_mesh``: the
     expert-data-parallel group, see :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an
-    ``"ep"`` dim, are summed over that group after backward and divided by dp, in the all-reduce modes; FSDP2 and
-    ZeRO-1 do not take them.
+    ``"ep"`` dim, are summed over that group after backward and divided by dp, in the all-reduce modes; under FSDP2
+    they are their own units over that group (:func:`apply_fsdp`); ZeRO-1's mode does not take them.
     """
 
     def __init__(
@@ -112,10 +112,10 @@ class DataParallelGrads:
                 "(context parallelism: dp alone); use the all-reduce modes, or apply_fsdp(..., divisor=dp)"
             )
         experts = [p for chunk in self._chunk_parameters(experts=True) for p in chunk]
-        if experts and (expert_dp_mesh is None or mode in ("fsdp", "optimizer")):
+        if experts and (expert_dp_mesh is None or mode == "optimizer"):
             raise ValueError(
-                "expert-parallel weights need the expert-data-parallel group and the all-reduce modes"
-                + (f"; mode {mode!r} (FSDP2 / ZeRO-1) does not take them yet" if expert_dp_mesh is not None else "")
+                "expert-parallel weights need the expert-data-parallel group and the all-reduce or FSDP2 modes"
+                + (f"; mode {mode!r} (ZeRO-1) does not take them" if expert_dp_mesh is not None else "")
             )
         overlapped = mode == "overlapped" and dp_mesh.size() > 1
         self.syncs = (
@@ -154,8 +154,8 @@ class DataParallelGrads:
             # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
             params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(params, self.dp_mesh, divisor=self.divisor)
-        if self.expert_dp_mesh is not None:
-            experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk)
+        if self.expert_dp_mesh is not None and self.mode != "fsdp":  # FSDP2: reduce-scattered over edp already
+            experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.divisor)
 
 
@@ -272,10 +272,17 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: object | None = None,
     divisor: int | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
     """FSDP2 ``fully_shard`` over ``mesh["dp"]`` (per block, then the root), on top of tensor parallelism; under
     context parallelism over dp x cp (``dims.grad_mesh``), the grads' sum divided by ``divisor`` (dp) instead of the
     mesh's size.
+
+    Under expert parallelism (``expert_dp_mesh``: the expert-data-parallel group, see :mod:`meshpar.parallel_dims`)
+    each module holding expert weights (DTensors over ``("ep", "tp")``) is a unit of its own first, sharded over
+    ``edp`` (the ranks holding the same experts; torchtitan's ``dp_mod_ep``), its grads' sum divided by dp like the
+    dense ones (the all-to-all already brought every dp replica's tokens to them); the enclosing blocks and the root
+    shard the dense weights over dp.
 
     Apply after TP (and activation checkpointing): parameters that are DTensors on the tp mesh become 2-D
     ``(dp, tp)`` DTensors, sharded over dp between steps and gathered for each block's forward and backward.
@@ -286,16 +293,23 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import fully_shard
 
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, object] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    divisor = dp_mesh.size() if divisor is None else divisor
+    experts = [m for m in model.modules() if any(is_expert_parallel(p) for p in m.parameters(recurse=False))]
+    if experts and expert_dp_mesh is None:
+        raise ValueError("apply_fsdp: the model holds expert-parallel weights; pass expert_dp_mesh (dims.edp_mesh)")
     units = [m for m in model.modules() if isinstance(m, block_cls)] if block_cls is not None else []
-    for unit in [*units, model]:
-        fully_shard(unit, **kwargs)
-        if divisor is not None:
+    for unit in [*experts, *units, model]:  # innermost first: a unit leaves its nested units' parameters alone
+        fully_shard(unit, **kwargs, mesh=expert_dp_mesh if unit in experts else dp_mesh)
+        # expert units divide by dp whatever the size of their edp group
+        if divisor != dp_mesh.size() or unit in experts:
             unit.set_gradient_divide_factor(float(divisor))
-            unit.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no pre-scaled sum)
-        unit._meshpar_grad_divisor = divisor if divisor is not None else dp_mesh.size()
+            # a sum, then the division (gloo has no pre-scaled sum); with one rank there is no sum, and torch 2.13
+            # would divide twice
+            unit.set_force_sum_reduction_for_comms((expert_dp_mesh if unit in experts else dp_mesh).size() > 1)
+        unit._meshpar_grad_divisor = divisor
         _give_unused_parameters_zero_grads(unit)  # after fully_shard: its post-backward wraps the inputs outside
     return model
 

@@ -104,6 +104,7 @@ def apply_recipe(
             block_cls=classes or None,
             reshard_after_forward=dims.pp == 1,
             divisor=dims.dp if dims.cp > 1 else None,
+            expert_dp_mesh=dims.expert_dp_mesh,
         )
     return module
 

@@ -173,15 +173,16 @@ def test_bench_peers_runs_every_row_and_counts_megatron_collectives() -> None:
 
 def test_bench_ep_prints_every_layout_with_its_bytes() -> None:
     """Expert parallelism at equal world size: every layout's row; tp4 sends no all-to-all, the ep layouts do, and
-    each layout holds the same share of the experts (2 of 8 per rank)."""
+    each layout holds the same share of the experts (2 of 8 per rank); under FSDP2 fewer parameters than ep4 (the
+    dense weights sharded), gathered and reduce-scattered instead of all-reduced."""
     out = _run("ep")
-    rows = {
-        m.group(1): m.groups()[1:]
-        for m in re.finditer(r"^(tp4|ep4|ep2 x tp2)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)", out, re.M)
-    }
-    assert set(rows) == {"tp4", "ep4", "ep2 x tp2"}, out
-    assert rows["tp4"][3] == "0" and rows["ep4"][3] != "0" and rows["ep2 x tp2"][3] != "0"
+    number = r"\s+([\d,]+)"
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(rf"^(tp4|ep4|ep2 x tp2|ep2 fsdp){number * 5}", out, re.M)}
+    assert set(rows) == {"tp4", "ep4", "ep2 x tp2", "ep2 fsdp"}, out
+    assert rows["tp4"][3] == "0" and all(rows[k][3] != "0" for k in ("ep4", "ep2 x tp2", "ep2 fsdp"))
     assert len({r[1] for r in rows.values()}) == 1
+    held = {k: int(r[0].replace(",", "")) for k, r in rows.items()}
+    assert held["ep2 fsdp"] < held["ep4"] and rows["ep2 fsdp"][4] != "0" and rows["ep4"][4] == "0", out
 
 
 def test_bench_cp_prints_every_layout() -> None:

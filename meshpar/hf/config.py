@@ -105,11 +105,6 @@ class ParallelConfig:
                 "config keys 'context_parallel_size' > 1 and 'expert_capacity_factor' cannot be combined: an expert's "
                 "capacity counts the routes of one forward of a replica's whole sequences, which cp splits over ranks"
             )
-        if self.expert_parallel_size > 1 and self.fsdp:
-            raise ValueError(
-                "config keys 'expert_parallel_size' > 1 and 'fsdp' cannot be combined yet: FSDP2 would shard the "
-                "experts over all of dp, whose ranks hold different experts under expert parallelism"
-            )
         if self.fsdp and self.overlap_grad_reduce:
             raise ValueError(
                 "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "

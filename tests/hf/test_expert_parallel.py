@@ -13,6 +13,7 @@ import meshpar
 from meshpar import checkpoint
 from meshpar._compat import DTensor
 from meshpar._shards import in_parameter_layout, local_slice
+from meshpar.grad_clip import total_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
 from meshpar.testing.dispatch import AtenOps
@@ -73,6 +74,10 @@ def expert_parallel_case(
             want = local_slice(in_parameter_layout(dense_grad, module, name), param)
             torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
             checked += 1
+    if zero1 != "reduce_scatter":  # every expert and dense grad counted once, however it is sharded
+        norm = total_grad_norm([p for m in modules for p in m.parameters()], dims=model.dims)
+        dense_norm = torch.stack([g.norm() for g in dense_grads.values()]).norm()
+        torch.testing.assert_close(norm, dense_norm, rtol=1e-5, atol=0)
     optimizer.step()
     experts = 0
     for module in modules:
@@ -133,11 +138,26 @@ def test_expert_parallel_carved_from_dp_and_cp(family: str, ep: int, cp: int, tp
     assert all(r["expert_params"] > 0 for r in results), results
 
 
-def save_case(directory: str, ep: int, tp: int, zero1: bool = False) -> dict[str, torch.Tensor] | None:
+@pytest.mark.parametrize(
+    "family,ep,tp,pp,cp",
+    [("mixtral", 2, 1, 1, 1), ("qwen2_moe", 4, 1, 1, 2), _slow("gpt_oss", 2, 2, 1, 1), _slow("mixtral", 2, 1, 2, 1)],
+)
+def test_expert_parallel_composes_with_fsdp(family: str, ep: int, tp: int, pp: int, cp: int) -> None:
+    """FSDP2 with expert parallelism (torchtitan's layout): each experts module its own unit over the edp ranks
+    holding the same experts, the dense weights over dp (x cp); the expert grads' sum divided by dp like the dense
+    ones, also where edp is one rank (ep4 x cp2: each rank the only holder of its experts). Loss, every grad shard and
+    the AdamW step equal dense, at ep2 (edp2), with shared experts, with tp (expert biases) and pp."""
+    results = run_distributed(expert_parallel_case, 4, family, ep, tp, pp, 4, None, {"fsdp": True}, "", cp)
+    assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
+
+
+def save_case(
+    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False
+) -> dict[str, torch.Tensor] | None:
     """One AdamW step at (ep, tp), saved; the whole parameters and Adam moments (rank 0; under ZeRO-1 the moments
     it owns)."""
     setup_parallel(tp=tp, ep=ep)
-    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp}
     model = meshpar.parallelize(build("mixtral"), config)
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     dims = model.dims
@@ -149,9 +169,11 @@ def save_case(directory: str, ep: int, tp: int, zero1: bool = False) -> dict[str
     return _whole(model, optimizer)
 
 
-def load_case(directory: str, ep: int, tp: int, zero1: bool = False) -> dict[str, torch.Tensor] | None:
+def load_case(
+    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False
+) -> dict[str, torch.Tensor] | None:
     setup_parallel(tp=tp, ep=ep)
-    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp}
     model = meshpar.parallelize(build("mixtral"), config)
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     checkpoint.load(directory, model, optimizer)
@@ -195,6 +217,23 @@ def test_zero1_expert_checkpoints_reshard(tmp_path) -> None:
             torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_fsdp_expert_checkpoints_reshard(tmp_path) -> None:
+    """Saved under FSDP2 at ep2 (expert weights and moments sharded over edp inside each ep rank, the dense ones
+    over dp), loaded in one process, at ep4 without FSDP and at ep2 x tp2 under FSDP: every parameter and Adam moment
+    equals the same step saved without FSDP."""
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "fsdp")
+    run_distributed(save_case, 4, plain, 2, 1)
+    saved = run_distributed(save_case, 4, sharded, 2, 1, False, True)[0]
+    want = run_distributed(load_case, 1, plain, 1, 1)[0]
+    for value, name in ((saved[n], n) for n in want):
+        torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=f"{name} as trained under FSDP")
+    for world, ep, tp, fsdp in [(1, 1, 1, False), (4, 4, 1, False), (4, 2, 2, True)]:
+        loaded = run_distributed(load_case, world, sharded, ep, tp, False, fsdp)[0]
+        assert loaded.keys() == want.keys() and any("experts" in name and "exp_avg" in name for name in loaded)
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-7, msg=f"{name} at ep={ep} tp={tp}")
+
+
 def collectives_case(ep: int, tp: int) -> dict[str, int]:
     setup_parallel(tp=tp, ep=ep)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep}
@@ -234,7 +273,6 @@ def _refusal(family: str, config: dict) -> str:
         ("mixtral", {"expert_parallel_size": 3}, "over ep x tp = 3 x 1"),
         ("mixtral", {"expert_parallel_size": 4, "tensor_parallel_size": 2}, "over ep x tp = 4 x 2"),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
-        ("mixtral", {"expert_parallel_size": 2, "fsdp": True}, "'fsdp' cannot be combined"),
         ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
         ("mixtral", {"expert_capacity_factor": 1.0, "expert_drop_policy": "random"}, "'probs' or 'position'"),
         ("llama", {"expert_capacity_factor": 1.0}, "expert_capacity_factor: LlamaForCausalLM has no experts module"),
