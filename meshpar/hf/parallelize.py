@@ -31,6 +31,7 @@ from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, st
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
+from meshpar.context_parallel import gather_sequence
 from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
     dense_probe_logits,
@@ -693,13 +694,20 @@ class ParallelizedModel(nn.Module):
     @torch.no_grad()
     def eval_logits(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor | None:
         """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``;
-        in eval mode, as :meth:`eval_loss`."""
+        in eval mode, as :meth:`eval_loss`. Under context parallelism each cp rank computes its chunks' logits and
+        returns every position's, gathered over cp into the sequence's order."""
         with self._eval_mode():
             if self.pipeline is None:
-                return head_output(self._module_forward(labels, inputs))
-            labels, inputs = self._checked_on_device(labels, inputs)
-            _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
-        return torch.cat(outputs) if outputs else None
+                logits = head_output(self._module_forward(labels, inputs))
+            else:
+                labels, inputs = self._checked_on_device(labels, inputs)
+                if self.dims.cp > 1:  # this cp rank's chunks of every microbatch's rows (as train_step)
+                    labels, inputs = self._split_targets(labels, inputs)
+                _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
+                logits = torch.cat(outputs) if outputs else None
+        if logits is not None and self.dims.cp > 1:  # the cp ranks of a last stage hold its outputs alike
+            logits = gather_sequence(logits, 1, self.dims.cp_mesh)
+        return logits
 
     @property
     def grad_syncs(self) -> list[OverlappedGradSync]:

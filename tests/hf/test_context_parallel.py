@@ -99,7 +99,20 @@ def context_parallel_case(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():
         evaluated = model.eval_loss(**mine)
-    torch.testing.assert_close(evaluated, dense.eval()(**data).loss, atol=1e-5, rtol=1e-5)
+        dense_out = dense.eval()(**data)
+        logits = model.eval_logits(**mine)  # every position's, gathered over cp (the last stage's ranks)
+    torch.testing.assert_close(evaluated, dense_out.loss, atol=1e-5, rtol=1e-5)
+    if pp == 1 or dims.pp_rank == pp - 1:
+        rows = slice(dims.dp_rank * share, (dims.dp_rank + 1) * share)
+        want = (
+            dense_out.logits[rows].chunk(tp, -1)[dims.tp_rank]
+            if logits.shape[-1] != dense_out.logits.shape[-1]
+            else dense_out.logits[rows]
+        )
+        real = mine["attention_mask"].bool()  # a padded query's logits are no model's business
+        torch.testing.assert_close(logits[real], want[real], atol=1e-5, rtol=1e-4)
+    else:
+        assert logits is None
     return float(loss)
 
 
