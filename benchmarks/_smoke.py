@@ -13,6 +13,7 @@ import importlib
 import io
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def run(script: str, args: list[str]) -> tuple[str, bool]:
 def main() -> None:
     ok = True
     for script, *args in json.loads(sys.argv[1]):
+        start = time.perf_counter()
         text, passed = run(script, args)
         ok &= passed
+        print(f"{time.perf_counter() - start:7.1f} s  {script}", file=sys.stderr, flush=True)  # where CI time goes
         print(f"=== {script} {' '.join(args)}\n{text}", flush=True)
     sys.exit(0 if ok else 1)
 
