@@ -26,12 +26,12 @@ from torch import nn
 
 from meshpar import checkpoint, rebind
 from meshpar._compat import local_tensor
+from meshpar.context_parallel import gather_sequence
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
 from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
-from meshpar.context_parallel import gather_sequence
 from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
     dense_probe_logits,
