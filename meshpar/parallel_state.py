@@ -157,7 +157,9 @@ def get_expert_data_parallel_group() -> dist.ProcessGroup:
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    """Experts are split over tp inside each ep rank (Megatron-Core's default ``expert_tensor_parallel_size`` = tp)."""
+    """Experts are split over tp inside each ep rank (Megatron-Core's default ``expert_tensor_parallel_size`` = tp).
+    A model parallelized with ``expert_tensor_parallel_size: 1`` keeps its experts whole on every tp rank instead: a
+    setting of that model's plan (``model.plan``), not of the mesh, which this reads."""
     return get_parallel().tp
 
 

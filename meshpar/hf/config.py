@@ -18,6 +18,10 @@ class ParallelConfig:
     data_parallel_size: int = -1  # -1: the rest of the world
     # experts sharded over ep replicas (carved out of dp x cp, which must be a multiple; tokens routed by all-to-all)
     expert_parallel_size: int = 1
+    # Megatron-Core's expert_tensor_parallel_size: None (= tp) splits each ep rank's experts over its tp ranks, whole
+    # experts each; 1 keeps all of them on every tp rank, each tp rank running a 1/tp share of the tokens (only ep
+    # then needs to divide the number of experts)
+    expert_tensor_parallel_size: int | None = None
     # token dropping (Megatron-Core's moe_expert_capacity_factor): each expert takes at most ceil(tokens * k / experts
     # * factor) routes of one forward of one replica's tokens, by routing weight ("probs") or token order ("position")
     expert_capacity_factor: float | None = None
@@ -94,6 +98,12 @@ class ParallelConfig:
         if self.expert_drop_policy not in ("probs", "position"):
             raise ValueError(
                 f"config key 'expert_drop_policy' must be 'probs' or 'position', got {self.expert_drop_policy!r}"
+            )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp not in (1, self.tensor_parallel_size):
+            raise ValueError(
+                f"config key 'expert_tensor_parallel_size' must be 1 (experts whole on every tp rank, the tokens split "
+                f"over tp) or the tensor-parallel size {self.tensor_parallel_size} (experts split over tp), got {etp!r}"
             )
         if self.context_parallel_implementation not in ("all_gather", "ring"):
             raise ValueError(

@@ -9,10 +9,12 @@ dense output. Forward: one all-reduce of the output; backward: one of the input 
 grad (the router stays replicated). Each rank picks the routes to its own experts and runs them, one route per row,
 through the family's own experts forward (:func:`meshpar.expert_parallel.dispatch`; under expert parallelism the
 routes travel to the ep rank holding their expert first), so no forward ever sees an expert it does not hold.
-Experts handed one block of tokens
-per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order. Experts that cannot
-be split whole (LongCat-Flash: identity experts with rows in one weight only) are split by features instead, each
-packed weight per part and kept in the model's shapes in checkpoints (see :class:`ExpertsOverTP`).
+With ``expert_tensor_parallel_size`` 1 (``ExpertsOverTP(split_over_tp=False)``) every tp rank holds all of its ep
+rank's experts and routes every tp-th token instead, the experts' grads summed over tp in backward. Experts handed one
+block of tokens per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order.
+Experts that cannot be split whole (LongCat-Flash: identity experts with rows in one weight only) are split by
+features instead, each packed weight per part and kept in the model's shapes in checkpoints (see
+:class:`ExpertsOverTP`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import inspect
 import torch
 from torch import nn
 
-from meshpar._compat import DeviceMesh, ParallelStyle, Shard
+from meshpar._compat import DeviceMesh, ParallelStyle, Replicate, Shard
 from meshpar._in_place import mix_into
 from meshpar.expert_parallel import combine, dispatch, drop_over_capacity, experts_touched
 from meshpar.parallel_dims import ParallelDims
@@ -45,6 +47,8 @@ class _LocalExperts:
 
     tp_mesh: DeviceMesh
     ep_mesh: DeviceMesh | None
+    # experts split over tp (each tp rank 1/tp of the ep rank's), or whole on every tp rank with the tokens split
+    split_over_tp: bool
     capacity: tuple[float, str] | None  # (capacity factor, drop policy), see ExpertsOverTP
     num_experts: int
     # tokens arrive as sequence shards (sequence parallelism): gathered on entry, the output reduce-scattered back
@@ -79,26 +83,48 @@ class _LocalExperts:
         parallelism sent to the ep ranks holding them and back, :mod:`meshpar.expert_parallel`) run as one route per
         row through the model's own experts forward (each row's weight applied as the model applies it), summed per
         token. No route names an expert the rank does not hold, so any forward of the family works as written."""
-        ep_mesh, tp = self.ep_mesh, self.tp_mesh.size()
+        ep_mesh, tp_mesh = self.ep_mesh, self.tp_mesh
+        ep = ep_mesh.size() if ep_mesh is not None else 1
+        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
+        tokens, all_tokens = None, hidden_states.shape[0]
+        tp, tp_rank = (tp_mesh.size(), tp_mesh.get_local_rank()) if self.split_over_tp else (1, 0)
+        if not self.split_over_tp and tp_mesh.size() > 1:
+            # every expert of the ep rank here: this tp rank routes every tp-th token; each expert's grads are summed
+            # over tp (the other tokens' share) inside backward, before any dp reduction or optimizer sees them
+            tokens = torch.arange(tp_mesh.get_local_rank(), all_tokens, tp_mesh.size(), device=hidden_states.device)
+            hidden_states, top_k_index, top_k_weights = (
+                hidden_states[tokens],
+                top_k_index[tokens],
+                top_k_weights[tokens],
+            )
+            shards = dict(zip(shards, _GradsSummedOverTP.apply(tp_mesh, *shards.values()), strict=True))
         rows, local_index, weights, routes = dispatch(
             hidden_states, top_k_index, top_k_weights, num_experts=self.num_experts, ep_mesh=ep_mesh,
-            tp_rank=self.tp_mesh.get_local_rank(), tp=tp,
+            tp_rank=tp_rank, tp=tp,
         )  # fmt: skip
-        local = self.num_experts // ((ep_mesh.size() if ep_mesh is not None else 1) * tp)
+        local = self.num_experts // (ep * tp)
         if rows.shape[0]:
-            out = self._local_forward(rows, local_index.unsqueeze(-1), weights.unsqueeze(-1), local)
+            out = self._local_forward(rows, local_index.unsqueeze(-1), weights.unsqueeze(-1), local, shards)
         else:  # no route reached this rank's experts: their grads are zeros, as the dense model's rows of them
             # the empty rows and weights stay in the graph: their all-to-alls' backwards are collectives every ep
             # rank must join, even with nothing to send
             empty = rows + weights.unsqueeze(-1).to(rows.dtype)
-            out = experts_touched(empty, [p.to_local() for p in self._parameters.values() if p is not None])
-        return combine(out, routes, ep_mesh)
+            out = experts_touched(empty, list(shards.values()))
+        out = combine(out, routes, ep_mesh)
+        if tokens is None:
+            return out
+        return out.new_zeros((all_tokens, *out.shape[1:])).index_copy(0, tokens, out)  # the others': summed over tp
 
     def _local_forward(
-        self, rows: torch.Tensor, local_index: torch.Tensor, weights: torch.Tensor, local: int
+        self,
+        rows: torch.Tensor,
+        local_index: torch.Tensor,
+        weights: torch.Tensor,
+        local: int,
+        shards: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """The model's own experts forward on this rank's ``local`` experts, for rows of one route each."""
-        shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
+        """The model's own experts forward on this rank's ``local`` experts (their weights ``shards``), for rows of
+        one route each."""
         previous = self.num_experts
         try:
             self.num_experts = local
@@ -128,6 +154,28 @@ class _LocalExperts:
         return gather_from_tp(out.view(local, -1, out.shape[-1]), mesh, 0).reshape(-1, out.shape[-1])
 
 
+class _GradsSummedOverTP(torch.autograd.Function):
+    """Identity on expert weights held whole by every tp rank; backward sums their grads over tp in one flat
+    all-reduce (each tp rank ran its share of the tokens). One per MoE layer and forward, on every tp rank alike."""
+
+    @staticmethod
+    def forward(ctx: object, mesh: DeviceMesh, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mesh, ctx.like = mesh, [(w.shape, w.dtype, w.device) for w in weights]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: object, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # a weight the family's forward left unused has no grad here: zeros (the same flat layout on every tp rank)
+        grads = [
+            g if g is not None else torch.zeros(s, dtype=t, device=d)
+            for g, (s, t, d) in zip(grads, ctx.like, strict=True)
+        ]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=ctx.mesh.get_group())
+        parts = flat.split([g.numel() for g in grads])
+        return (None, *(part.view_as(g) for part, g in zip(parts, grads, strict=True)))
+
+
 class ExpertsOverTP(ParallelStyle):
     """Shard a transformers experts module (3-D expert weights, ``forward(hidden, top_k_index, top_k_weights)``)
     into whole experts per tp rank; see the module docstring.
@@ -147,10 +195,14 @@ class ExpertsOverTP(ParallelStyle):
         sequence_parallel: bool = False,
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
+        split_over_tp: bool = True,
     ) -> None:
         super().__init__()
         self.features = features
         self.sequence_parallel = sequence_parallel
+        # False: Megatron-Core's expert_tensor_parallel_size 1 (every tp rank holds its ep rank's experts whole and
+        # routes a 1/tp share of the tokens), for routed experts only
+        self.split_over_tp = split_over_tp
         # token dropping (meshpar.expert_parallel.drop_over_capacity), per forward of one replica's tokens
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -170,20 +222,29 @@ class ExpertsOverTP(ParallelStyle):
                 f"{cls.__name__}: its forward takes blocks of tokens per expert (every token in every expert's block), "
                 "not routes, so there is nothing to route between ep ranks; use expert_parallel_size 1"
             )
-        if expert_parallel and not _whole_experts_possible(module, experts):
+        whole = _whole_experts_possible(module, experts)
+        if expert_parallel and not whole:
             raise ValueError(
                 f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight (identity experts, "
                 "or weights not stacked over the experts, cannot be routed); use expert_parallel_size 1"
             )
-        if self.features is not None and not _whole_experts_possible(module, experts):
+        if not self.split_over_tp and (len(inspect.signature(cls.forward).parameters) < 4 or not whole):
+            raise ValueError(
+                f"{cls.__name__}: expert_tensor_parallel_size 1 keeps routed experts whole on every tp rank; these "
+                "experts take blocks of tokens, or cannot be split into whole experts; leave it unset"
+            )
+        if self.features is not None and not whole:
             if self.sequence_parallel:
                 raise ValueError(
                     f"{cls.__name__}: experts split by features under sequence parallelism are not supported; turn "
                     "'sequence_parallel' off"
                 )
             return _experts_by_features(module, device_mesh, self.features, self.src_data_rank)
-        if not isinstance(experts, int) or experts % tp:
+        # the ranks the experts are split over: ep x tp (whole experts per rank), or ep alone (whole on each tp rank)
+        split = tp if self.split_over_tp else (device_mesh["ep"].size() if expert_parallel else 1)
+        if not isinstance(experts, int) or experts % split:
             over = f"ep x tp = {tp}" if expert_parallel else f"tp={tp}"
+            over = over if self.split_over_tp else f"ep={split}"
             raise ValueError(
                 f"{cls.__name__}: {experts} experts cannot be split into whole experts over {over}; use sizes whose "
                 "product divides the number of experts"
@@ -195,12 +256,16 @@ class ExpertsOverTP(ParallelStyle):
                 f"{cls.__name__}: only modules whose parameters are all stacked over the experts can be sharded "
                 f"into whole experts ({others} are not)"
             )
-        placements = [Shard(0)] * device_mesh.ndim  # ep blocks of experts, each block split over tp
+        if self.split_over_tp:  # ep blocks of experts, each block split over tp
+            placements = [Shard(0)] * device_mesh.ndim
+        else:  # ep blocks of experts, each whole on every tp rank
+            placements = [Shard(0), Replicate()] if expert_parallel else [Replicate()]
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, distribute_parameter(param, device_mesh, placements, self.src_data_rank))
         mix_into(module, _LocalExperts, "TensorParallel")
         module.tp_mesh, module.sequence_parallel = tp_mesh, self.sequence_parallel
         module.ep_mesh = device_mesh["ep"] if expert_parallel else None
+        module.split_over_tp = self.split_over_tp
         module.capacity = (self.capacity_factor, self.drop_policy) if self.capacity_factor is not None else None
         return module
 

@@ -288,6 +288,7 @@ def plan_for(
     tp, sequence_parallel = _sizes(layout, sequence_parallel)
     ep = _expert_parallel_size(layout)
     capacity = _expert_capacity(layout)
+    experts_over_tp = _expert_setting(layout, "expert_tensor_parallel_size", None) in (None, tp)
     if isinstance(plan, HFPlan):
         _check_ties(model, plan)
         return plan
@@ -313,19 +314,24 @@ def plan_for(
     built.head = _vocab_head(model, built.styles)
     _check_ties(model, built)
     if ep > 1 or capacity is not None:
-        _check_expert_parallel(model, built, ep, tp)
-    if capacity is not None:
-        for style in built.styles.values():
-            if isinstance(style, ExpertsOverTP):
+        _check_expert_parallel(model, built, ep, tp if experts_over_tp else 1)
+    for style in built.styles.values():
+        if isinstance(style, ExpertsOverTP):
+            if capacity is not None:
                 style.capacity_factor, style.drop_policy = capacity
+            style.split_over_tp = experts_over_tp
     return built
+
+
+def _expert_setting(layout: object, key: str, default: object) -> object:
+    """A key of a ``parallelize`` config (a dict or a :class:`ParallelConfig`); ``default`` for other layouts."""
+    return layout.get(key, default) if isinstance(layout, dict) else getattr(layout, key, default)
 
 
 def _expert_capacity(layout: object) -> tuple[float, str] | None:
     """(capacity factor, drop policy) from a ``parallelize`` config, ``None`` for dropless experts."""
-    get = layout.get if isinstance(layout, dict) else lambda key, default: getattr(layout, key, default)
-    factor = get("expert_capacity_factor", None)
-    return None if factor is None else (float(factor), get("expert_drop_policy", "probs"))
+    factor = _expert_setting(layout, "expert_capacity_factor", None)
+    return None if factor is None else (float(factor), _expert_setting(layout, "expert_drop_policy", "probs"))
 
 
 def _expert_parallel_size(layout: object) -> int:
@@ -349,6 +355,7 @@ def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> 
         raise ValueError(
             f"{type(model).__name__}: {count} experts cannot be split into whole experts over ep x tp = {ep} x {tp}; "
             "use an ep x tp that divides the number of experts"
+            + (" (or expert_tensor_parallel_size 1: experts split over ep only)" if tp > 1 else "")
         )
 
 

@@ -39,12 +39,18 @@ def expert_parallel_case(
     extra: dict | None = None,
     zero1: str = "",
     cp: int = 1,
+    experts: int | None = None,
 ) -> dict[str, object]:
     """One AdamW step at (ep, tp, pp) on ``rows`` rows split over dp, against the dense model on all of them
     (``implementation``: transformers' experts implementation, e.g. ``"grouped_mm"``, in both). ``zero1``: the step
     by meshpar's ZeRO-1 optimizer (``"reduce_scatter"``: reducing the raw grads itself, so they are not compared)."""
     dims = setup_parallel(tp=tp, pp=pp, ep=ep, cp=cp)
     dense = build(family)
+    if experts is not None:  # Mixtral with another number of experts
+        config = copy.deepcopy(dense.config)
+        config.num_local_experts = experts
+        torch.manual_seed(0)
+        dense = type(dense)(config)
     if implementation is not None:
         dense.config._experts_implementation = implementation
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
@@ -79,14 +85,16 @@ def expert_parallel_case(
         dense_norm = torch.stack([g.norm() for g in dense_grads.values()]).norm()
         torch.testing.assert_close(norm, dense_norm, rtol=1e-5, atol=0)
     optimizer.step()
-    experts = 0
+    experts, layouts = 0, set()
     for module in modules:
         for name, param in module.named_parameters():
             full = dense.get_parameter(name).detach()
             want = local_slice(in_parameter_layout(full, module, name), param)
             torch.testing.assert_close(_local(param), want, atol=1e-5, rtol=1e-4, msg=name)
-            experts += isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
-    return {"checked": checked, "expert_params": experts}
+            if isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()):
+                experts += 1
+                layouts.add(tuple(type(p).__name__ for p in param.placements[-2:]))
+    return {"checked": checked, "expert_params": experts, "expert_layouts": layouts}
 
 
 @pytest.mark.parametrize(
@@ -149,6 +157,27 @@ def test_expert_parallel_composes_with_fsdp(family: str, ep: int, tp: int, pp: i
     the AdamW step equal dense, at ep2 (edp2), with shared experts, with tp (expert biases) and pp."""
     results = run_distributed(expert_parallel_case, 4, family, ep, tp, pp, 4, None, {"fsdp": True}, "", cp)
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize(
+    "family,ep,tp,extra,experts",
+    [("mixtral", 2, 2, {}, 2), _slow("qwen2_moe", 2, 2, {"sequence_parallel": True}, None),
+     _slow("gpt_oss", 2, 2, {"fsdp": True}, None), _slow("mixtral", 1, 2, {}, None)],
+    ids=["2-experts-at-ep2xtp2", "shared-experts-sp", "expert-biases-fsdp", "tp-only"],
+)  # fmt: skip
+def test_expert_tensor_parallel_size_one_keeps_experts_whole_on_every_tp_rank(
+    family: str, ep: int, tp: int, extra: dict, experts: int | None
+) -> None:
+    """Megatron-Core's ``expert_tensor_parallel_size: 1``: each ep rank's experts whole on every one of its tp ranks,
+    each tp rank routing every tp-th token, the experts' grads summed over tp in backward; so only ep need divide the
+    experts (2 experts at ep2 x tp2, which whole experts per rank cannot split). Loss, every grad (the experts'
+    replicated over tp), the AdamW step equal dense; with shared experts under SP, with expert biases under FSDP2,
+    and at tp2 without ep (every expert on every rank)."""
+    config = {**extra, "expert_tensor_parallel_size": 1}
+    results = run_distributed(expert_parallel_case, 4, family, ep, tp, 1, 4, None, config, "", 1, experts)
+    assert all(r["checked"] > 0 for r in results), results
+    if ep > 1:
+        assert all(r["expert_layouts"] == {("Shard", "Replicate")} for r in results), results
 
 
 def save_case(
@@ -272,6 +301,13 @@ def _refusal(family: str, config: dict) -> str:
     [
         ("mixtral", {"expert_parallel_size": 3}, "over ep x tp = 3 x 1"),
         ("mixtral", {"expert_parallel_size": 4, "tensor_parallel_size": 2}, "over ep x tp = 4 x 2"),
+        ("mixtral", {"expert_parallel_size": 4, "tensor_parallel_size": 2}, "or expert_tensor_parallel_size 1"),
+        (
+            "mixtral",
+            {"expert_parallel_size": 8, "tensor_parallel_size": 2, "expert_tensor_parallel_size": 1},
+            "over ep x tp = 8 x 1",
+        ),
+        ("mixtral", {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 4}, "must be 1 (experts whole"),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
         ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
         ("mixtral", {"expert_capacity_factor": 1.0, "expert_drop_policy": "random"}, "'probs' or 'position'"),
