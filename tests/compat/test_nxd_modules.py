@@ -68,6 +68,7 @@ def test_nxd_parallel_state_signature_and_getters() -> None:
     for rank, result in enumerate(results):
         assert len(result["refused"]) == 3 and "context parallelism" in result["refused"][0], result["refused"]
         assert "expert parallelism" in result["refused"][1] and "lnc_size" in result["refused"][2]
+        assert all("meshpar.parallelize(model" in message for message in result["refused"][:2])  # where they run
         assert result["tp"] == [[0, 1], [2, 3]] and result["dp"] == [[0, 2], [1, 3]]
         assert result["cp"] == (1, 0) and result["ep"] == (1, 2)
         assert result["message"].endswith(" hello") and f"rank_{rank}" in result["message"]

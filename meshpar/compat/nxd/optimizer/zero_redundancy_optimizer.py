@@ -173,7 +173,10 @@ class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if parallel_state.get_expert_model_parallel_size() != 1:
-            raise NotImplementedError("NeuronEPZero1Optimizer: meshpar has no expert parallelism yet")
+            raise NotImplementedError(
+                "NeuronEPZero1Optimizer: the NxD view has no expert parallelism (meshpar's own ZeRO-1 owns expert "
+                "state within the expert-data-parallel group: meshpar.optim.DistributedOptimizer)"
+            )
         super().__init__(*args, **kwargs)
 
 

@@ -148,7 +148,7 @@ def allreduce_sequence_parallel_gradients(optimizer: Any) -> None:
 
 
 def allreduce_context_parallel_gradients(optimizer: Any) -> None:
-    """Sum the grads over the context-parallel group: one rank while meshpar has no context parallelism."""
+    """Sum the grads over the context-parallel group: one rank while the NxD view has no context parallelism."""
     return None
 
 

@@ -2,7 +2,7 @@
 (an optional ``process_group``, the tp group by default; the sequence functions' ``sequence_dimension``, 0 by
 default as in NxD), on meshpar's tp collectives (:mod:`meshpar.tensor_parallel._collectives`).
 
-Expert-parallel regions are the identity while meshpar has no expert parallelism (every rank holds every expert of
+Expert-parallel regions are the identity while the NxD view has no expert parallelism (every rank holds every expert of
 its tp shard). NxD's SPMD-rank scatters (inference tracing with a rank tensor) are not provided.
 """
 
@@ -87,7 +87,7 @@ def reduce_from_tensor_model_parallel_region(
 def reduce_from_context_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Summed over the context-parallel group (one rank while meshpar has no context parallelism: the input), or
+    """Summed over the context-parallel group (one rank while the NxD view has no context parallelism: the input), or
     over ``process_group`` when given."""
     return input_ if process_group is None else reduce_from_tp(input_, group_mesh(process_group))
 

@@ -2,9 +2,10 @@
 over meshpar's one mesh (every getter of :mod:`meshpar.parallel_state`, plus NxD's replica-group lists, world group,
 context / expert sizes and rank messages).
 
-Context and expert parallelism do not exist in meshpar yet: ``context_parallel_size`` and
-``expert_model_parallel_size`` are accepted at 1 (NxD's examples pass them) and refused above it, naming the
-missing feature, as are NxD's Neuron-only options (``lnc_size`` > 1, ``mesh_only``). Rank layout: meshpar's mesh
+The NxD view runs neither context nor expert parallelism (meshpar's own do, on HF models: ``parallelize(model,
+{"context_parallel_size": ..., "expert_parallel_size": ...})``): ``context_parallel_size`` and
+``expert_model_parallel_size`` are accepted at 1 (NxD's examples pass them) and refused above it, naming where they
+run, as are NxD's Neuron-only options (``lnc_size`` > 1, ``mesh_only``). Rank layout: meshpar's mesh
 is Megatron's (tp fastest, then pp, then dp); NxD orders dp before pp, so which global ranks share a dp or pp group
 differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups and results do not).
 """
@@ -34,9 +35,11 @@ def initialize_model_parallel(
     for name, value in (("context_parallel_size", context_parallel_size),
                         ("expert_model_parallel_size", expert_model_parallel_size)):  # fmt: skip
         if value != 1:
+            kind = "context" if name.startswith("context") else "expert"
             raise NotImplementedError(
-                f"initialize_model_parallel({name}={value}): meshpar has no "
-                f"{'context' if name.startswith('context') else 'expert'} parallelism yet; use 1"
+                f"initialize_model_parallel({name}={value}): the NxD view's layers, MoE modules and trainer do not "
+                f"run {kind} parallelism; use 1, or meshpar's own on an HF model: meshpar.parallelize(model, "
+                f"{{'{kind}_parallel_size': {value}}})"
             )
     if lnc_size != 1 or mesh_only or skip_collective_init:
         raise NotImplementedError(
