@@ -37,7 +37,7 @@ from meshpar.context_parallel import (
     local_positions,
     shard_sequence,
 )
-from meshpar.hf.hf_plan import dense_probe, eval_mode
+from meshpar.hf.hf_plan import dense_probe, eval_mode, text_config
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
@@ -122,6 +122,11 @@ def use_context_parallel_attention(model: nn.Module) -> None:
             f"{type(model).__name__}: its attention does not go through transformers' attention interface, which "
             "context parallelism replaces; use context_parallel_size 1"
         )
+    if getattr(text_config(model.config), "attention_chunk_size", None):  # its mask function is replaced too
+        raise ValueError(
+            f"{type(model).__name__}: chunked local attention (attention_chunk_size) is not what context-parallel "
+            "attention computes (causal, sliding windows, documents); use context_parallel_size 1"
+        )
     AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, _no_mask)
     model.set_attn_implementation(ATTENTION)
@@ -171,6 +176,18 @@ def local_key_padding(inputs: dict[str, Any], mesh: DeviceMesh) -> torch.Tensor:
         return torch.ones(tokens.shape[:2], device=tokens.device)
     positions = local_positions(context.key_padding.shape[1], mesh.size(), mesh.get_local_rank(), tokens.device)
     return context.key_padding[:, positions].to(torch.float32)
+
+
+_PROBE_CAP = 128  # tokens: a probe longer than any window up to half of this
+
+
+def probe_length(model: nn.Module, cp: int) -> int:
+    """The probe's length: at least ``4 cp`` tokens, and past twice the longest window or chunk the config names (up
+    to :data:`_PROBE_CAP`), so that a mask cut at a window is exercised by the proof, in ``2 cp`` equal chunks."""
+    config = text_config(model.config)
+    windows = [v for k, v in vars(config).items() if ("window" in k or "chunk" in k) and type(v) is int and v > 0]
+    wanted = min(max([4 * cp, *(2 * w + 2 for w in windows)]), _PROBE_CAP)
+    return -(-wanted // (2 * cp)) * 2 * cp
 
 
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,7 @@ class _LocalExperts:
 
     tp_mesh: DeviceMesh
     ep_mesh: DeviceMesh | None
+    takes_blocks: bool  # the family's forward takes one block of tokens per expert (Llama-4), not routes
     # experts split over tp (each tp rank 1/tp of the ep rank's), or whole on every tp rank with the tokens split
     split_over_tp: bool
     capacity: tuple[float, str] | None  # (capacity factor, drop policy), see ExpertsOverTP
@@ -61,7 +62,7 @@ class _LocalExperts:
         top_k_weights: torch.Tensor | None = None,
     ) -> object:
         if top_k_index is None:
-            return self._forward_blocks(hidden_states)
+            return self._forward_blocks(hidden_states) if self.ep_mesh is None else self._route_blocks(hidden_states)
         mesh = self.tp_mesh
         if self.sequence_parallel:  # per-token inputs: any dim-0 order works if the output is scattered back alike
             hidden_states = gather_from_sp(hidden_states, mesh, 0)
@@ -125,6 +126,8 @@ class _LocalExperts:
     ) -> torch.Tensor:
         """The model's own experts forward on this rank's ``local`` experts (their weights ``shards``), for rows of
         one route each."""
+        if self.takes_blocks:  # the rows came weighted (weights of one): used anyway, as the routed forwards use them
+            return self._local_blocks_forward(rows * weights.to(rows.dtype), local_index.squeeze(-1), local, shards)
         previous = self.num_experts
         try:
             self.num_experts = local
@@ -132,6 +135,44 @@ class _LocalExperts:
                 return super().forward(rows, local_index, weights)  # type: ignore[misc]
         finally:
             self.num_experts = previous
+
+    def _route_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Experts handed one block of (already weighted) tokens per expert, under expert parallelism: each non-zero
+        row is a route (its expert, weight 1) and travels as the routed families' routes do; the zero rows (the
+        experts a token was not routed to) stay, their output zero. Exact because such a forward maps a zero row to
+        zero with a zero grad (checked on the family when sharded: :func:`_zero_rows_inert`)."""
+        if self.sequence_parallel:
+            raise NotImplementedError(
+                f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
+                "'sequence_parallel' off"
+            )
+        width = hidden_states.shape[-1]
+        blocks = copy_to_tp(hidden_states, self.tp_mesh).view(self.num_experts, -1, width)
+        experts, tokens = blocks.detach().ne(0).any(-1).nonzero(as_tuple=True)
+        rows = blocks[experts, tokens]
+        out = self._forward_routed(rows, experts.unsqueeze(-1), rows.new_ones((rows.shape[0], 1)))
+        whole = out.new_zeros((self.num_experts, blocks.shape[1], out.shape[-1])).index_put((experts, tokens), out)
+        return reduce_from_tp(whole.view(-1, out.shape[-1]), self.tp_mesh)
+
+    def _local_blocks_forward(
+        self, rows: torch.Tensor, local_index: torch.Tensor, local: int, shards: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """A blocks-per-expert forward on routed rows: each local expert's rows into one block, the blocks padded
+        with zero rows to the longest (inert, see :meth:`_route_blocks`), the rows' outputs taken back in order."""
+        order = torch.argsort(local_index, stable=True)
+        counts = torch.bincount(local_index, minlength=local)
+        slot = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[local_index[order]]
+        expert = local_index[order]
+        blocks = rows.new_zeros((local, int(counts.max()), rows.shape[-1])).index_put((expert, slot), rows[order])
+        previous = self.num_experts
+        try:
+            self.num_experts = local
+            with parameters_replaced(self, shards):
+                out = super().forward(blocks.reshape(-1, rows.shape[-1]))  # type: ignore[misc]
+        finally:
+            self.num_experts = previous
+        picked = out.view(local, blocks.shape[1], -1)[expert, slot]
+        return picked.new_zeros(picked.shape).index_copy(0, order, picked)
 
     def _forward_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Experts handed one block of (already weighted) tokens per expert, ``[experts * tokens, hidden]`` in expert
@@ -217,10 +258,12 @@ class ExpertsOverTP(ParallelStyle):
         tp_mesh = device_mesh["tp"] if expert_parallel else device_mesh
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
-        if expert_parallel and len(inspect.signature(cls.forward).parameters) < 4:  # (self, hidden, index, weights)
+        takes_blocks = len(inspect.signature(cls.forward).parameters) < 4  # not (self, hidden, index, weights)
+        if expert_parallel and takes_blocks and not _zero_rows_inert(module):
             raise ValueError(
                 f"{cls.__name__}: its forward takes blocks of tokens per expert (every token in every expert's block), "
-                "not routes, so there is nothing to route between ep ranks; use expert_parallel_size 1"
+                "and a zero row does not stay zero through it (biases?), so the rows of experts a token was not "
+                "routed to cannot be left out; use expert_parallel_size 1"
             )
         whole = _whole_experts_possible(module, experts)
         if expert_parallel and not whole:
@@ -228,7 +271,7 @@ class ExpertsOverTP(ParallelStyle):
                 f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight (identity experts, "
                 "or weights not stacked over the experts, cannot be routed); use expert_parallel_size 1"
             )
-        if not self.split_over_tp and (len(inspect.signature(cls.forward).parameters) < 4 or not whole):
+        if not self.split_over_tp and (takes_blocks or not whole):
             raise ValueError(
                 f"{cls.__name__}: expert_tensor_parallel_size 1 keeps routed experts whole on every tp rank; these "
                 "experts take blocks of tokens, or cannot be split into whole experts; leave it unset"
@@ -265,9 +308,31 @@ class ExpertsOverTP(ParallelStyle):
         mix_into(module, _LocalExperts, "TensorParallel")
         module.tp_mesh, module.sequence_parallel = tp_mesh, self.sequence_parallel
         module.ep_mesh = device_mesh["ep"] if expert_parallel else None
-        module.split_over_tp = self.split_over_tp
+        module.split_over_tp, module.takes_blocks = self.split_over_tp, takes_blocks
         module.capacity = (self.capacity_factor, self.drop_policy) if self.capacity_factor is not None else None
         return module
+
+
+def _zero_rows_inert(module: nn.Module) -> bool:
+    """Whether the experts' blocks forward maps zero rows to zero outputs with zero input grads (a gated MLP without
+    biases does, whatever its weights): tried with random weights of the module's shapes, so that the answer is the
+    forward's, not this model's values."""
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.randn(p.shape, generator=generator, dtype=torch.float32)
+        for name, p in module.named_parameters(recurse=False)
+    }
+    width, experts = getattr(module, "hidden_size", None), getattr(module, "num_experts", None)
+    if not isinstance(width, int) or not isinstance(experts, int):
+        return False
+    rows = torch.zeros((experts * 2, width), requires_grad=True)
+    try:
+        with torch.enable_grad(), parameters_replaced(module, weights):
+            out = type(module).forward(module, rows)
+            (grad,) = torch.autograd.grad(out, rows, torch.randn(out.shape, generator=generator))
+    except Exception:  # a forward this probe cannot drive: not proven inert
+        return False
+    return not out.detach().any() and not grad.any()
 
 
 def _whole_experts_possible(module: nn.Module, experts: object) -> bool:

@@ -36,6 +36,7 @@ from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
     dense_probe_logits,
     local_key_padding,
+    probe_length,
     shard_batch,
     use_context_parallel_attention,
     verify_context_parallel,
@@ -178,7 +179,11 @@ class ParallelizedModel(nn.Module):
         classes = block_classes(model, self.plan.layers)
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
-        probe = dense_probe_logits(model, 4 * self.dims.cp) if self.dims.cp > 1 and not self._from_meta else None
+        probe = (
+            dense_probe_logits(model, probe_length(model, self.dims.cp))
+            if self.dims.cp > 1 and not self._from_meta
+            else None
+        )
         # the user's attention implementation: generate() decodes with it (no sequence to split, step by step)
         self._dense_attention = getattr(model.config, "_attn_implementation", None)
         if self.dims.cp > 1:

@@ -169,11 +169,27 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
         ("bert_cls", {"context_parallel_size": 2}, S, "context parallelism is for causal / masked LMs and token"),
         ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
+        # Llama-4's chunks of 8 tokens: a 16-token row crosses one (the probe of 4 cp tokens once did not, and the
+        # chunked mask was silently taken for a causal one)
+        ("llama4_text", {"context_parallel_size": 2}, S, "chunked local attention (attention_chunk_size)"),
     ],
 )
 def test_what_context_parallelism_cannot_do_is_refused(family: str, config: dict, seq: int, says: str) -> None:
     messages = run_distributed(refusal_case, 4, family, config, seq)
     assert all(says in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    "family,window,cp,length",
+    [("llama", None, 2, 8), ("mistral", 6, 2, 16), ("gemma2", 5, 4, 16), ("llama4_text", None, 2, 20),
+     ("mistral", 4096, 2, 128)],
+)  # fmt: skip
+def test_the_probe_reaches_past_every_window(family: str, window: int | None, cp: int, length: int) -> None:
+    """The probe that proves a family under cp runs past twice its longest window or chunk (capped at 128 tokens),
+    in 2 cp equal chunks, so a mask cut at a window is part of what it proves."""
+    from meshpar.hf.context_parallel import probe_length
+
+    assert probe_length(_dense(family, window), cp) == length
 
 
 def merged_case(directory: str) -> float | None:
