@@ -107,6 +107,30 @@ def test_expert_parallel_matches_dense(family: str) -> None:
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
 
 
+@pytest.mark.parametrize("ep,tp,extra", [(2, 1, {}), _slow(2, 2, {}), _slow(4, 1, {"fsdp": True})])
+def test_experts_handed_blocks_of_tokens_route_their_live_rows(ep: int, tp: int, extra: dict) -> None:
+    """Llama-4's experts take one block of (already weighted) tokens per expert, every token in every block: under
+    ep each row with a non-zero weight travels as a route, the zero rows stay (their output and grads are zero, as
+    proven on the forward); equal dense at ep2, ep2 x tp2 and ep4 under FSDP2."""
+    results = run_distributed(expert_parallel_case, 4, "llama4_text", ep, tp, 1, 4, None, extra)
+    assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
+
+
+def test_a_blocks_forward_whose_zero_rows_are_not_inert_is_refused() -> None:
+    """A blocks-per-expert forward that gives a zero row an output (a bias) cannot leave the unrouted rows out."""
+    from meshpar.hf.experts import _zero_rows_inert
+
+    experts = build("llama4_text").model.layers[0].feed_forward.experts
+    assert _zero_rows_inert(experts)
+
+    class Biased(type(experts)):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states) + 1.0
+
+    experts.__class__ = Biased
+    assert not _zero_rows_inert(experts)
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", _slow("batched_mm")])
 def test_expert_parallel_with_transformers_grouped_experts(implementation: str) -> None:
     """transformers' grouped (one grouped matmul per rank: torch._grouped_mm, its fallback on CPU) and batched
