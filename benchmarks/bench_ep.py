@@ -5,8 +5,9 @@ and expert weights held per rank, in one invocation.
 
 Layouts of the same global batch on 4 ranks: ``tp4`` (every rank sees every token, holds 2 of the 8 experts and a
 quarter of every other weight; one all-reduce of the MoE output per layer), ``ep4`` (each rank a quarter of the
-batch, 2 experts, every other weight whole; tokens routed by all-to-all), ``ep2 x tp2`` and ``ep2 fsdp`` (FSDP2:
-the dense weights sharded over dp4, each ep rank's 4 experts over its 2 edp ranks). Bytes: what each rank
+batch, 2 experts, every other weight whole; tokens routed by all-to-all), ``ep2 x tp2``, ``ep2 tp2 etp1``
+(``expert_tensor_parallel_size`` 1: 4 experts whole on each tp rank, the tokens split over tp) and ``ep2 fsdp``
+(FSDP2: the dense weights sharded over dp4, each ep rank's 4 experts over its 2 edp ranks). Bytes: what each rank
 hands to its collectives per step (all-reduce counted as a ring sends it, ``2 (p-1)/p`` of the tensor; all-to-all as
 the rows it sends, its own share included). Times are alternated round by round and paired against ``tp4``.
 """
@@ -31,8 +32,15 @@ import meshpar
 from meshpar._compat import DTensor
 from meshpar.testing import run_distributed, setup_parallel
 
-# (tp, ep, FSDP2): under FSDP2 the dense weights are sharded over dp, the experts over edp (ranks holding the same ones)
-LAYOUTS = {"tp4": (4, 1, False), "ep4": (1, 4, False), "ep2 x tp2": (2, 2, False), "ep2 fsdp": (1, 2, True)}
+# (tp, ep, config): under FSDP2 the dense weights are sharded over dp, the experts over edp (ranks holding the same
+# ones); with expert_tensor_parallel_size 1 each ep rank's experts are whole on both its tp ranks, the tokens split
+LAYOUTS = {
+    "tp4": (4, 1, {}),
+    "ep4": (1, 4, {}),
+    "ep2 x tp2": (2, 2, {}),
+    "ep2 tp2 etp1": (2, 2, {"expert_tensor_parallel_size": 1}),
+    "ep2 fsdp": (1, 2, {"fsdp": True}),
+}
 
 
 class SentBytes(TorchDispatchMode):
@@ -87,9 +95,9 @@ def ep_case(args: argparse.Namespace) -> dict:
     dense = _model(args)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     runs, report = {}, {}
-    for key, (tp, ep, fsdp) in LAYOUTS.items():
+    for key, (tp, ep, extra) in LAYOUTS.items():
         dims = setup_parallel(tp=tp, ep=ep)
-        config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "overlap_grad_reduce": False, "fsdp": fsdp}
+        config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "overlap_grad_reduce": False, **extra}
         model = meshpar.parallelize(copy.deepcopy(dense), config)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         rows = args.batch // dims.dp
@@ -122,14 +130,14 @@ def main() -> None:
     result = run_distributed(ep_case, 4, args, timeout=1800)[0]
     print(f"Mixtral-shaped: {args.layers} layers x hidden {args.hidden}, {args.experts} experts top-2, seq {args.seq},")
     print(f"global batch {args.batch}, fp32, SGD; 4 gloo processes (rank 0's view)\n")
-    print(f"{'layout':10s} {'params/rank':>12s} {'experts/rank':>13s} {'all-reduce B':>14s} {'all-to-all B':>14s}"
+    print(f"{'layout':12s} {'params/rank':>12s} {'experts/rank':>13s} {'all-reduce B':>14s} {'all-to-all B':>14s}"
           f" {'gather/scatter B':>17s} {'step ms':>9s} {'vs tp4':>8s}")  # fmt: skip
     base = result["times"]["tp4"]
     for key in LAYOUTS:
         r, times = result[key], result["times"][key]
         ratio = statistics.median(a / b for a, b in zip(times, base, strict=True))
         reduce, to_all, gathers = r["bytes"]
-        print(f"{key:10s} {r['held']:12,d} {r['experts']:13,d} {reduce:14,.0f} {to_all:14,.0f} {gathers:17,.0f}"
+        print(f"{key:12s} {r['held']:12,d} {r['experts']:13,d} {reduce:14,.0f} {to_all:14,.0f} {gathers:17,.0f}"
               f" {statistics.median(times) * 1e3:9.1f} {ratio:7.2f}x")  # fmt: skip
 
 

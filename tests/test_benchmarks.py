@@ -173,14 +173,17 @@ def test_bench_peers_runs_every_row_and_counts_megatron_collectives() -> None:
 
 def test_bench_ep_prints_every_layout_with_its_bytes() -> None:
     """Expert parallelism at equal world size: every layout's row; tp4 sends no all-to-all, the ep layouts do, and
-    each layout holds the same share of the experts (2 of 8 per rank); under FSDP2 fewer parameters than ep4 (the
-    dense weights sharded), gathered and reduce-scattered instead of all-reduced."""
+    each layout holds the same share of the experts (2 of 8 per rank; with expert_tensor_parallel_size 1, 4); under
+    FSDP2 fewer parameters than ep4 (the dense weights sharded), gathered and reduce-scattered, not all-reduced."""
     out = _run("ep")
     number = r"\s+([\d,]+)"
-    rows = {m.group(1): m.groups()[1:] for m in re.finditer(rf"^(tp4|ep4|ep2 x tp2|ep2 fsdp){number * 5}", out, re.M)}
-    assert set(rows) == {"tp4", "ep4", "ep2 x tp2", "ep2 fsdp"}, out
-    assert rows["tp4"][3] == "0" and all(rows[k][3] != "0" for k in ("ep4", "ep2 x tp2", "ep2 fsdp"))
-    assert len({r[1] for r in rows.values()}) == 1
+    names = ("tp4", "ep4", "ep2 x tp2", "ep2 tp2 etp1", "ep2 fsdp")
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(rf"^({'|'.join(names)}){number * 5}", out, re.M)}
+    assert set(rows) == set(names), out
+    assert rows["tp4"][3] == "0" and all(rows[k][3] != "0" for k in names[1:])
+    experts = {k: int(r[1].replace(",", "")) for k, r in rows.items()}
+    assert len({v for k, v in experts.items() if k != "ep2 tp2 etp1"}) == 1
+    assert experts["ep2 tp2 etp1"] == 2 * experts["tp4"]  # whole on both tp ranks
     held = {k: int(r[0].replace(",", "")) for k, r in rows.items()}
     assert held["ep2 fsdp"] < held["ep4"] and rows["ep2 fsdp"][4] != "0" and rows["ep4"][4] == "0", out
 

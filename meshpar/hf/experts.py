@@ -258,7 +258,9 @@ class ExpertsOverTP(ParallelStyle):
         tp_mesh = device_mesh["tp"] if expert_parallel else device_mesh
         experts, tp = getattr(module, "num_experts", None), device_mesh.size()
         cls = type(module)
-        takes_blocks = len(inspect.signature(cls.forward).parameters) < 4  # not (self, hidden, index, weights)
+        takes_blocks = takes_token_blocks(module)
+        if takes_blocks and self.capacity_factor is not None:
+            raise ValueError(capacity_refusal(module))
         if expert_parallel and takes_blocks and not _zero_rows_inert(module):
             raise ValueError(
                 f"{cls.__name__}: its forward takes blocks of tokens per expert (every token in every expert's block), "
@@ -311,6 +313,19 @@ class ExpertsOverTP(ParallelStyle):
         module.split_over_tp, module.takes_blocks = self.split_over_tp, takes_blocks
         module.capacity = (self.capacity_factor, self.drop_policy) if self.capacity_factor is not None else None
         return module
+
+
+def takes_token_blocks(module: nn.Module) -> bool:
+    """Whether an experts module's forward takes one block of tokens per expert (Llama-4), not routes
+    ``(hidden, top_k_index, top_k_weights)``."""
+    return len(inspect.signature(type(module).forward).parameters) < 4
+
+
+def capacity_refusal(module: nn.Module) -> str:
+    return (
+        f"{type(module).__name__}: its forward takes blocks of already weighted tokens per expert, which leaves no "
+        "routes to drop; leave expert_capacity_factor unset"
+    )
 
 
 def _zero_rows_inert(module: nn.Module) -> bool:

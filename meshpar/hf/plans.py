@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
-from meshpar.hf.experts import ExpertsOverTP
+from meshpar.hf.experts import ExpertsOverTP, capacity_refusal, takes_token_blocks
 from meshpar.hf.hf_plan import (
     attention_heads,
     base_model_name,
@@ -314,7 +314,7 @@ def plan_for(
     built.head = _vocab_head(model, built.styles)
     _check_ties(model, built)
     if ep > 1 or capacity is not None:
-        _check_expert_parallel(model, built, ep, tp if experts_over_tp else 1)
+        _check_expert_parallel(model, built, ep, tp if experts_over_tp else 1, capacity is not None)
     for style in built.styles.values():
         if isinstance(style, ExpertsOverTP):
             if capacity is not None:
@@ -340,7 +340,7 @@ def _expert_parallel_size(layout: object) -> int:
     return int(getattr(layout, "expert_parallel_size", getattr(layout, "ep", 1)))
 
 
-def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> None:
+def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int, dropping: bool = False) -> None:
     """Expert parallelism (and token dropping) needs experts modules in the plan, and whole experts for every one
     of the ep x tp ranks (checked before any process group exists)."""
     experts = [pattern for pattern, style in plan.styles.items() if isinstance(style, ExpertsOverTP)]
@@ -350,6 +350,9 @@ def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int) -> 
             f"{asked}: {type(model).__name__} has no experts module in its plan (expert parallelism and token dropping "
             "apply to the stacked experts of a mixture-of-experts model); leave them unset"
         )
+    for name, module in model.named_modules() if dropping else ():
+        if any(fqn_matches(pattern, name) for pattern in experts) and takes_token_blocks(module):
+            raise ValueError(capacity_refusal(module))
     count = expert_count(model.config)
     if count is not None and count % (ep * tp):
         raise ValueError(

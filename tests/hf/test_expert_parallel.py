@@ -332,6 +332,7 @@ def _refusal(family: str, config: dict) -> str:
             "over ep x tp = 8 x 1",
         ),
         ("mixtral", {"tensor_parallel_size": 2, "expert_tensor_parallel_size": 4}, "must be 1 (experts whole"),
+        ("llama4_text", {"expert_parallel_size": 2, "expert_capacity_factor": 1.0}, "leaves no routes to drop"),
         ("llama", {"expert_parallel_size": 2}, "has no experts module"),
         ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
         ("mixtral", {"expert_capacity_factor": 1.0, "expert_drop_policy": "random"}, "'probs' or 'position'"),
