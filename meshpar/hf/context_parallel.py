@@ -183,11 +183,20 @@ _PROBE_CAP = 128  # tokens: a probe longer than any window up to half of this
 
 def probe_length(model: nn.Module, cp: int) -> int:
     """The probe's length: at least ``4 cp`` tokens, and past twice the longest window or chunk the config names (up
-    to :data:`_PROBE_CAP`), so that a mask cut at a window is exercised by the proof, in ``2 cp`` equal chunks."""
+    to :data:`_PROBE_CAP` and the model's own position limit), so that a mask cut at a window is exercised by the
+    proof, in ``2 cp`` equal chunks."""
     config = text_config(model.config)
-    windows = [v for k, v in vars(config).items() if ("window" in k or "chunk" in k) and type(v) is int and v > 0]
-    wanted = min(max([4 * cp, *(2 * w + 2 for w in windows)]), _PROBE_CAP)
-    return -(-wanted // (2 * cp)) * 2 * cp
+    skip = ("layer", "pattern", "feed_forward")  # max_window_layers, sliding_window_pattern, chunk_size_feed_forward
+    windows = [
+        v for k, v in vars(config).items()
+        if ("window" in k or "chunk" in k) and not any(s in k for s in skip) and type(v) is int and v > 0
+    ]  # fmt: skip
+    positions = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    limit = min([_PROBE_CAP, *(p for p in positions if type(p) is int and p > 0)])
+    length = -(-max([4 * cp, *(2 * w + 2 for w in windows)]) // (2 * cp)) * 2 * cp
+    if length > limit:
+        length = limit // (2 * cp) * 2 * cp
+    return max(4 * cp, length)
 
 
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

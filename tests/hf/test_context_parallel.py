@@ -182,11 +182,12 @@ def test_what_context_parallelism_cannot_do_is_refused(family: str, config: dict
 @pytest.mark.parametrize(
     "family,window,cp,length",
     [("llama", None, 2, 8), ("mistral", 6, 2, 16), ("gemma2", 5, 4, 16), ("llama4_text", None, 2, 20),
-     ("mistral", 4096, 2, 128)],
+     ("mistral", 4096, 2, 64), ("gpt2", None, 2, 8)],
 )  # fmt: skip
 def test_the_probe_reaches_past_every_window(family: str, window: int | None, cp: int, length: int) -> None:
-    """The probe that proves a family under cp runs past twice its longest window or chunk (capped at 128 tokens),
-    in 2 cp equal chunks, so a mask cut at a window is part of what it proves."""
+    """The probe that proves a family under cp runs past twice its longest window or chunk (capped at 128 tokens and
+    the model's positions: 64 in the tiny Mistral), in 2 cp equal chunks, so a mask cut at a window is part of what
+    it proves."""
     from meshpar.hf.context_parallel import probe_length
 
     assert probe_length(_dense(family, window), cp) == length
