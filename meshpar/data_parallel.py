@@ -302,13 +302,13 @@ def apply_fsdp(
         raise ValueError("apply_fsdp: the model holds expert-parallel weights; pass expert_dp_mesh (dims.edp_mesh)")
     units = [m for m in model.modules() if isinstance(m, block_cls)] if block_cls is not None else []
     for unit in [*experts, *units, model]:  # innermost first: a unit leaves its nested units' parameters alone
-        fully_shard(unit, **kwargs, mesh=expert_dp_mesh if unit in experts else dp_mesh)
-        # expert units divide by dp whatever the size of their edp group
-        if divisor != dp_mesh.size() or unit in experts:
+        mesh = expert_dp_mesh if unit in experts else dp_mesh
+        fully_shard(unit, **kwargs, mesh=mesh)
+        if divisor != mesh.size():  # under cp (dense units), and expert units (edp ranks; the divisor is dp)
             unit.set_gradient_divide_factor(float(divisor))
             # a sum, then the division (gloo has no pre-scaled sum); with one rank there is no sum, and torch 2.13
             # would divide twice
-            unit.set_force_sum_reduction_for_comms((expert_dp_mesh if unit in experts else dp_mesh).size() > 1)
+            unit.set_force_sum_reduction_for_comms(mesh.size() > 1)
         unit._meshpar_grad_divisor = divisor
         _give_unused_parameters_zero_grads(unit)  # after fully_shard: its post-backward wraps the inputs outside
     return model

@@ -62,6 +62,11 @@ class _LocalExperts:
         top_k_weights: torch.Tensor | None = None,
     ) -> object:
         if top_k_index is None:
+            if self.sequence_parallel:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; "
+                    "turn 'sequence_parallel' off"
+                )
             return self._forward_blocks(hidden_states) if self.ep_mesh is None else self._route_blocks(hidden_states)
         mesh = self.tp_mesh
         if self.sequence_parallel:  # per-token inputs: any dim-0 order works if the output is scattered back alike
@@ -128,11 +133,15 @@ class _LocalExperts:
         one route each."""
         if self.takes_blocks:  # the rows came weighted (weights of one): used anyway, as the routed forwards use them
             return self._local_blocks_forward(rows * weights.to(rows.dtype), local_index.squeeze(-1), local, shards)
+        return self._own_forward(local, shards, rows, local_index, weights)
+
+    def _own_forward(self, local: int, shards: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        """The family's own experts forward as if the module held ``local`` experts, the weights ``shards``."""
         previous = self.num_experts
         try:
             self.num_experts = local
             with parameters_replaced(self, shards):
-                return super().forward(rows, local_index, weights)  # type: ignore[misc]
+                return super().forward(*args)  # type: ignore[misc]
         finally:
             self.num_experts = previous
 
@@ -141,11 +150,6 @@ class _LocalExperts:
         row is a route (its expert, weight 1) and travels as the routed families' routes do; the zero rows (the
         experts a token was not routed to) stay, their output zero. Exact because such a forward maps a zero row to
         zero with a zero grad (checked on the family when sharded: :func:`_zero_rows_inert`)."""
-        if self.sequence_parallel:
-            raise NotImplementedError(
-                f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
-                "'sequence_parallel' off"
-            )
         width = hidden_states.shape[-1]
         blocks = copy_to_tp(hidden_states, self.tp_mesh).view(self.num_experts, -1, width)
         experts, tokens = blocks.detach().ne(0).any(-1).nonzero(as_tuple=True)
@@ -164,13 +168,7 @@ class _LocalExperts:
         slot = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(counts, 0) - counts)[local_index[order]]
         expert = local_index[order]
         blocks = rows.new_zeros((local, int(counts.max()), rows.shape[-1])).index_put((expert, slot), rows[order])
-        previous = self.num_experts
-        try:
-            self.num_experts = local
-            with parameters_replaced(self, shards):
-                out = super().forward(blocks.reshape(-1, rows.shape[-1]))  # type: ignore[misc]
-        finally:
-            self.num_experts = previous
+        out = self._own_forward(local, shards, blocks.reshape(-1, rows.shape[-1]))
         picked = out.view(local, blocks.shape[1], -1)[expert, slot]
         return picked.new_zeros(picked.shape).index_copy(0, order, picked)
 
@@ -179,19 +177,12 @@ class _LocalExperts:
         order (Llama-4): this rank runs its experts' blocks and the blocks are all-gathered back in order (backward:
         each rank keeps its blocks' grad; the input grad, non-zero only in this rank's blocks, is summed over tp)."""
         mesh = self.tp_mesh
-        if self.sequence_parallel:
-            raise NotImplementedError(
-                f"{type(self).__name__}: experts handed blocks of tokens per expert under sequence parallelism; turn "
-                "'sequence_parallel' off"
-            )
-
         local = self.num_experts // mesh.size()
         start = mesh.get_local_rank() * local
         width = hidden_states.shape[-1]
         blocks = copy_to_tp(hidden_states, mesh).view(self.num_experts, -1, width)
         shards = {name: p.to_local() for name, p in self._parameters.items() if p is not None}
-        with parameters_replaced(self, shards):
-            out = super().forward(blocks[start : start + local].reshape(-1, width))  # type: ignore[misc]
+        out = self._own_forward(local, shards, blocks[start : start + local].reshape(-1, width))
         return gather_from_tp(out.view(local, -1, out.shape[-1]), mesh, 0).reshape(-1, out.shape[-1])
 
 
