@@ -154,7 +154,7 @@ class DataParallelGrads:
             # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
             params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(params, self.dp_mesh, divisor=self.divisor)
-        if self.expert_dp_mesh is not None and self.mode != "fsdp":  # FSDP2: reduce-scattered over edp already
+        if self.expert_dp_mesh is not None:  # experts FSDP2 shards over edp reduce-scattered their own grads
             experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.divisor)
 

@@ -335,9 +335,8 @@ def _expert_capacity(layout: object) -> tuple[float, str] | None:
 
 
 def _expert_parallel_size(layout: object) -> int:
-    if isinstance(layout, dict):
-        return int(layout.get("expert_parallel_size", 1))
-    return int(getattr(layout, "expert_parallel_size", getattr(layout, "ep", 1)))
+    """From a config, or a ``ParallelDims`` (its ``ep``)."""
+    return int(_expert_setting(layout, "expert_parallel_size", getattr(layout, "ep", 1)))
 
 
 def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int, dropping: bool = False) -> None:
