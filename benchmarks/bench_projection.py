@@ -16,13 +16,13 @@ sends it, ``2 (p-1)/p`` of the tensor; all-to-all and all-gather: the rows leavi
   cp8 (and cp8 x tp2): parameters per rank (context parallelism shards no weight), tokens per rank, and the K/V bytes
   one layer's all-gather attention gathers and its backward reduce-scatters.
 
-Each layout runs in its own process (the fake group and meshpar's mesh are per process).
+The layouts run one after another in this process, each in a fake job of its own (meshpar's mesh and the fake
+process group are torn down between them).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import sys
 from pathlib import Path
 
@@ -62,7 +62,8 @@ def _held(world: int, build: str, layers: int, parallel: dict) -> dict[str, floa
     from meshpar._dp_checks import is_expert_parallel
 
     # the shards stay on meta: sizes and placements are decided before a meta-built model's shards are allocated
-    # (a DeepSeek-V3 rank's would not fit this machine), so that step is left out here
+    # (a DeepSeek-V3 rank's would not fit this machine), so that step is left out here (and put back after)
+    materialize = meshpar.recipe.materialize_sharded
     meshpar.recipe.materialize_sharded = lambda *_args, **_kwargs: None
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -76,12 +77,8 @@ def _held(world: int, build: str, layers: int, parallel: dict) -> dict[str, floa
         dims = sharded.dims
         return {"params": mine, "experts": experts, "total": total, "dp": dims.dp, "edp": dims.edp_mesh.size()}
     finally:
-        dist.destroy_process_group()
-
-
-def _in_process(*args: object) -> dict[str, float]:
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_held, args)
+        meshpar.destroy_parallel(destroy_process_group=True)
+        meshpar.recipe.materialize_sharded = materialize
 
 
 def deepseek(layers: int, tokens: int, layouts: list[str]) -> list[tuple[str, ...]]:
@@ -94,7 +91,7 @@ def deepseek(layers: int, tokens: int, layouts: list[str]) -> list[tuple[str, ..
     for name, (tp, ep) in DEEPSEEK_LAYOUTS.items():
         if name not in layouts:
             continue
-        held = _in_process(world, "deepseek", layers, {"tensor_parallel_size": tp, "expert_parallel_size": ep})
+        held = _held(world, "deepseek", layers, {"tensor_parallel_size": tp, "expert_parallel_size": ep})
         replica = tokens * 8 // held["dp"]  # the same global batch in every layout
         dense = held["params"] - held["experts"]
         state = 18 * held["params"]
@@ -122,7 +119,7 @@ def llama(layers: int, seq: int, layouts: list[str]) -> list[tuple[str, ...]]:
     for name, (tp, cp) in LLAMA_LAYOUTS.items():
         if name not in layouts:
             continue
-        held = _in_process(tp * cp, "llama", layers, {"tensor_parallel_size": tp, "context_parallel_size": cp})
+        held = _held(tp * cp, "llama", layers, {"tensor_parallel_size": tp, "context_parallel_size": cp})
         heads_kv = kv / tp  # this rank's key/value heads
         gathered = 2 * seq * heads_kv * 2  # K and V of the whole sequence, bf16, held during the layer
         sent = 2 * 2 * (seq / cp) * heads_kv * 2 * (cp - 1)  # its chunk of K, V to the cp-1 others, and dK, dV back
