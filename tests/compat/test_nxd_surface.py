@@ -18,10 +18,7 @@ _RUNTIME = "NxD's own XLA pipeline runtime (meshpar runs pipelines as schedule d
 _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 _TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative drafts) with no CPU/CUDA meaning"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
-MODULES_NOT_PROVIDED: dict[str, str] = {
-    "optimizer.zero_dcp_utils": "NxD's DCP format for ZeRO-1 state (the view's ZeRO-1 files reshard across dp "
-    "without it; meshpar.checkpoint saves ZeRO-1 state with DCP)",
-}
+MODULES_NOT_PROVIDED: dict[str, str] = {}
 # single names meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 NOT_PROVIDED: dict[str, str] = {
     **{
@@ -89,7 +86,8 @@ NOT_PROVIDED: dict[str, str] = {
             "partition_traced_model",
         )
     },
-    "trainer.checkpoint.dcp_utils": "NxD's DCP format for ZeRO-1 state",
+    "optimizer.zero_dcp_utils.MAX_RETRY": "NxD's rank-0 polling for the other ranks' write results (DCP's "
+    "collective here)",
     "trainer.checkpoint.g_iostate": "NxD's global asynchronous-save state (saves here are synchronous)",
     "trainer.checkpoint.is_interpreter_active": "NxD's asynchronous-save shutdown check",
 }

@@ -7,6 +7,8 @@ attention projections."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,21 +66,78 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, V), labels.reshape(-1))
 
 
-def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None) -> None:
+def _dense(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The dense model, its AdamW with the two decay groups and the step-decayed lr the parallel run uses."""
+    dense = Net(parallel=False).to(device)
+    decay = [p for n, p in dense.named_parameters() if "norm" not in n and "bias" not in n]
+    no_decay = [p for n, p in dense.named_parameters() if "norm" in n or "bias" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2)  # fmt: skip
+    return dense, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    return [{"params": [p for n, p in model.named_parameters() if "norm" not in n and "bias" not in n],
+             "weight_decay": 0.1},
+            {"params": [p for n, p in model.named_parameters() if "norm" in n or "bias" in n],
+             "weight_decay": 0.0}]  # fmt: skip
+
+
+def _batch(seed: int, dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four sequences per dp rank (two microbatches of two at pp > 1)."""
+    torch.manual_seed(seed)
+    return torch.randint(0, V, (4 * dp, S)).to(device), torch.randint(0, V, (4 * dp, S)).to(device)
+
+
+def _dense_step(dense: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                ids: torch.Tensor, labels: torch.Tensor, dp: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One dense step on the mean loss over the dp replicas and (at pp > 1) the two microbatches of each:
+    ``(loss, grad norm before clipping)``."""
+    pieces = [(ids[r * 4 + k * 2 : r * 4 + k * 2 + 2], labels[r * 4 + k * 2 : r * 4 + k * 2 + 2])
+              for r in range(dp) for k in range(2)]  # fmt: skip
+    loss = torch.stack([dense(i, lab) for i, lab in pieces]).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss.detach(), norm
+
+
+def _config(tp: int, pp: int, zero1: bool, sequence_parallel: bool) -> dict:
     import meshpar.compat.nxd as nxd
-    from meshpar.compat.nxd import xla
-    from meshpar.compat.nxd.parallel_layers import parallel_state
 
     pipeline_config = {"transformer_layer_cls": Block, "num_microbatches": 2, "output_loss_value_spec": True,
                        "input_names": ["ids", "labels"], "broadcast_and_average_loss": True,
                        "use_zero1_optimizer": zero1}  # fmt: skip
-    config = nxd.neuronx_distributed_config(
+    return nxd.neuronx_distributed_config(
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 0.05},
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
+
+
+def _train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, pp: int) -> torch.Tensor:
+    """This dp rank's four sequences through ``run_train``: the loss averaged over dp."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+    if pp > 1:
+        return model.run_train(ids=ids[mine], labels=labels[mine])
+    loss = model.run_train(ids[mine], labels[mine]).detach().clone()
+    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss / dp
+
+
+def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None, dcp: bool = False) -> None:
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd import xla
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    config = _config(tp, pp, zero1, sequence_parallel)
     device = xla.xla_device()  # the process's GPU where it has one (tests/compat/test_nxd_cuda.py), else the CPU
-    dense = Net(parallel=False).to(device)
+    dense, dense_optimizer, dense_scheduler = _dense(device)
 
     def build() -> nn.Module:
         module = Net(parallel=True, sequence_parallel=sequence_parallel)
@@ -86,86 +145,88 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
         return module
 
     model = nxd.initialize_parallel_model(config, build)
-    decay = [p for n, p in model.named_parameters() if "norm" not in n and "bias" not in n]
-    no_decay = [p for n, p in model.named_parameters() if "norm" in n or "bias" in n]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, groups, lr=1e-2)
+    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, _groups(model), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    dense_groups = [
-        {
-            "params": [p for n, p in dense.named_parameters() if "norm" not in n and "bias" not in n],
-            "weight_decay": 0.1,
-        },
-        {"params": [p for n, p in dense.named_parameters() if "norm" in n or "bias" in n], "weight_decay": 0.0},
-    ]
-    dense_optimizer = torch.optim.AdamW(dense_groups, lr=1e-2)
-    dense_scheduler = torch.optim.lr_scheduler.LambdaLR(dense_optimizer, lambda step: 1.0 / (1 + step))
-    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_size()
     for step in range(3):
-        torch.manual_seed(100 + step)
-        ids, labels = torch.randint(0, V, (4 * dp, S)).to(device), torch.randint(0, V, (4 * dp, S)).to(device)
-        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
-        if pp > 1:
-            loss = model.run_train(ids=ids[mine], labels=labels[mine])
-        else:
-            loss = model.run_train(ids[mine], labels[mine])
-            loss = loss.detach().clone()
-            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-            loss /= dp
+        ids, labels = _batch(100 + step, dp, device)
+        loss = _train_step(model, ids, labels, pp)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        # dense: the mean loss over the dp replicas and (at pp > 1) the two microbatches of each
-        pieces = [(ids[r * 4 + k * 2 : r * 4 + k * 2 + 2], labels[r * 4 + k * 2 : r * 4 + k * 2 + 2])
-                  for r in range(dp) for k in range(2)]  # fmt: skip
-        dense_loss = torch.stack([dense(i, lab) for i, lab in pieces]).mean()
-        dense_loss.backward()
-        dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
-        dense_optimizer.step()
-        dense_scheduler.step()
-        dense_optimizer.zero_grad()
-        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach().cpu(), atol=1e-5, rtol=1e-5)
+        dense_loss, dense_norm = _dense_step(dense, dense_optimizer, dense_scheduler, ids, labels, dp)
+        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.cpu(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(optimizer.grad_norm.reshape(()).cpu(), dense_norm.cpu(), atol=1e-5, rtol=1e-4)
         assert_params_match(model, dict(dense.named_parameters()), atol=2e-5)
     if tmp is None:
         return
-    nxd.save_checkpoint(tmp, "step3", model=model, optimizer=optimizer, scheduler=scheduler, user_content={"step": 3})
+    nxd.save_checkpoint(tmp, "step3", model=model, optimizer=optimizer, scheduler=scheduler, user_content={"step": 3},
+                        use_zero1_dcp=dcp)  # fmt: skip
     assert nxd.has_checkpoint(tmp)
+    assert os.path.isfile(os.path.join(tmp, "step3", "optim", ".metadata")) == dcp
+    _resume_and_step(config, tmp, pp, sequence_parallel, dcp, dense, dense_optimizer, dense_scheduler, device)
+
+
+def _resume_and_step(config: dict, tmp: str, pp: int, sequence_parallel: bool, dcp: bool, dense: nn.Module,
+                     dense_optimizer: torch.optim.Optimizer, dense_scheduler: torch.optim.lr_scheduler.LRScheduler,
+                     device: torch.device) -> None:  # fmt: skip
+    """A fresh model / optimizer / scheduler loaded from ``tmp``'s step3 equal the dense ones, and one more step
+    from there equals one more dense step."""
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
     fresh = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, sequence_parallel=sequence_parallel))
-    fresh_groups = [{"params": [p for n, p in fresh.named_parameters() if "norm" not in n and "bias" not in n],
-                     "weight_decay": 0.1},
-                    {"params": [p for n, p in fresh.named_parameters() if "norm" in n or "bias" in n],
-                     "weight_decay": 0.0}]  # fmt: skip
-    fresh_optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, fresh_groups, lr=1e-2)
+    fresh_optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, _groups(fresh), lr=1e-2)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda step: 1.0 / (1 + step))
-    content = nxd.load_checkpoint(tmp, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
+    content = nxd.load_checkpoint(tmp, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler,
+                                  use_zero1_dcp=dcp)  # fmt: skip
     nxd.finalize_checkpoint()
     assert content == {"step": 3} and fresh_scheduler.last_epoch == 3
     assert_params_match(fresh, dict(dense.named_parameters()), atol=2e-5)
-    # one more step from the loaded state equals one more dense step
-    torch.manual_seed(7)
-    ids, labels = torch.randint(0, V, (4 * dp, S)).to(device), torch.randint(0, V, (4 * dp, S)).to(device)
-    mine = slice(4 * dp_rank, 4 * dp_rank + 4)
-    if pp > 1:
-        fresh.run_train(ids=ids[mine], labels=labels[mine])
-    else:
-        fresh.run_train(ids[mine], labels[mine])
+    dp = parallel_state.get_data_parallel_size()
+    ids, labels = _batch(7, dp, device)
+    _train_step(fresh, ids, labels, pp)
     fresh_optimizer.step()
-    pieces = [(ids[r * 4 + k * 2 : r * 4 + k * 2 + 2], labels[r * 4 + k * 2 : r * 4 + k * 2 + 2])
-              for r in range(dp) for k in range(2)]  # fmt: skip
-    torch.stack([dense(i, lab) for i, lab in pieces]).mean().backward()
-    torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
-    dense_optimizer.step()
+    _dense_step(dense, dense_optimizer, dense_scheduler, ids, labels, dp)
     assert_params_match(fresh, dict(dense.named_parameters()), atol=2e-5)
 
 
 @pytest.mark.parametrize(
     "tp,pp,zero1,sequence_parallel",
-    [(2, 1, False, False), (2, 1, True, False), (2, 1, False, True), (2, 2, False, False), (1, 2, True, False)],
-)
+    [(2, 1, False, False), (2, 1, False, True), (2, 2, False, False), (1, 2, True, False)],
+)  # (2, 1, True, False) is the ZeRO-1 DCP test below
 def test_nxd_trainer_trains_like_dense_and_resumes(tp: int, pp: int, zero1: bool, sequence_parallel: bool,
                                                    tmp_path) -> None:  # fmt: skip
     run_distributed(train_case, 4, tp, pp, zero1, sequence_parallel, str(tmp_path))
+
+
+def zero1_dcp_other_dp_case(tmp: str) -> str:
+    """A ZeRO-1 state saved with ``use_zero1_dcp`` at tp2 x dp2 (4 ranks): refused at tp1, loaded at tp2 x dp1 (2
+    ranks), where one more step equals the dense run's fourth step. Returns the refusal."""
+    from meshpar.checkpoint import CheckpointError
+    from meshpar.compat.nxd import xla
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    device = xla.xla_device()
+    dense, dense_optimizer, dense_scheduler = _dense(device)
+    for step in range(3):  # the saving run's steps, at its dp size
+        _dense_step(dense, dense_optimizer, dense_scheduler, *_batch(100 + step, 2, device), 2)
+    import meshpar.compat.nxd as nxd
+
+    config = _config(1, 1, True, False)
+    model = nxd.initialize_parallel_model(config, lambda: Net(parallel=True))
+    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, _groups(model), lr=1e-2)
+    with pytest.raises(CheckpointError, match="reshards across dp only") as refused:
+        nxd.load_checkpoint(tmp, model=model, optimizer=optimizer, use_zero1_dcp=True)
+    parallel_state.destroy_model_parallel()
+    _resume_and_step(_config(2, 1, True, False), tmp, 1, False, True, dense, dense_optimizer, dense_scheduler, device)
+    return str(refused.value)
+
+
+def test_nxd_zero1_dcp_checkpoint_trains_resumes_and_loads_at_another_dp_size(tmp_path) -> None:
+    run_distributed(train_case, 4, 2, 1, True, False, str(tmp_path), True)
+    refusal = run_distributed(zero1_dcp_other_dp_case, 2, str(tmp_path))[0]
+    assert "saved at tp 2, pp 1; this run is tp 1, pp 1" in refusal
 
 
 def checkpoint_bookkeeping_case(tmp: str) -> list[str]:

@@ -16,8 +16,10 @@ a ZeRO-1 optimizer's, split by parameter over the saved dp ranks, is put back to
 file, or from ``optim/full_tp_rank_XX_pp_rank_YY.pt`` written by ``convert_zero_checkpoints``); another tp or pp
 size is refused on every rank (:mod:`meshpar.checkpoint` reshards those too).
 ``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
-(``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers`` /
-``use_zero1_dcp`` (Neuron's serialisation and its throttling) change nothing.
+(``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers``
+(Neuron's serialisation and its throttling) change nothing. With ``use_zero1_dcp=True`` a ZeRO-1 optimizer's state is
+written with DCP into ``dir/tag/optim/`` instead (:mod:`meshpar.compat.nxd.optimizer.zero_dcp_utils`, keyed by the
+model's parameter names, so ``model`` must be given); a load passes the same flag.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
+from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
 from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
@@ -90,6 +93,16 @@ def _is_zero1(optimizer: Any, zero1_optimizer: bool) -> bool:
     return isinstance(optimizer, NeuronZero1Optimizer)
 
 
+def _dcp_aux_infos(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The names ``use_zero1_dcp`` keys the optimizer's state by (the same on every rank: a refusal is shared)."""
+    if model is None or isinstance(model, dict) or isinstance(optimizer, dict):
+        raise ValueError(
+            "use_zero1_dcp=True needs the model and the ZeRO-1 optimizer themselves (the model's parameter names key "
+            "the optimizer's state)"
+        )
+    return dcp_utils.get_dcp_aux_infos(model, optimizer)
+
+
 def _model_state(model: Any) -> dict[str, Any]:
     if isinstance(model, dict):
         return model
@@ -125,7 +138,9 @@ def save_checkpoint(
     if optimizer is not None:
         zero1 = _is_zero1(optimizer, zero1_optimizer)
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
-        if zero1 or dims.dp_rank == 0:
+        if zero1 and use_zero1_dcp:
+            dcp_utils.save_optim_state_dict(str(directory / "optim"), state, _dcp_aux_infos(model, optimizer))
+        elif zero1 or dims.dp_rank == 0:
             _write(directory / _file("optim", zero1), {"layout": layout, "state": _local(state)})
     if model is not None and dims.dp_rank == 0:
         _write(directory / _file("model", False), {"layout": layout, "state": _local(_model_state(model))})
@@ -203,26 +218,10 @@ def load_checkpoint(
         error = f"{root / str(tag)} is not a complete checkpoint (complete: {tags})"
     _agree(error, "load_checkpoint")
     directory = root / str(tag)
-    if optimizer is not None:
-        zero1 = _is_zero1(optimizer, False) or (
-            isinstance(optimizer, dict) and (directory / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").exists()
-        )
-        if zero1 and not isinstance(optimizer, dict):  # an optimizer takes its own entries from the whole state
-            dims = get_parallel()
-            error, state = merged_zero1_state(directory, dims.tp_rank, dims.pp_rank)
-        elif zero1:  # a dict gets this rank's file as saved
-            error, state = _read(directory, _file("optim", True))
-        else:
-            error, state = _read(directory, _file("optim", False))
-        if error is None and not isinstance(optimizer, dict):
-            try:
-                optimizer.load_state_dict(state)
-            except (RuntimeError, KeyError, ValueError) as exc:
-                error = f"loading the optimizer state: {exc}"
-        elif error is None:
-            optimizer.clear()
-            optimizer.update(state)
-        _agree(error, "load_checkpoint")
+    if optimizer is not None and use_zero1_dcp and _is_zero1(optimizer, True):
+        dcp_utils.load_optim_state_dict(str(directory / "optim"), optimizer, _dcp_aux_infos(model, optimizer))
+    elif optimizer is not None:
+        _load_optimizer(directory, optimizer)
     if model is not None:
         error, state = _read(directory, _file("model", False))
         if error is None:
@@ -237,6 +236,31 @@ def load_checkpoint(
     user_content = torch.load(content, map_location="cpu", weights_only=False) if content.exists() else None
     dist.barrier()
     return user_content
+
+
+def _load_optimizer(directory: Path, optimizer: Any) -> None:
+    """The optimizer's state from NxD's per-rank files (refused on every rank where any rank cannot load)."""
+    zero1 = _is_zero1(optimizer, False) or (
+        isinstance(optimizer, dict) and (directory / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt").exists()
+    )
+    if zero1 and not isinstance(optimizer, dict):  # an optimizer takes its own entries from the whole state
+        dims = get_parallel()
+        error, state = merged_zero1_state(directory, dims.tp_rank, dims.pp_rank)
+    elif zero1:  # a dict gets this rank's file as saved
+        error, state = _read(directory, _file("optim", True))
+    else:
+        error, state = _read(directory, _file("optim", False))
+    if error is not None and (directory / "optim" / ".metadata").exists():
+        error += " (its optimizer state was saved with use_zero1_dcp=True: load it with the same)"
+    if error is None and not isinstance(optimizer, dict):
+        try:
+            optimizer.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            error = f"loading the optimizer state: {exc}"
+    elif error is None:
+        optimizer.clear()
+        optimizer.update(state)
+    _agree(error, "load_checkpoint")
 
 
 def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
