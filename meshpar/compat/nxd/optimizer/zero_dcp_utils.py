@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -96,7 +97,9 @@ def save_optim_state_dict(
     """Write this rank's ZeRO-1 state (``optimizer.state_dict()``, on any device) under ``path``; collective.
     Returns DCP's global metadata."""
     state = {**_flat(state_dict, aux_infos, dedup), _GROUPS: state_dict[_GROUPS]}
-    Path(path).mkdir(parents=True, exist_ok=True)
+    # every rank enters before any rank creates the directory: a script may test whether it exists just before
+    # (NxD's own ZeRO-1 DCP test does), and must get one answer on every rank
+    dist.barrier()
     try:
         return dcp.save(state, checkpoint_id=str(path))
     except dcp.api.CheckpointException as error:
