@@ -15,6 +15,12 @@ model's forward with them, as the dense model's ``generate`` does.
 Encoder-decoders (T5, BART): the prompt (and its mask) goes to every rank once; HF's loop then grows the decoder's
 sequence from the decoder start token, and each step runs the whole pipeline on the prompt and that sequence (beam
 search's rows: the prompt repeated per beam, as HF expands it), as the dense model's ``generate`` decodes.
+
+Replicas whose forwards communicate with each other (expert parallelism: the MoE layers' all-to-alls span dp
+replicas; FSDP2: every forward gathers weights over dp) run every pipeline forward together, with the same number of
+microbatches. Before each forward the replicas' drivers agree on whether any of them still decodes and on a
+microbatch count that divides every running replica's rows; a replica that is done (fewer steps, an earlier end of
+sequence) runs stand-in forwards of its last sequence until all are, as HF's ``synced_gpus`` does without pp.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +42,9 @@ from meshpar.failure import agree, stop_all_ranks_on_error
 if TYPE_CHECKING:
     from meshpar.hf.parallelize import ParallelizedModel
 
-_RUN, _RESULT, _PROMPT = 1, 2, 3
+_RUN, _RESULT, _PROMPT, _IDLE = 1, 2, 3, 4  # _IDLE: a stand-in forward of a replica that is done (lockstep)
 _MAX_ROWS = 3  # tensors one exchange carries: the ids, a mask, positions
+_HEADER = 4  # flag, microbatches, batch, seq
 
 
 class _PipelineAsModel(PreTrainedModel, GenerationMixin):
@@ -92,18 +100,21 @@ class _Replica:
             dist.broadcast(tensor, group=self.tp_group, group_src=0)
         dist.broadcast(tensor, group=self.pp_group, group_src=dist.get_world_size(self.pp_group) - 1)
 
-    def exchange(self, flag: int = 0, *rows: torch.Tensor | None) -> tuple[int, list[torch.Tensor | None]]:
-        """The driver sends ``flag`` and ``[batch, seq]`` tensors (the ids, then an optional mask and positions);
-        every other rank calls it without them and receives them all (``None`` where the driver sent ``None``)."""
+    def exchange(
+        self, flag: int = 0, microbatches: int = 0, *rows: torch.Tensor | None
+    ) -> tuple[int, int, list[torch.Tensor | None]]:
+        """The driver sends ``flag``, the microbatch count of a forward and ``[batch, seq]`` tensors (the ids, then
+        an optional mask and positions); every other rank calls it without them and receives them all (``None``
+        where the driver sent ``None``)."""
         present = [r is not None for r in rows]
         shape = next((r.shape for r in rows if r is not None), (0, 0))
-        header = torch.zeros(3 + _MAX_ROWS, dtype=torch.long)  # flag, batch, seq, which tensors follow
+        header = torch.zeros(_HEADER + _MAX_ROWS, dtype=torch.long)  # then which tensors follow
         if self.driver:
-            header[:3] = torch.tensor([flag, *shape])
-            header[3 : 3 + len(present)] = torch.tensor(present, dtype=torch.long)
+            header[:_HEADER] = torch.tensor([flag, microbatches, *shape])
+            header[_HEADER : _HEADER + len(present)] = torch.tensor(present, dtype=torch.long)
         header = header.to(self.device)
         self._broadcast(header)
-        flag, batch, seq, *sent = header.tolist()
+        flag, microbatches, batch, seq, *sent = header.tolist()
         # one contiguous message (HF's beam search returns views, a beam dimension sliced away: stack copies them)
         stacked = (
             torch.stack([r.long() for r in rows if r is not None])
@@ -112,12 +123,30 @@ class _Replica:
         )
         self._broadcast(stacked)
         received = iter(stacked.unbind(0))
-        return flag, [next(received) if was_sent else None for was_sent in sent]
+        return flag, microbatches, [next(received) if was_sent else None for was_sent in sent]
 
 
 def _microbatches(rows: int, configured: int) -> int:
     """The most microbatches (up to the configured count) that divide the rows of this decoding step."""
     return max(m for m in range(1, min(rows, configured) + 1) if rows % m == 0)
+
+
+class _Lockstep:
+    """The drivers of replicas whose forwards communicate (see the module docstring): before each forward they
+    agree, over the group of every replica's driver (the dp x cp group of the last stage's tp rank 0), on whether any
+    still decodes and on the microbatch count."""
+
+    def __init__(self, model: ParallelizedModel) -> None:
+        self.group = model.dims.grad_mesh.get_group()
+        self.device = model.dims.device
+
+    def microbatches(self, rows: int, configured: int) -> int | None:
+        """The count every replica's next forward uses (``rows``: this replica's, 0 when it is done); ``None``
+        when every replica is done."""
+        everyone = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, rows, group=self.group)
+        running = [r for r in everyone if r]
+        return _microbatches(math.gcd(*running), configured) if running else None
 
 
 @contextlib.contextmanager
@@ -142,7 +171,7 @@ def _logits_only(model: ParallelizedModel) -> Iterator[None]:
 
 def _pipeline_logits(
     model: ParallelizedModel,
-    configured: int,
+    microbatches: int,
     ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
@@ -150,7 +179,7 @@ def _pipeline_logits(
 ) -> torch.Tensor | None:
     """The last stage's logits for ``ids`` (an encoder-decoder's: the decoder's sequence, with the encoder's
     ``prompt`` and its mask, each row repeated as often as HF's loop expanded the batch: per beam)."""
-    model.pipeline.num_microbatches = _microbatches(ids.shape[0], configured)
+    model.pipeline.num_microbatches = microbatches
     inputs = {"input_ids": ids, "labels": ids}
     inputs |= {"attention_mask": mask} if mask is not None else {}
     inputs |= {"position_ids": positions} if positions is not None else {}
@@ -177,6 +206,11 @@ def pipelined_generate(model: ParallelizedModel, input_ids: torch.Tensor | None 
         return _generate(model, input_ids, kwargs)
 
 
+def _first_row(prompt: tuple[torch.Tensor, torch.Tensor | None] | None) -> Any:
+    """An encoder-decoder's prompt cut to its first row (a stand-in forward's encoder input)."""
+    return None if prompt is None else tuple(None if t is None else t[:1] for t in prompt)
+
+
 def _decoder_start(model: ParallelizedModel, prompt: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """An encoder-decoder's first decoder ids: the caller's ``decoder_input_ids``, else its decoder start token per
     row (as HF's ``generate`` begins)."""
@@ -195,6 +229,8 @@ def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[st
     replica = _Replica(model)
     configured = model.pipeline.num_microbatches
     prompt = None  # an encoder-decoder's prompt and its mask: the encoder's input at every step
+    coupled = model.dims.ep > 1 or (model.parallel_config.fsdp and model.dims.grad_mesh.size() > 1)
+    lockstep = _Lockstep(model) if coupled and replica.driver else None
     with torch.no_grad(), _logits_only(model):
         if replica.driver:
             takes_mask, takes_positions = _model_inputs(model)
@@ -203,28 +239,41 @@ def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[st
             if getattr(config, "is_encoder_decoder", False):
                 mask = kwargs.pop("attention_mask", None)
                 prompt = (start, None if mask is None else mask.to(replica.device))
-                replica.exchange(_PROMPT, *prompt)
+                replica.exchange(_PROMPT, 0, *prompt)
                 # HF's loop drives the decoder's sequence alone (from its start token, nothing of it padding: the
                 # start token may be the pad token, as T5's)
                 start = _decoder_start(model, start, kwargs)
                 kwargs["attention_mask"] = torch.ones_like(start)
                 config.is_encoder_decoder = False
 
+            def run(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                    encoder: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:  # fmt: skip
+                rows = ids.shape[0]
+                microbatches = lockstep.microbatches(rows, configured) if lockstep else None
+                microbatches = microbatches or _microbatches(rows, configured)
+                replica.exchange(_RUN, microbatches, ids, mask, positions)
+                return _pipeline_logits(model, microbatches, ids, mask, positions, encoder)
+
             def logits(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> torch.Tensor:
                 mask = mask if takes_mask and mask is not None and not bool(mask.all()) else None
                 positions = positions if takes_positions and mask is not None else None  # else arange: the default
-                replica.exchange(_RUN, ids, mask, positions)
-                return _pipeline_logits(model, configured, ids, mask, positions, prompt)
+                return run(ids, mask, positions, prompt)
 
             stand_in = _PipelineAsModel(config, logits, replica.device)
             result = stand_in.generate(start, use_cache=False, **kwargs)
             sequences = result if torch.is_tensor(result) else result.sequences
-            return replica.exchange(_RESULT, sequences.long())[1][0]
+            # done before the other replicas: stand-in forwards (its first row, repeated) until they are done too
+            while lockstep is not None and (microbatches := lockstep.microbatches(0, configured)) is not None:
+                ids = sequences[:1].repeat(microbatches, 1)
+                replica.exchange(_IDLE, microbatches, ids, None, None)
+                _pipeline_logits(model, microbatches, ids, None, None, _first_row(prompt))
+            return replica.exchange(_RESULT, 0, sequences.long())[2][0]
         while True:
-            flag, (ids, mask, positions) = replica.exchange()
+            flag, microbatches, (ids, mask, positions) = replica.exchange()
             if flag == _RESULT:
                 return ids
             if flag == _PROMPT:
                 prompt = (ids, mask)
                 continue
-            _pipeline_logits(model, configured, ids, mask, positions, prompt)
+            encoder = _first_row(prompt) if flag == _IDLE else prompt
+            _pipeline_logits(model, microbatches, ids, mask, positions, encoder)

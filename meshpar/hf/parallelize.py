@@ -758,12 +758,7 @@ class ParallelizedModel(nn.Module):
         replica drives HF's loop over the pipeline (:mod:`meshpar.hf.generation`) and every rank returns its
         sequences. Under context parallelism every cp rank decodes the whole prompt with the model's own attention
         (the weights are whole over cp; a decoding step has one token to split), with its KV cache."""
-        if self.pipeline is not None:
-            if self.dims.ep > 1:
-                raise RuntimeError(
-                    "generate() with expert_parallel_size > 1 and pipeline_parallel_size > 1 is not supported yet: "
-                    "the dp replicas of an ep group must decode in lockstep"
-                )
+        if self.pipeline is not None:  # replicas coupled by ep or FSDP2 decode in lockstep there
             with self._dense_attention_for_decoding():
                 return pipelined_generate(self, *args, **kwargs)
         if self.dims.ep > 1:

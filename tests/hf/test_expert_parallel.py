@@ -529,20 +529,25 @@ def test_ep_ranks_that_receive_no_rows_join_every_collective(ep: int, tp: int) -
     run_distributed(no_rows_case, 4, ep, tp)
 
 
-def generate_case(ep: int, tp: int, fsdp: bool = False) -> None:
+def generate_case(ep: int, tp: int, fsdp: bool = False, pp: int = 1) -> None:
     """Each dp replica decodes its own prompt for its own number of steps; the replicas of an ep group keep
     exchanging tokens until the longest is done (lockstep; under FSDP2 all dp replicas, which gather the weights
-    together), and each one's tokens are the dense model's."""
-    dims = setup_parallel(tp=tp, ep=ep)
+    together), and each one's tokens are the dense model's. Under pp the replicas' rows (2 and 3) share no
+    microbatch count but one."""
+    dims = setup_parallel(tp=tp, ep=ep, pp=pp)
     dense = build("mixtral")
-    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp}
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp, "pipeline_parallel_size": pp}
     model = meshpar.parallelize(copy.deepcopy(dense), config)
-    prompt = torch.randint(3, 64, (1, 5 + dims.dp_rank), generator=torch.Generator().manual_seed(dims.dp_rank))
+    rows = 1 if pp == 1 else 2 + dims.dp_rank
+    prompt = torch.randint(3, 64, (rows, 5 + dims.dp_rank), generator=torch.Generator().manual_seed(dims.dp_rank))
     kwargs = {"max_new_tokens": 3 + 2 * dims.dp_rank, "do_sample": False, "pad_token_id": 0}
     got = model.generate(prompt, **kwargs)
     torch.testing.assert_close(got, dense.generate(prompt, **kwargs), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ep,tp,fsdp", [(2, 1, False), _slow(2, 2, False), (1, 1, True), _slow(2, 1, True)])
-def test_generation_under_expert_parallelism_runs_in_lockstep(ep: int, tp: int, fsdp: bool) -> None:
-    run_distributed(generate_case, 4, ep, tp, fsdp)
+@pytest.mark.parametrize(
+    "ep,tp,fsdp,pp",
+    [(2, 1, False, 1), _slow(2, 2, False, 1), (1, 1, True, 1), _slow(2, 1, True, 1), (2, 1, False, 2), (1, 1, True, 2)],
+)
+def test_generation_under_expert_parallelism_runs_in_lockstep(ep: int, tp: int, fsdp: bool, pp: int) -> None:
+    run_distributed(generate_case, 4, ep, tp, fsdp, pp)
