@@ -19,11 +19,20 @@ What ``parallelize`` does with ``{"context_parallel_size": cp}``:
 A family whose attention does not go through the interface, or uses what the context-parallel attention does not
 compute (attention sinks, ALiBi or relative position biases, dropout while training), is refused: the model is proven
 on a probe against its dense forward at ``parallelize`` time (:func:`verify_context_parallel`).
+
+Pooled and span heads (sequence classification, multiple choice, question answering: a row's scores read off its
+last or first token, or taken over all of its positions) need whole sequences after the layers. For them the model
+is called with whole sequences (:func:`pool_over_whole_sequences`): its base model's inputs are cut into this rank's
+chunks on the way in, the layers run on the chunks, and the last layer's output is gathered over cp in sequence
+order, so the final norm, a pooler, the head and the pooling by position see whole sequences on every cp rank. Each
+cp rank then computes its replica's loss; the rows it is divided by are counted over dp x cp (cp times the rows), so
+each rank holds ``1 / cp`` of it, and the gather's backward sums the cp ranks' grads: the grads are the dense ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,15 +43,19 @@ from meshpar.context_parallel import (
     AttentionMask,
     check_sequence_length,
     context_parallel_attention,
+    gather_sequence,
     local_positions,
     shard_sequence,
 )
 from meshpar.hf.hf_plan import dense_probe, eval_mode, text_config
+from meshpar.hf.stages import head_output
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 ATTENTION = "meshpar_context_parallel"
 INPUTS_KEY = "meshpar_context"  # the keyword the model's forward carries down to its attention layers
+# heads that read whole sequences after the layers (see the module docstring)
+POOLED_TASKS = ("sequence_classification", "multiple_choice", "question_answering")
 
 
 @dataclass
@@ -166,6 +179,51 @@ def shard_batch(
     return labels, out
 
 
+def pooled_head(model: nn.Module) -> bool:
+    """Whether :func:`pool_over_whole_sequences` hooked ``model``."""
+    return bool(getattr(model, _POOLED, False))
+
+
+_POOLED = "_meshpar_pools_whole_sequences"
+
+
+def pool_over_whole_sequences(model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str) -> None:
+    """Hooks that let ``model`` (a pooled or span head, called with whole sequences) run its layers on this cp
+    rank's chunks and what follows them on whole sequences (see the module docstring). ``layers``: the FQN of its
+    layer container."""
+    model.base_model.register_forward_pre_hook(
+        partial(_cut_base_inputs, mesh=mesh, implementation=implementation), with_kwargs=True
+    )
+    model.get_submodule(layers)[-1].register_forward_hook(partial(_gather_layer_output, mesh=mesh))
+    setattr(model, _POOLED, True)
+
+
+def _cut_base_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, mesh: DeviceMesh, implementation: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The base model's whole-sequence inputs as this rank's chunks (:func:`shard_batch`; token type ids cut too)."""
+    inputs = dict(kwargs)
+    if args:  # BERT-style heads hand the ids positionally
+        if len(args) > 1 or "input_ids" in inputs:
+            raise ValueError(f"{type(module).__name__} got positional inputs context parallelism cannot place")
+        inputs["input_ids"] = args[0]
+    token_types = inputs.pop("token_type_ids", None)
+    _, cut = shard_batch(None, inputs, mesh, implementation, shift=False)
+    if isinstance(token_types, torch.Tensor):
+        cut["token_type_ids"] = shard_sequence(token_types, 1, mesh)
+    return (), cut
+
+
+def _gather_layer_output(module: nn.Module, args: Any, output: Any, *, mesh: DeviceMesh) -> Any:
+    """The last layer's hidden states of every cp rank's chunks, in sequence order (grads summed over cp)."""
+    if isinstance(output, torch.Tensor):
+        return gather_sequence(output, 1, mesh)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (gather_sequence(output[0], 1, mesh), *output[1:])
+    raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; context parallelism needs its hidden "
+                    "states (a tensor, or a tuple starting with one)")  # fmt: skip
+
+
 def local_key_padding(inputs: dict[str, Any], mesh: DeviceMesh) -> torch.Tensor:
     """Which of this cp rank's tokens are real (``[batch, local seq]``, 1 / 0): the whole sequence's padding mask
     cut to the rank's chunks (all ones without padding)."""
@@ -200,9 +258,10 @@ def probe_length(model: nn.Module, cp: int) -> int:
 
 
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, the dense model's logits) of one probe sequence, computed before the model is changed."""
+    """(ids, the dense model's scores, :func:`meshpar.hf.stages.head_output`) of one probe sequence, computed
+    before the model is changed."""
     with dense_probe(model, length=seq_len) as (forward, ids):
-        return ids, forward().logits.float()
+        return ids, head_output(forward()).float()
 
 
 @torch.no_grad()
@@ -212,14 +271,17 @@ def verify_context_parallel(
     """What differs between the context-parallel model's logits for this rank's tokens and the dense ones (``None``
     when they agree): the proof that the family's attention is what :func:`_attention` computes."""
     mesh = dims.cp_mesh
-    _, inputs = shard_batch(None, {"input_ids": ids}, mesh, implementation, shift=False)
+    pooled = pooled_head(model)  # called with whole sequences (pool_over_whole_sequences): whole outputs
+    inputs = {"input_ids": ids}
+    if not pooled:
+        _, inputs = shard_batch(None, inputs, mesh, implementation, shift=False)
     try:
         with eval_mode(model):
-            logits = model(**inputs, use_cache=False).logits.float()
+            logits = head_output(model(**inputs, use_cache=False)).float()
     except Exception as error:  # the family's forward cannot run this way: a refusal, never a crash
         return f"its forward raises {type(error).__name__}: {error}"
-    positions = local_positions(ids.shape[1], mesh.size(), mesh.get_local_rank(), ids.device)
-    want = dense_logits[:, positions]
+    positions = local_positions(ids.shape[-1], mesh.size(), mesh.get_local_rank(), ids.device)
+    want = dense_logits if pooled else dense_logits[:, positions]
     if logits.shape[-1] != want.shape[-1]:  # a vocab-parallel head: this tp rank's slice (torch.chunk's split)
         want = want.chunk(dims.tp, -1)[dims.tp_rank]
     error = ((logits - want).norm() / want.norm().clamp_min(1e-6)).item()

@@ -34,8 +34,10 @@ from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
+    POOLED_TASKS,
     dense_probe_logits,
     local_key_padding,
+    pool_over_whole_sequences,
     probe_length,
     shard_batch,
     use_context_parallel_attention,
@@ -81,8 +83,37 @@ PIPELINE_TASKS = (
     "question_answering",
 )
 # heads whose loss is a sum over tokens each cp rank scores for its own part of the sequence, causal or bidirectional
-# attention alike (a sequence's pooled or span scores would need the whole sequence on one rank)
-CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification")
+# attention alike; pooled and span heads (POOLED_TASKS) read whole sequences gathered after the layers
+CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification", *POOLED_TASKS)
+
+
+def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: ParallelConfig) -> None:
+    """The heads context parallelism trains: per-token ones, and pooled or span ones where their whole sequences
+    can be gathered after the layers (one model, no pipeline, no sequence parallelism)."""
+    name, task = type(model).__name__, plan.task.replace("_", " ")
+    if plan.task not in CONTEXT_PARALLEL_TASKS:
+        raise ValueError(
+            f"context parallelism is for causal / masked LMs, token classifiers and pooled or span heads; {name} is "
+            f"a {task} model"
+        )
+    if plan.task not in POOLED_TASKS:
+        return
+    why = None
+    if getattr(model.config, "is_encoder_decoder", False):
+        why = "an encoder-decoder"
+    elif config.pipeline_parallel_size > 1:
+        why = "pipeline_parallel_size > 1 (its head would need the whole sequences on the last stage)"
+    elif plan.sequence_parallel:
+        why = "sequence_parallel (its layers' output is split over tp too)"
+    elif not plan.layers:
+        why = "a model whose layer container meshpar cannot name"
+    elif getattr(text_config(model.config), "output_router_logits", False):
+        why = "the routers' load-balancing loss (output_router_logits)"
+    if why is not None:
+        raise ValueError(
+            f"{name}: a {task} head under context parallelism (its rows' scores read off whole sequences, gathered "
+            f"after the layers) is not supported with {why}; use context_parallel_size 1"
+        )
 
 
 def _check_existing_mesh(config: ParallelConfig) -> None:
@@ -137,11 +168,8 @@ class ParallelizedModel(nn.Module):
             raise TypeError(f"parallelize takes a HuggingFace model (an nn.Module), got {type(model).__name__}")
         _check_existing_mesh(config)
         built = plan_for(model, config, plan=plan)
-        if config.context_parallel_size > 1 and built.task not in CONTEXT_PARALLEL_TASKS:
-            raise ValueError(
-                f"context parallelism is for causal / masked LMs and token classifiers (a loss per token, each rank "
-                f"scoring its own); {type(model).__name__} is a {built.task.replace('_', ' ')} model"
-            )
+        if config.context_parallel_size > 1:
+            _check_context_parallel_head(model, built, config)
         _log.info("%s", built)  # the plan that runs (meshpar.hf.plan_for returns it, to print, edit and pass back)
         return built
 
@@ -188,6 +216,9 @@ class ParallelizedModel(nn.Module):
         self._dense_attention = getattr(model.config, "_attn_implementation", None)
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
+            if task in POOLED_TASKS:
+                impl = self.parallel_config.context_parallel_implementation
+                pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl)
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -540,7 +571,9 @@ class ParallelizedModel(nn.Module):
         positions taken out of the inputs; for a head with the model's own loss, the labels as they are."""
         if self.loss_fn is None:
             return labels, inputs
-        if self.dims.cp > 1:  # this cp rank's part of every sequence, the labels shifted over the whole of it first
+        if self.dims.cp > 1 and self.plan.task not in POOLED_TASKS:
+            # this cp rank's part of every sequence, the labels shifted over the whole of it first (pooled heads are
+            # called with whole sequences: pool_over_whole_sequences cuts them inside)
             impl = self.parallel_config.context_parallel_implementation
             return shard_batch(labels, inputs, self.dims.cp_mesh, impl, bool(self._cp_shift))
         return self.loss_fn.split_targets(labels, inputs)
@@ -700,7 +733,8 @@ class ParallelizedModel(nn.Module):
     def eval_logits(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor | None:
         """Logits of the whole batch (this rank's vocab shard under tp) where the last stage lives, else ``None``;
         in eval mode, as :meth:`eval_loss`. Under context parallelism each cp rank computes its chunks' logits and
-        returns every position's, gathered over cp into the sequence's order."""
+        returns every position's, gathered over cp into the sequence's order (a pooled or span head's are whole
+        already)."""
         with self._eval_mode():
             if self.pipeline is None:
                 logits = head_output(self._module_forward(labels, inputs))
@@ -710,8 +744,8 @@ class ParallelizedModel(nn.Module):
                     labels, inputs = self._split_targets(labels, inputs)
                 _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
                 logits = torch.cat(outputs) if outputs else None
-        if logits is not None and self.dims.cp > 1:  # the cp ranks of a last stage hold its outputs alike
-            logits = gather_sequence(logits, 1, self.dims.cp_mesh)
+        if logits is not None and self.dims.cp > 1 and self.plan.task not in POOLED_TASKS:
+            logits = gather_sequence(logits, 1, self.dims.cp_mesh)  # the cp ranks of a last stage hold their chunks'
         return logits
 
     @property

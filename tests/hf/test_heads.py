@@ -34,6 +34,7 @@ from transformers import (
 import meshpar
 from meshpar._compat import DTensor, local_tensor
 from meshpar._shards import in_parameter_layout, local_slice
+from meshpar.hf.stages import head_output
 from meshpar.testing import run_distributed
 
 LR = 1e-2
@@ -116,21 +117,21 @@ def test_token_classification_at_dp2_equals_dense(name: str, layout: dict) -> No
         assert result["param"] < 1e-4, result  # AdamW's first step: sign-like, rounding shows at 1e-5
 
 
-def _row_batch(name: str, rows: int) -> dict[str, torch.Tensor]:
+def _row_batch(name: str, rows: int, seq: int = 10) -> dict[str, torch.Tensor]:
     """``rows`` examples for a per-example head, some unscored (label -100, or a span outside the sequence)."""
     generator = torch.Generator().manual_seed(5)
     if name == "bert_choice":  # 3 choices per example
-        ids = torch.randint(1, 64, (rows, 3, 10), generator=generator)
+        ids = torch.randint(1, 64, (rows, 3, seq), generator=generator)
         labels = torch.randint(0, 3, (rows,), generator=generator)
         labels[1] = -100
         return {"input_ids": ids, "labels": labels}
-    ids = torch.randint(1, 64, (rows, 10), generator=generator)
+    ids = torch.randint(1, 64, (rows, seq), generator=generator)
     if name == "bert_qa":
         start, end = (
-            torch.randint(0, 10, (rows,), generator=generator),
-            torch.randint(0, 10, (rows,), generator=generator),
+            torch.randint(0, seq, (rows,), generator=generator),
+            torch.randint(0, seq, (rows,), generator=generator),
         )
-        start[1], end[2] = 25, 10  # beyond the sequence: that term does not score the row
+        start[1], end[2] = 25, seq  # beyond the sequence: that term does not score the row
         return {"input_ids": ids, "start_positions": start, "end_positions": end}
     if name == "bert_regression":
         return {"input_ids": ids, "labels": torch.randn(rows, generator=generator)}
@@ -141,19 +142,21 @@ def _row_batch(name: str, rows: int) -> dict[str, torch.Tensor]:
     if name == "qwen2_sequence":  # right padding: the classifier reads each row's last non-pad token
         ids[0, 6:] = 0
         ids[3, 8:] = 0
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
     if name == "bart_sequence":  # BART's classifier reads each row's last end-of-sequence token (2)
         ids = ids.clamp_min(3)
         ids[:, -1] = 2
     return {"input_ids": ids, "labels": labels}
 
 
-def row_case(name: str, rows: tuple[int, int], layout: dict) -> dict:
-    """One SGD step at dp=2 with ``rows`` examples on the two replicas (tp inside if the layout says), against the
-    dense model on all of them (AdamW would turn rounding-level differences in near-zero grads into steps of lr)."""
+def row_case(name: str, rows: tuple[int, int], layout: dict, seq: int = 10) -> dict:
+    """One SGD step at dp=2 with ``rows`` examples on the two replicas (tp or cp inside if the layout says), against
+    the dense model on all of them (AdamW would turn rounding-level differences in near-zero grads into steps of lr);
+    then each replica's evaluated scores against the dense model's."""
     torch.manual_seed(0)
     dense = BUILDERS[name]()
     parallel = meshpar.parallelize(copy.deepcopy(dense), layout)
-    data = _row_batch(name, sum(rows))
+    data = _row_batch(name, sum(rows), seq)
     start = 0 if parallel.dims.dp_rank == 0 else rows[0]
     mine = {k: v[start : start + rows[parallel.dims.dp_rank]] for k, v in data.items()}
     optimizer = meshpar.DistributedOptimizer(parallel, torch.optim.SGD, lr=0.5)
@@ -172,7 +175,11 @@ def row_case(name: str, rows: tuple[int, int], layout: dict) -> dict:
         for m in parallel.local_modules()
         for n, p in m.named_parameters()
     )
-    return {"loss": loss.item(), "dense": dense_loss.item(), "grad": worst_grad, "param": worst_param, "n": len(grads)}
+    with torch.no_grad():
+        scores = parallel.eval_logits(**mine)
+        want = head_output(dense.eval()(**data))[start : start + rows[parallel.dims.dp_rank]]
+    return {"loss": loss.item(), "dense": dense_loss.item(), "grad": worst_grad, "param": worst_param, "n": len(grads),
+            "eval": (scores - want).abs().max().item()}  # fmt: skip
 
 
 ROW_HEADS = ["bert_sequence", "bert_regression", "bert_multi_label", "qwen2_sequence", "bert_choice", "bert_qa"]
@@ -189,6 +196,27 @@ def test_per_example_heads_at_dp2_with_uneven_rows_equal_dense(name: str) -> Non
         assert abs(result["loss"] - result["dense"]) < 1e-5, result
         assert result["grad"] < 1e-5, result
         assert result["param"] < 1e-4, result
+
+
+@pytest.mark.parametrize(
+    "name,layout",
+    [
+        ("qwen2_sequence", {"context_parallel_size": 2}),  # the last real token of right-padded rows
+        ("bert_qa", {"context_parallel_size": 2, "context_parallel_implementation": "ring"}),  # spans over positions
+        pytest.param("bert_choice", {"context_parallel_size": 2}, marks=pytest.mark.slow),  # [rows, choices, seq]
+        pytest.param("bert_sequence", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1},
+                     marks=pytest.mark.slow),  # BERT's pooler on the first token; rows on one replica
+    ],
+)  # fmt: skip
+def test_pooled_and_span_heads_under_context_parallelism_equal_dense(name: str, layout: dict) -> None:
+    """The layers run on each cp rank's chunks, the head on whole sequences gathered after them (every cp rank
+    scores its replica's rows, each holding 1/cp of the loss): loss, grads, the step and the evaluated scores
+    equal dense, rows falling unevenly over the dp replicas."""
+    rows = (3, 1) if layout.get("data_parallel_size", 2) == 2 else (4, 0)
+    for result in run_distributed(row_case, 4, name, rows, layout, 12):
+        assert result.get("n", 0) > 0, result
+        assert abs(result["loss"] - result["dense"]) < 1e-5, result
+        assert result["grad"] < 1e-5 and result["param"] < 1e-4 and result["eval"] < 1e-5, result
 
 
 def test_sequence_classifier_at_tp2_x_dp2_with_uneven_rows_equals_dense() -> None:
