@@ -148,9 +148,9 @@ def use_context_parallel_attention(model: nn.Module) -> None:
 def shard_batch(
     labels: torch.Tensor | None, inputs: dict[str, Any], mesh: DeviceMesh, implementation: str, shift: bool
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-    """This cp rank's part of a causal-LM batch: token ids (or embeddings) and positions in its chunks, the labels
-    shifted over the whole sequence (``shift``: the model scores position t against label t + 1) and then cut alike,
-    the padding mask whole for the keys."""
+    """This cp rank's part of a batch: token ids (or embeddings), token types and positions in its chunks, the
+    labels shifted over the whole sequence (``shift``: the model scores position t against label t + 1) and then cut
+    alike, the padding mask whole for the keys."""
     tokens = inputs.get("input_ids")
     tokens = tokens if isinstance(tokens, torch.Tensor) else inputs.get("inputs_embeds")
     if not isinstance(tokens, torch.Tensor):
@@ -158,7 +158,7 @@ def shard_batch(
     seq_len, cp = tokens.shape[1], mesh.size()
     check_sequence_length(seq_len, cp)
     out = {k: v for k, v in inputs.items() if k not in ("attention_mask", "position_ids", "document_ids")}
-    for name in ("input_ids", "inputs_embeds"):
+    for name in ("input_ids", "inputs_embeds", "token_type_ids"):  # per token (BERT's segments too)
         if isinstance(inputs.get(name), torch.Tensor):
             out[name] = shard_sequence(inputs[name], 1, mesh)
     positions = inputs.get("position_ids")
@@ -201,17 +201,13 @@ def pool_over_whole_sequences(model: nn.Module, layers: str, mesh: DeviceMesh, i
 def _cut_base_inputs(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, mesh: DeviceMesh, implementation: str
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The base model's whole-sequence inputs as this rank's chunks (:func:`shard_batch`; token type ids cut too)."""
+    """The base model's whole-sequence inputs as this rank's chunks (:func:`shard_batch`)."""
     inputs = dict(kwargs)
     if args:  # BERT-style heads hand the ids positionally
         if len(args) > 1 or "input_ids" in inputs:
             raise ValueError(f"{type(module).__name__} got positional inputs context parallelism cannot place")
         inputs["input_ids"] = args[0]
-    token_types = inputs.pop("token_type_ids", None)
-    _, cut = shard_batch(None, inputs, mesh, implementation, shift=False)
-    if isinstance(token_types, torch.Tensor):
-        cut["token_type_ids"] = shard_sequence(token_types, 1, mesh)
-    return (), cut
+    return (), shard_batch(None, inputs, mesh, implementation, shift=False)[1]
 
 
 def _gather_layer_output(module: nn.Module, args: Any, output: Any, *, mesh: DeviceMesh) -> Any:

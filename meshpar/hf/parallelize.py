@@ -82,6 +82,14 @@ PIPELINE_TASKS = (
     "multiple_choice",
     "question_answering",
 )
+# what every pipeline stage's forward is handed from a batch (and the targets its loss reads): other tensors are refused
+# under pp, never dropped (BERT's token_type_ids once were: a silently wrong loss)
+_STAGE_INPUTS = ("attention_mask", "input_ids", "position_ids", "token_type_ids", "decoder_input_ids",
+                 "decoder_attention_mask")  # fmt: skip
+_PIPELINE_TARGETS = ("labels", "start_positions", "end_positions")
+# GPT-2 double heads' multiple-choice inputs: only its mc scores and mc loss read them, which no step returns (the LM
+# loss and logits, at any pp), so a pipeline needs them on no stage
+_UNREAD_UNDER_PP = ("mc_token_ids", "mc_labels")
 # heads whose loss is a sum over tokens each cp rank scores for its own part of the sequence, causal or bidirectional
 # attention alike; pooled and span heads (POOLED_TASKS) read whole sequences gathered after the layers
 CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification", *POOLED_TASKS)
@@ -457,8 +465,7 @@ class ParallelizedModel(nn.Module):
             device=self.dims.device,
         )  # fmt: skip
         # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
-        calls = ("attention_mask", "input_ids", "position_ids", "decoder_input_ids", "decoder_attention_mask",
-                 CONTEXT_INPUTS)  # fmt: skip
+        calls = (*_STAGE_INPUTS, CONTEXT_INPUTS)
         chunks = [
             StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
             for index, stage in stages
@@ -517,6 +524,14 @@ class ParallelizedModel(nn.Module):
                 "convert with .long(), or pass vectors as inputs_embeds"
             )
         tokens = ids if isinstance(ids, torch.Tensor) else inputs.get("inputs_embeds")
+        if self.pipeline is not None:
+            known = (*_STAGE_INPUTS, *_PIPELINE_TARGETS, *_UNREAD_UNDER_PP)
+            unused = sorted(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in known)
+            if unused:
+                raise ValueError(
+                    f"{unused}: pipeline stages are handed {list(_STAGE_INPUTS)} of a batch, and its loss the "
+                    f"targets {list(_PIPELINE_TARGETS)}; drop the others, or use pipeline_parallel_size 1"
+                )
         tp = self.dims.tp
         if self.parallel_config.sequence_parallel and isinstance(tokens, torch.Tensor) and tokens.shape[1] % tp:
             raise ValueError(

@@ -45,6 +45,8 @@ def bad_input_case(layout: dict, what: str) -> None:
     ids = torch.randint(0, 64, (3, 8))
     if what == "float":
         parallel.train_step(input_ids=ids.float(), labels=ids)
+    elif what == "unread":  # a tensor no pipeline stage is handed: refused, never dropped
+        parallel.train_step(input_ids=ids[:2], labels=ids[:2], head_mask=torch.ones(2, 4))
     else:
         parallel.train_step(input_ids=ids, labels=ids)  # 3 rows, 4 microbatches
 
@@ -54,6 +56,7 @@ def bad_input_case(layout: dict, what: str) -> None:
     [
         ({"tensor_parallel_size": 2}, "float", "input_ids must hold integer token ids"),
         ({"pipeline_parallel_size": 2, "num_microbatches": 4}, "rows", "fewer than num_microbatches=4"),
+        ({"pipeline_parallel_size": 2}, "unread", "['head_mask']: pipeline stages are handed"),
     ],
 )
 def test_unusable_inputs_get_their_own_message_on_every_rank(layout: dict, what: str, message: str) -> None:

@@ -88,6 +88,8 @@ def head_case(name: str, layout: dict) -> dict:
     dense = BUILDERS[name]()
     parallel = meshpar.parallelize(copy.deepcopy(dense), layout)
     data = _token_batch()
+    if name.startswith("bert"):  # a second segment from the sixth token on (cut with the tokens under cp)
+        data["token_type_ids"] = (torch.arange(12) >= 6).long().expand(8, -1)
     dims = parallel.dims
     mine = {k: v.chunk(dims.dp)[dims.dp_rank] for k, v in data.items()}
     optimizer = meshpar.DistributedOptimizer(parallel, torch.optim.AdamW, lr=LR)
@@ -132,7 +134,8 @@ def _row_batch(name: str, rows: int, seq: int = 10) -> dict[str, torch.Tensor]:
             torch.randint(0, seq, (rows,), generator=generator),
         )
         start[1], end[2] = 25, seq  # beyond the sequence: that term does not score the row
-        return {"input_ids": ids, "start_positions": start, "end_positions": end}
+        segments = (torch.arange(seq) >= seq // 2).long().expand(rows, -1)  # question, then context
+        return {"input_ids": ids, "token_type_ids": segments, "start_positions": start, "end_positions": end}
     if name == "bert_regression":
         return {"input_ids": ids, "labels": torch.randn(rows, generator=generator)}
     if name == "bert_multi_label":
