@@ -138,7 +138,6 @@ class _Lockstep:
 
     def __init__(self, model: ParallelizedModel) -> None:
         self.group = model.dims.grad_mesh.get_group()
-        self.device = model.dims.device
 
     def microbatches(self, rows: int, configured: int) -> int | None:
         """The count every replica's next forward uses (``rows``: this replica's, 0 when it is done); ``None``
@@ -229,7 +228,7 @@ def _generate(model: ParallelizedModel, input_ids: torch.Tensor, kwargs: dict[st
     replica = _Replica(model)
     configured = model.pipeline.num_microbatches
     prompt = None  # an encoder-decoder's prompt and its mask: the encoder's input at every step
-    coupled = model.dims.ep > 1 or (model.parallel_config.fsdp and model.dims.grad_mesh.size() > 1)
+    coupled = model.dims.ep > 1 or model._fsdp
     lockstep = _Lockstep(model) if coupled and replica.driver else None
     with torch.no_grad(), _logits_only(model):
         if replica.driver:

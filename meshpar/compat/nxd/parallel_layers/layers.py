@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import init
 
 from meshpar.compat._shards import strided_local_part
+from meshpar.compat.nxd.parallel_layers import layers_utils
 from meshpar.compat.nxd.parallel_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -51,7 +52,6 @@ from meshpar.compat.nxd.parallel_layers.utils import (
     verify_casted_dtype,
 )
 from meshpar.parallel_dims import get_parallel
-from meshpar.tensor_parallel._collectives import _all_gather, _all_reduce, _reduce_scatter
 
 InitMethod = Callable[[torch.Tensor], Any]
 
@@ -248,13 +248,16 @@ class ParallelEmbedding(BaseParallelLayer):
 
 
 class LinearWithAsyncCommunication(torch.autograd.Function):
-    """``input @ weight^T + bias`` for this rank's weight shard with the input's tp communication folded in:
+    """``input @ weight^T + bias`` for this rank's weight shard with the input's tp communication folded in, built
+    from NxD's steps (:mod:`.layers_utils`):
 
     - ``sequence_parallel_enabled``: the input is this rank's sequence shard along ``sequence_dimension``; forward
       all-gathers it, backward reduce-scatters the input grad;
-    - ``async_grad_allreduce``: the input is replicated; backward sums its grad over the group.
+    - ``async_grad_allreduce``: the input is replicated; backward sums its grad over the group, overlapped with the
+      weight grad's matmul.
 
-    Both reductions of the input grad run in ``reduce_dtype`` and are returned in the grad's dtype.
+    Both reductions of the input grad run in ``reduce_dtype`` and are returned in the grad's dtype; on a group of
+    one neither runs.
     """
 
     @staticmethod
@@ -271,34 +274,28 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
         reduce_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         mesh = group_mesh(process_group)
-        dim = 0 if sequence_dimension is None else sequence_dimension
         gather = sequence_parallel_enabled and mesh.size() > 1
-        ctx.mesh, ctx.dim, ctx.gather = mesh, dim, gather
-        ctx.async_grad_allreduce = async_grad_allreduce and mesh.size() > 1
-        ctx.use_bias, ctx.reduce_dtype = bias is not None, reduce_dtype
-        ctx.compute_weight_gradient = weight.requires_grad
-        ctx.save_for_backward(input, weight)
-        total = _all_gather(input, mesh, dim) if gather else input
+        reduce = async_grad_allreduce and not gather and mesh.size() > 1  # sequence parallelism reduce-scatters
+        dim = 0 if sequence_dimension is None else sequence_dimension
+        total = layers_utils._linear_autograd_base_setup_fwd(
+            ctx, input, weight, bias, reduce, gather, dim, True, mesh.get_group(), reduce_dtype
+        )
         output = torch.matmul(total, weight.t())
         return output + bias if bias is not None else output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        input, weight = ctx.saved_tensors
-        mesh = ctx.mesh
+        total, weight, grad_output = layers_utils._linear_autograd_base_setup_bwd(ctx, (grad_output,))
         grad_input = grad_output.matmul(weight)
         dtype = grad_input.dtype
-        if ctx.gather:
-            grad_input = _reduce_scatter(grad_input.to(ctx.reduce_dtype), mesh, ctx.dim).to(dtype)
-        elif ctx.async_grad_allreduce:
-            grad_input = _all_reduce(grad_input.to(ctx.reduce_dtype), mesh).to(dtype)
+        handle = layers_utils._linear_autograd_bwd_grad_reduce(ctx, grad_input, dtype)
         grad_weight = grad_bias = None
-        if ctx.compute_weight_gradient:
-            total = _all_gather(input, mesh, ctx.dim) if ctx.gather else input
+        if ctx.compute_weight_gradient:  # while the input grad's all-reduce runs
             flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
             grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
             grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        shard, grad_input = layers_utils._linear_autograd_bwd_input_grad(ctx, grad_input, handle, dtype)
+        return shard if shard is not None else grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def linear_with_async_allreduce(

@@ -1,5 +1,6 @@
 """``neuronx_distributed.parallel_layers.layers_utils``: the steps NxD's linear autograd functions are built from,
-for code that writes its own (NxD's layers and tests import them).
+for code that writes its own (NxD's layers and tests import them; the view's ``LinearWithAsyncCommunication`` is
+built from them).
 
 ``_linear_autograd_base_setup_fwd`` records the options on ``ctx``, saves ``(input, weight)`` (``weight`` alone
 when it takes no grad) and returns the input the matmul sees: all-gathered along ``sequence_dimension`` under
