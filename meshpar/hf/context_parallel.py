@@ -23,10 +23,11 @@ on a probe against its dense forward at ``parallelize`` time (:func:`verify_cont
 Pooled and span heads (sequence classification, multiple choice, question answering: a row's scores read off its
 last or first token, or taken over all of its positions) need whole sequences after the layers. For them the model
 is called with whole sequences (:func:`pool_over_whole_sequences`): its base model's inputs are cut into this rank's
-chunks on the way in, the layers run on the chunks, and the last layer's output is gathered over cp in sequence
-order, so the final norm, a pooler, the head and the pooling by position see whole sequences on every cp rank. Each
-cp rank then computes its replica's loss; the rows it is divided by are counted over dp x cp (cp times the rows), so
-each rank holds ``1 / cp`` of it, and the gather's backward sums the cp ranks' grads: the grads are the dense ones.
+chunks on the way in, the layers run on the chunks, and the hidden states are gathered over cp in sequence order (at
+the base model's output, or its last layer's: :data:`GATHER_POINTS`), so the head and the pooling by position see
+whole sequences on every cp rank. Each cp rank then computes its replica's loss; the rows it is divided by are
+counted over dp x cp (cp times the rows), so each rank holds ``1 / cp`` of it, and the gather's backward sums the cp
+ranks' grads: the grads are the dense ones.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from meshpar._compat import DeviceMesh
 from meshpar.context_parallel import (
@@ -187,15 +189,27 @@ def pooled_head(model: nn.Module) -> bool:
 _POOLED = "_meshpar_pools_whole_sequences"
 
 
-def pool_over_whole_sequences(model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str) -> None:
+# where a pooled or span head's whole sequences are gathered, tried in this order until one is proven on the probe:
+# the base model's output (its final norm and view on the chunks: GPT-2 reshapes to its input's shape), or the last
+# layer's (a pooler inside the base model, BERT's, then reads the whole sequence's first token)
+GATHER_POINTS = ("base_model", "last_layer")
+
+
+def pool_over_whole_sequences(
+    model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str, gather_at: str
+) -> list[torch.utils.hooks.RemovableHandle]:
     """Hooks that let ``model`` (a pooled or span head, called with whole sequences) run its layers on this cp
-    rank's chunks and what follows them on whole sequences (see the module docstring). ``layers``: the FQN of its
-    layer container."""
-    model.base_model.register_forward_pre_hook(
-        partial(_cut_base_inputs, mesh=mesh, implementation=implementation), with_kwargs=True
-    )
-    model.get_submodule(layers)[-1].register_forward_hook(partial(_gather_layer_output, mesh=mesh))
+    rank's chunks and what follows ``gather_at`` (one of :data:`GATHER_POINTS`) on whole sequences (see the module
+    docstring). ``layers``: the FQN of its layer container. Returns the hooks' handles."""
+    base = model.base_model
+    at = base if gather_at == "base_model" else model.get_submodule(layers)[-1]
     setattr(model, _POOLED, True)
+    return [
+        base.register_forward_pre_hook(
+            partial(_cut_base_inputs, mesh=mesh, implementation=implementation), with_kwargs=True
+        ),
+        at.register_forward_hook(partial(_gather_hidden_states, mesh=mesh)),
+    ]
 
 
 def _cut_base_inputs(
@@ -210,14 +224,18 @@ def _cut_base_inputs(
     return (), shard_batch(None, inputs, mesh, implementation, shift=False)[1]
 
 
-def _gather_layer_output(module: nn.Module, args: Any, output: Any, *, mesh: DeviceMesh) -> Any:
-    """The last layer's hidden states of every cp rank's chunks, in sequence order (grads summed over cp)."""
+def _gather_hidden_states(module: nn.Module, args: Any, output: Any, *, mesh: DeviceMesh) -> Any:
+    """The hidden states ``module`` returns (a layer's, or a base model's ``last_hidden_state``) of every cp rank's
+    chunks, in sequence order (grads summed over cp)."""
     if isinstance(output, torch.Tensor):
         return gather_sequence(output, 1, mesh)
+    if isinstance(output, ModelOutput) and isinstance(output.get("last_hidden_state"), torch.Tensor):
+        output["last_hidden_state"] = gather_sequence(output["last_hidden_state"], 1, mesh)
+        return output
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return (gather_sequence(output[0], 1, mesh), *output[1:])
     raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; context parallelism needs its hidden "
-                    "states (a tensor, or a tuple starting with one)")  # fmt: skip
+                    "states (a tensor, a model output's last_hidden_state, or a tuple starting with one)")  # fmt: skip
 
 
 def local_key_padding(inputs: dict[str, Any], mesh: DeviceMesh) -> torch.Tensor:

@@ -32,8 +32,8 @@ from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, st
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
 from meshpar.hf.config import ParallelConfig, load_config
-from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.context_parallel import (
+    GATHER_POINTS,
     POOLED_TASKS,
     dense_probe_logits,
     local_key_padding,
@@ -43,6 +43,7 @@ from meshpar.hf.context_parallel import (
     use_context_parallel_attention,
     verify_context_parallel,
 )
+from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
 from meshpar.hf.hf_plan import layer_container, takes_use_cache, text_config
@@ -109,6 +110,8 @@ def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: Paralle
     why = None
     if getattr(model.config, "is_encoder_decoder", False):
         why = "an encoder-decoder"
+    elif is_meta(model):
+        why = "a model built on meta (where its whole sequences are gathered is proven on the dense model's probe)"
     elif config.pipeline_parallel_size > 1:
         why = "pipeline_parallel_size > 1 (its head would need the whole sequences on the last stage)"
     elif plan.sequence_parallel:
@@ -224,9 +227,8 @@ class ParallelizedModel(nn.Module):
         self._dense_attention = getattr(model.config, "_attn_implementation", None)
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
-            if task in POOLED_TASKS:
-                impl = self.parallel_config.context_parallel_implementation
-                pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl)
+            if task in POOLED_TASKS:  # whole sequences gathered at the first point the probe proves (see below)
+                self._pool_hooks = self._pool_at(model, GATHER_POINTS[0])
         if self.dims.pp == 1:
             self.module = self._shard(model)
             self.pipeline = None
@@ -254,21 +256,32 @@ class ParallelizedModel(nn.Module):
         if probe is not None:
             self._verify_context_parallel(self.module, *probe)
 
+    def _pool_at(self, model: nn.Module, point: str) -> list[Any]:
+        impl = self.parallel_config.context_parallel_implementation
+        return pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl, point)
+
     def _verify_context_parallel(self, module: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
         """The context-parallel model's logits on a probe equal the dense model's, on every rank (else refused on
-        every rank alike)."""
+        every rank alike). A pooled or span head tries each point its whole sequences can be gathered at
+        (:data:`meshpar.hf.context_parallel.GATHER_POINTS`) and keeps the first one proven."""
         impl = self.parallel_config.context_parallel_implementation
-        found = verify_context_parallel(module, ids, dense_logits, self.dims, impl)
-        failed = first_failure_on_any_rank(found)
-        if failed is not None:
-            rank, what = failed
-            raise shared_refusal(
-                ValueError(
-                    f"{self.model_class.__name__} (rank {rank}): under context parallelism {what}: its attention "
-                    "computes something meshpar's context-parallel attention does not (sinks, position biases, "
-                    "non-standard masks); use context_parallel_size 1"
-                )
+        points = GATHER_POINTS if self.plan.task in POOLED_TASKS else GATHER_POINTS[:1]
+        for index, point in enumerate(points):
+            if index:
+                for handle in self._pool_hooks:
+                    handle.remove()
+                self._pool_hooks = self._pool_at(module, point)
+            failed = first_failure_on_any_rank(verify_context_parallel(module, ids, dense_logits, self.dims, impl))
+            if failed is None:
+                return
+        rank, what = failed
+        raise shared_refusal(
+            ValueError(
+                f"{self.model_class.__name__} (rank {rank}): under context parallelism {what}: its attention "
+                "computes something meshpar's context-parallel attention does not (sinks, position biases, "
+                "non-standard masks); use context_parallel_size 1"
             )
+        )
 
     def _record_replacements(self, originals: dict[str, nn.Parameter]) -> None:
         """Remember what replaced each of the model's parameters on this rank (:mod:`meshpar.rebind`; a parameter

@@ -207,8 +207,8 @@ def test_per_example_heads_at_dp2_with_uneven_rows_equal_dense(name: str) -> Non
         ("qwen2_sequence", {"context_parallel_size": 2}),  # the last real token of right-padded rows
         ("bert_qa", {"context_parallel_size": 2, "context_parallel_implementation": "ring"}),  # spans over positions
         pytest.param("bert_choice", {"context_parallel_size": 2}, marks=pytest.mark.slow),  # [rows, choices, seq]
-        pytest.param("bert_sequence", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1},
-                     marks=pytest.mark.slow),  # BERT's pooler on the first token; rows on one replica
+        # BERT's pooler on the whole sequences' first token (gathered after the last layer, not the base model)
+        ("bert_sequence", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1}),
     ],
 )  # fmt: skip
 def test_pooled_and_span_heads_under_context_parallelism_equal_dense(name: str, layout: dict) -> None:
@@ -220,6 +220,22 @@ def test_pooled_and_span_heads_under_context_parallelism_equal_dense(name: str, 
         assert result.get("n", 0) > 0, result
         assert abs(result["loss"] - result["dense"]) < 1e-5, result
         assert result["grad"] < 1e-5 and result["param"] < 1e-4 and result["eval"] < 1e-5, result
+
+
+def meta_pooled_case() -> str:
+    with torch.device("meta"):
+        model = BUILDERS["bert_sequence"]()
+    try:
+        meshpar.parallelize(model, {"context_parallel_size": 2})
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_pooled_head_built_on_meta_is_refused_under_context_parallelism() -> None:
+    """Where its whole sequences are gathered is proven on the dense model's probe: none exists on meta."""
+    for message in run_distributed(meta_pooled_case, 2):
+        assert "a model built on meta" in message, message
 
 
 def test_sequence_classifier_at_tp2_x_dp2_with_uneven_rows_equals_dense() -> None:
