@@ -147,12 +147,39 @@ def use_context_parallel_attention(model: nn.Module) -> None:
     model.set_attn_implementation(ATTENTION)
 
 
+def padding_counted_positions(model: nn.Module) -> int | None:
+    """The padding index a family counts its positions from, where it does (RoBERTa and its kin: position embeddings
+    with a padding index; a real token's position is ``padding_idx`` + how many real tokens end there, a pad's
+    ``padding_idx``), else ``None`` (positions 0, 1, ...)."""
+    embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table, pad = getattr(embeddings, "position_embeddings", None), getattr(embeddings, "padding_idx", None)
+    return pad if isinstance(table, nn.Embedding) and table.padding_idx is not None and pad is not None else None
+
+
+def _whole_positions(tokens: torch.Tensor, ids: Any, padding_idx: int | None) -> torch.Tensor:
+    """The positions the dense model gives a batch without ``position_ids`` (see
+    :func:`padding_counted_positions`), for the whole sequences."""
+    batch, seq_len = tokens.shape[:2]
+    if padding_idx is None:
+        return torch.arange(seq_len, device=tokens.device).expand(batch, -1)
+    if isinstance(ids, torch.Tensor):
+        real = ids.ne(padding_idx).long()
+        return torch.cumsum(real, 1) * real + padding_idx
+    return torch.arange(padding_idx + 1, seq_len + padding_idx + 1, device=tokens.device).expand(batch, -1)
+
+
 def shard_batch(
-    labels: torch.Tensor | None, inputs: dict[str, Any], mesh: DeviceMesh, implementation: str, shift: bool
+    labels: torch.Tensor | None,
+    inputs: dict[str, Any],
+    mesh: DeviceMesh,
+    implementation: str,
+    shift: bool,
+    padding_idx: int | None = None,
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """This cp rank's part of a batch: token ids (or embeddings), token types and positions in its chunks, the
     labels shifted over the whole sequence (``shift``: the model scores position t against label t + 1) and then cut
-    alike, the padding mask whole for the keys."""
+    alike, the padding mask whole for the keys. Positions not given are the dense model's own, counted over the whole
+    sequence (from ``padding_idx``: :func:`padding_counted_positions`)."""
     tokens = inputs.get("input_ids")
     tokens = tokens if isinstance(tokens, torch.Tensor) else inputs.get("inputs_embeds")
     if not isinstance(tokens, torch.Tensor):
@@ -165,7 +192,7 @@ def shard_batch(
             out[name] = shard_sequence(inputs[name], 1, mesh)
     positions = inputs.get("position_ids")
     if positions is None:
-        positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+        positions = _whole_positions(tokens, inputs.get("input_ids"), padding_idx)
     out["position_ids"] = shard_sequence(positions, 1, mesh)
     # sequences packed into one row: which document each token is in ([batch, seq]), each attending within its own
     documents = inputs.get("document_ids")
@@ -196,7 +223,7 @@ GATHER_POINTS = ("base_model", "last_layer")
 
 
 def pool_over_whole_sequences(
-    model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str, gather_at: str
+    model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str, gather_at: str, padding_idx: int | None
 ) -> list[torch.utils.hooks.RemovableHandle]:
     """Hooks that let ``model`` (a pooled or span head, called with whole sequences) run its layers on this cp
     rank's chunks and what follows ``gather_at`` (one of :data:`GATHER_POINTS`) on whole sequences (see the module
@@ -206,14 +233,21 @@ def pool_over_whole_sequences(
     setattr(model, _POOLED, True)
     return [
         base.register_forward_pre_hook(
-            partial(_cut_base_inputs, mesh=mesh, implementation=implementation), with_kwargs=True
+            partial(_cut_base_inputs, mesh=mesh, implementation=implementation, padding_idx=padding_idx),
+            with_kwargs=True,
         ),
         at.register_forward_hook(partial(_gather_hidden_states, mesh=mesh)),
     ]
 
 
 def _cut_base_inputs(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, mesh: DeviceMesh, implementation: str
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    mesh: DeviceMesh,
+    implementation: str,
+    padding_idx: int | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The base model's whole-sequence inputs as this rank's chunks (:func:`shard_batch`)."""
     inputs = dict(kwargs)
@@ -221,7 +255,7 @@ def _cut_base_inputs(
         if len(args) > 1 or "input_ids" in inputs:
             raise ValueError(f"{type(module).__name__} got positional inputs context parallelism cannot place")
         inputs["input_ids"] = args[0]
-    return (), shard_batch(None, inputs, mesh, implementation, shift=False)[1]
+    return (), shard_batch(None, inputs, mesh, implementation, shift=False, padding_idx=padding_idx)[1]
 
 
 def _gather_hidden_states(module: nn.Module, args: Any, output: Any, *, mesh: DeviceMesh) -> Any:
@@ -280,7 +314,12 @@ def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, to
 
 @torch.no_grad()
 def verify_context_parallel(
-    model: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor, dims: ParallelDims, implementation: str
+    model: nn.Module,
+    ids: torch.Tensor,
+    dense_logits: torch.Tensor,
+    dims: ParallelDims,
+    implementation: str,
+    padding_idx: int | None,
 ) -> str | None:
     """What differs between the context-parallel model's logits for this rank's tokens and the dense ones (``None``
     when they agree): the proof that the family's attention is what :func:`_attention` computes."""
@@ -288,7 +327,7 @@ def verify_context_parallel(
     pooled = pooled_head(model)  # called with whole sequences (pool_over_whole_sequences): whole outputs
     inputs = {"input_ids": ids}
     if not pooled:
-        _, inputs = shard_batch(None, inputs, mesh, implementation, shift=False)
+        _, inputs = shard_batch(None, inputs, mesh, implementation, False, padding_idx)  # as the steps cut batches
     try:
         with eval_mode(model):
             logits = head_output(model(**inputs, use_cache=False)).float()

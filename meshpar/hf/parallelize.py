@@ -37,6 +37,7 @@ from meshpar.hf.context_parallel import (
     POOLED_TASKS,
     dense_probe_logits,
     local_key_padding,
+    padding_counted_positions,
     pool_over_whole_sequences,
     probe_length,
     shard_batch,
@@ -225,6 +226,7 @@ class ParallelizedModel(nn.Module):
         )
         # the user's attention implementation: generate() decodes with it (no sequence to split, step by step)
         self._dense_attention = getattr(model.config, "_attn_implementation", None)
+        self._cp_padding_idx = padding_counted_positions(model)  # RoBERTa's positions count from its padding index
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
             if task in POOLED_TASKS:  # whole sequences gathered at the first point the probe proves (see below)
@@ -258,7 +260,7 @@ class ParallelizedModel(nn.Module):
 
     def _pool_at(self, model: nn.Module, point: str) -> list[Any]:
         impl = self.parallel_config.context_parallel_implementation
-        return pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl, point)
+        return pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl, point, self._cp_padding_idx)
 
     def _verify_context_parallel(self, module: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
         """The context-parallel model's logits on a probe equal the dense model's, on every rank (else refused on
@@ -271,7 +273,8 @@ class ParallelizedModel(nn.Module):
                 for handle in self._pool_hooks:
                     handle.remove()
                 self._pool_hooks = self._pool_at(module, point)
-            failed = first_failure_on_any_rank(verify_context_parallel(module, ids, dense_logits, self.dims, impl))
+            found = verify_context_parallel(module, ids, dense_logits, self.dims, impl, self._cp_padding_idx)
+            failed = first_failure_on_any_rank(found)
             if failed is None:
                 return
         rank, what = failed
@@ -603,7 +606,7 @@ class ParallelizedModel(nn.Module):
             # this cp rank's part of every sequence, the labels shifted over the whole of it first (pooled heads are
             # called with whole sequences: pool_over_whole_sequences cuts them inside)
             impl = self.parallel_config.context_parallel_implementation
-            return shard_batch(labels, inputs, self.dims.cp_mesh, impl, bool(self._cp_shift))
+            return shard_batch(labels, inputs, self.dims.cp_mesh, impl, bool(self._cp_shift), self._cp_padding_idx)
         return self.loss_fn.split_targets(labels, inputs)
 
     def _loss_normalizer(self, targets: Any, inputs: dict[str, Any]) -> torch.Tensor | None:

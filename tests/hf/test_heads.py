@@ -29,6 +29,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
+    RobertaConfig,
+    RobertaForMaskedLM,
 )
 
 import meshpar
@@ -48,6 +50,14 @@ def _bert(cls: type, **extra: object) -> torch.nn.Module:
     return cls(BertConfig(**{**keys, **extra}))
 
 
+def _roberta(cls: type) -> torch.nn.Module:
+    keys = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+    )  # fmt: skip
+    return cls(RobertaConfig(**keys))
+
+
 def _qwen2(cls: type = Qwen2ForTokenClassification, layers: int = 2) -> torch.nn.Module:
     config = Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
@@ -59,6 +69,7 @@ def _qwen2(cls: type = Qwen2ForTokenClassification, layers: int = 2) -> torch.nn
 BUILDERS = {
     "bert_token": lambda: _bert(BertForTokenClassification),
     "bert_mlm": lambda: _bert(BertForMaskedLM),
+    "roberta_mlm": lambda: _roberta(RobertaForMaskedLM),  # positions counted from the padding index
     "qwen2_token": _qwen2,
     "bert_sequence": lambda: _bert(BertForSequenceClassification),
     "bert_regression": lambda: _bert(BertForSequenceClassification, num_labels=1),
@@ -90,6 +101,11 @@ def head_case(name: str, layout: dict) -> dict:
     data = _token_batch()
     if name.startswith("bert"):  # a second segment from the sixth token on (cut with the tokens under cp)
         data["token_type_ids"] = (torch.arange(12) >= 6).long().expand(8, -1)
+    if name.startswith("roberta"):  # right padding (its pad id, 1): positions count only the real tokens
+        data["input_ids"] = data["input_ids"].clamp_min(2)
+        data["input_ids"][0, 9:] = data["input_ids"][5, 7:] = 1
+        data["attention_mask"] = data["input_ids"].ne(1).long()
+        data["labels"] = data["labels"].masked_fill(data["attention_mask"] == 0, -100)
     dims = parallel.dims
     mine = {k: v.chunk(dims.dp)[dims.dp_rank] for k, v in data.items()}
     optimizer = meshpar.DistributedOptimizer(parallel, torch.optim.AdamW, lr=LR)
@@ -428,6 +444,7 @@ def test_pipelines_refuse_a_head_without_a_loss_of_meshpars_naming_why() -> None
         ("qwen2_token", {"context_parallel_size": 2}),
         ("bert_token", {"context_parallel_size": 2, "context_parallel_implementation": "ring"}),
         pytest.param("bert_mlm", {"context_parallel_size": 2, "tensor_parallel_size": 2}, marks=pytest.mark.slow),
+        ("roberta_mlm", {"context_parallel_size": 2}),
     ],
 )
 def test_token_heads_under_context_parallelism_equal_dense(name: str, layout: dict) -> None:
