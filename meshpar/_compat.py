@@ -63,6 +63,9 @@ def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype, devi
 # torch >= 2.13 renamed the dim-aware functional collectives; same signatures.
 all_gather_single = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
+# and the flat-tensor c10d ones (the old names warn there); same signatures, the same c10d ops underneath
+dist_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+dist_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def all_reduce_start(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DeviceMesh, DTensor, local_tensor
+from meshpar._compat import DeviceMesh, DTensor, dist_all_gather_single, dist_reduce_scatter_single, local_tensor
 from meshpar._dp_checks import check_same_across_dp, is_expert_parallel, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
@@ -257,7 +257,7 @@ class DistributedOptimizer:
                     send[flag] = 1
             send.div_(dp)  # pre-divide: the sum of dp means stays in range in low precision
             received = send.new_empty(segment)
-            dist.reduce_scatter_tensor(received, send, group=part.mesh.get_group())
+            dist_reduce_scatter_single(received, send, group=part.mesh.get_group())
             mine = part.rank * segment  # where this rank's segment starts in the flat layout
             lacking: dict[int, int] = {}  # owned parameters without a local grad -> their flag in received
             for owner, i, span, flag in self._spans_and_flags(by_owner, segment):
@@ -326,7 +326,7 @@ class DistributedOptimizer:
             if mine:
                 torch.cat([t.reshape(-1) for t in mine], out=send[: sum(t.numel() for t in mine)])
             gathered = send.new_empty(part.mesh.size() * segment)
-            dist.all_gather_into_tensor(gathered, send, group=part.mesh.get_group())
+            dist_all_gather_single(gathered, send, group=part.mesh.get_group())
             for owner, i, span in self._spans(by_owner, segment):
                 if owner != me:
                     tensors[i].copy_(gathered[span].view_as(tensors[i]))

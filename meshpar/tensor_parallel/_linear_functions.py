@@ -20,6 +20,8 @@ from meshpar._compat import (
     DTensor,
     all_reduce_start,
     all_reduce_wait,
+    dist_all_gather_single,
+    dist_reduce_scatter_single,
     dtensor_like,
     grad_needed,
     local_tensor,
@@ -149,7 +151,7 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
         if ctx.regather and need_w:  # all_gather_into_tensor works on dim 0: gather the shards sequence-first
             shard_seq_first = saved.transpose(0, 1).contiguous()
             gathered = shard_seq_first.new_empty((shard_seq_first.shape[0] * tp, *shard_seq_first.shape[1:]))
-            gather = dist.all_gather_into_tensor(gathered, shard_seq_first, group=group, async_op=True)
+            gather = dist_all_gather_single(gathered, shard_seq_first, group=group, async_op=True)
         if need_x:  # reduce_scatter_tensor splits dim 0: put the sequence first
             grad_full = (grad_out @ w).transpose(0, 1).contiguous()
             shard = grad_full.new_empty((grad_full.shape[0] // tp, *grad_full.shape[1:]))
@@ -157,7 +159,7 @@ class ColumnLinearSequenceParallelFunction(torch.autograd.Function):
             gather.wait()
             saved = gathered.transpose(0, 1)  # [b, s, h]
         if need_x:
-            scatter = dist.reduce_scatter_tensor(shard, grad_full, group=group, async_op=True)
+            scatter = dist_reduce_scatter_single(shard, grad_full, group=group, async_op=True)
         if need_w:
             grad_w = _weight_grad(grad_out, saved, ctx.in_out)
         grad_b = _flat(grad_out).sum(0) if need_b else None

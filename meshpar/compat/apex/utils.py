@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from meshpar._compat import dist_all_gather_single
 from meshpar.parallel_dims import get_parallel
 
 
@@ -30,7 +30,7 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`split_tensor_into_1d_equal_chunks`: every tp rank's part, concatenated (flat)."""
     dims = get_parallel()
     out = torch.empty(tensor.numel() * dims.tp, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=dims.tp_mesh.get_group())
+    dist_all_gather_single(out, tensor.contiguous(), group=dims.tp_mesh.get_group())
     return out
 
 
