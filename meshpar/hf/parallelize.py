@@ -63,6 +63,7 @@ from meshpar.hf.stages import (
     inferred_pipeline_layout,
     install_decoder_stage,
     pipeline_layout,
+    tensors_crossing,
 )
 from meshpar.hf.verify import verify_plan
 from meshpar.materialize import is_meta
@@ -430,6 +431,13 @@ class ParallelizedModel(nn.Module):
             _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
         else:  # the plan proven here is the plan built below
             check_stage_composition(model, layout, stages)
+        crossing = tensors_crossing(layout, stages)
+        if config.pipeline_schedule == "zero_bubble" and max(crossing, default=1) > 1:
+            raise ValueError(
+                f"the zero_bubble schedule splits the backward of stages that pass one tensor on; {family}'s stages "
+                f"pass on {crossing} (the hidden states and what its layers are handed besides): use pipeline_schedule "
+                "'1f1b'"
+            )
         return layout, stages
 
     def _encoder_decoder_plan(self, model: nn.Module) -> tuple[PipelineLayout, StagePlan]:

@@ -106,6 +106,27 @@ class Carried:
 _STREAM = (Carried(0, True),)  # the hidden states alone, handed to each layer first
 
 
+def tensors_crossing(layout: PipelineLayout, plan: StagePlan) -> list[int]:
+    """How many tensors each stage boundary carries (one per boundary, in order): the loop state the next stage's
+    first layer is handed, and every per-layer input a later stage's layer needs (computed on the first stage, it
+    travels stage to stage). A layout read off no dense forward (built on meta) counts the hidden states alone."""
+    if not layout.carried or plan.later_containers:
+        return [1] * (plan.num_stages - 1)
+    stage_of = {int(key): stage for stage, keys in enumerate(plan.stage_layers) for key in keys}
+    counts = []
+    for stage in range(plan.num_stages - 1):
+        owned = [int(key) for key in plan.stage_layers[stage + 1]]
+        loop = sum(1 for carried in layout.carried[min(owned)] if carried.loop_state) if owned else 1
+        later = sum(
+            1
+            for layer, calls in enumerate(layout.carried)
+            for carried in calls
+            if not carried.loop_state and stage_of.get(layer, 0) > stage
+        )
+        counts.append(loop + later)
+    return counts
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """Where a causal LM's pieces are, from transformers' pipeline plan (full FQNs)."""

@@ -646,6 +646,22 @@ def test_pipeline_stages_carry_what_layers_are_handed_besides_hidden_states(
     run_distributed(pipeline_case, world, family, tp, 2, 1, layers)
 
 
+def zero_bubble_refusal_case(family: str) -> str:
+    try:
+        meshpar.parallelize(build(family), {"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble"})
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize("family", ["gemma3n_text", "inkling2_text"])
+def test_zero_bubble_refuses_stages_passing_more_than_one_tensor_at_parallelize(family: str) -> None:
+    """ZB-H1 splits a stage's backward for one tensor crossing each boundary: Gemma-3n's per-layer inputs and
+    Inkling2's stack of hidden states cross too, refused before any step (the first step refused them before)."""
+    for message in run_distributed(zero_bubble_refusal_case, 2, family):
+        assert f"{family}'s stages pass on [2]" in message, message
+
+
 def test_gptj_pipeline_matches_dense() -> None:
     """GPT-J at tp=2 x pp=2 however the installed transformers describes it: 5.23 ships no pipeline plan (read off
     the model) and its blocks return tuples (so do the stand-ins for other stages' blocks); 5.24 ships a plan."""
