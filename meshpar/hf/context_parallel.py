@@ -223,21 +223,26 @@ GATHER_POINTS = ("base_model", "last_layer")
 
 
 def pool_over_whole_sequences(
-    model: nn.Module, layers: str, mesh: DeviceMesh, implementation: str, gather_at: str, padding_idx: int | None
+    model: nn.Module, mesh: DeviceMesh, implementation: str, padding_idx: int | None, gather_at: nn.Module | None
 ) -> list[torch.utils.hooks.RemovableHandle]:
-    """Hooks that let ``model`` (a pooled or span head, called with whole sequences) run its layers on this cp
-    rank's chunks and what follows ``gather_at`` (one of :data:`GATHER_POINTS`) on whole sequences (see the module
-    docstring). ``layers``: the FQN of its layer container. Returns the hooks' handles."""
-    base = model.base_model
-    at = base if gather_at == "base_model" else model.get_submodule(layers)[-1]
+    """Hooks that let ``model`` (a pooled or span head, or a pipeline stage of one, called with whole sequences) run
+    its layers on this cp rank's chunks and what follows ``gather_at`` (its base model, or its last layer: see
+    :data:`GATHER_POINTS`; ``None`` on a stage that holds neither's output) on whole sequences (see the module
+    docstring). Returns the hooks' handles."""
     setattr(model, _POOLED, True)
-    return [
-        base.register_forward_pre_hook(
-            partial(_cut_base_inputs, mesh=mesh, implementation=implementation, padding_idx=padding_idx),
-            with_kwargs=True,
-        ),
-        at.register_forward_hook(partial(_gather_hidden_states, mesh=mesh)),
-    ]
+    cut = partial(_cut_base_inputs, mesh=mesh, implementation=implementation, padding_idx=padding_idx)
+    handles = [model.base_model.register_forward_pre_hook(cut, with_kwargs=True)]
+    if gather_at is not None:
+        handles.append(gather_at.register_forward_hook(partial(_gather_hidden_states, mesh=mesh)))
+    return handles
+
+
+def gather_module(model: nn.Module, layers: str, point: str) -> nn.Module:
+    """The module whose output :data:`GATHER_POINTS`' ``point`` names in ``model`` (``layers``: its layer list)."""
+    if point == "base_model":
+        return model.base_model
+    container = model.get_submodule(layers)
+    return list(container)[-1]
 
 
 def _cut_base_inputs(

@@ -36,6 +36,7 @@ from meshpar.hf.context_parallel import (
     GATHER_POINTS,
     POOLED_TASKS,
     dense_probe_logits,
+    gather_module,
     local_key_padding,
     padding_counted_positions,
     pool_over_whole_sequences,
@@ -100,7 +101,7 @@ CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification", *POO
 
 def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: ParallelConfig) -> None:
     """The heads context parallelism trains: per-token ones, and pooled or span ones where their whole sequences
-    can be gathered after the layers (one model, no pipeline, no sequence parallelism)."""
+    can be gathered after the layers (no sequence parallelism; pipelines: each stage cuts, the last gathers)."""
     name, task = type(model).__name__, plan.task.replace("_", " ")
     if plan.task not in CONTEXT_PARALLEL_TASKS:
         raise ValueError(
@@ -114,8 +115,6 @@ def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: Paralle
         why = "an encoder-decoder"
     elif is_meta(model):
         why = "a model built on meta (where its whole sequences are gathered is proven on the dense model's probe)"
-    elif config.pipeline_parallel_size > 1:
-        why = "pipeline_parallel_size > 1 (its head would need the whole sequences on the last stage)"
     elif plan.sequence_parallel:
         why = "sequence_parallel (its layers' output is split over tp too)"
     elif not plan.layers:
@@ -228,6 +227,8 @@ class ParallelizedModel(nn.Module):
         # the user's attention implementation: generate() decodes with it (no sequence to split, step by step)
         self._dense_attention = getattr(model.config, "_attn_implementation", None)
         self._cp_padding_idx = padding_counted_positions(model)  # RoBERTa's positions count from its padding index
+        self._pool_hooks: list[Any] = []  # a pooled or span head's under cp (see _pool_at)
+        self._pool_point = GATHER_POINTS[0]
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
             if task in POOLED_TASKS:  # whole sequences gathered at the first point the probe proves (see below)
@@ -246,6 +247,8 @@ class ParallelizedModel(nn.Module):
             if probe is not None:  # proven on the whole model (every rank holds it until the split)
                 self._verify_context_parallel(model, *probe)
                 probe = None
+            for handle in self._pool_hooks:  # the stages get their own (see _split)
+                handle.remove()
             self.pipeline = self._split(model)
             self.module = None
             self.data_parallel = self.pipeline.data_parallel
@@ -259,9 +262,14 @@ class ParallelizedModel(nn.Module):
         if probe is not None:
             self._verify_context_parallel(self.module, *probe)
 
-    def _pool_at(self, model: nn.Module, point: str) -> list[Any]:
-        impl = self.parallel_config.context_parallel_implementation
-        return pool_over_whole_sequences(model, self.plan.layers, self.dims.cp_mesh, impl, point, self._cp_padding_idx)
+    def _pool_at(self, model: nn.Module, point: str, gathers: bool = True) -> list[Any]:
+        """A pooled or span head's hooks (:func:`meshpar.hf.context_parallel.pool_over_whole_sequences`) on
+        ``model`` or a pipeline stage of it, whole sequences gathered at ``point`` (where ``gathers``: a stage that
+        holds the model's last layer)."""
+        self._pool_point = point
+        impl, mesh = self.parallel_config.context_parallel_implementation, self.dims.cp_mesh
+        at = gather_module(model, self.plan.layers, point) if gathers else None
+        return pool_over_whole_sequences(model, mesh, impl, self._cp_padding_idx, at)
 
     def _verify_context_parallel(self, module: nn.Module, ids: torch.Tensor, dense_logits: torch.Tensor) -> None:
         """The context-parallel model's logits on a probe equal the dense model's, on every rank (else refused on
@@ -490,6 +498,12 @@ class ParallelizedModel(nn.Module):
         )  # fmt: skip
         # every stage runs the model's forward on the ids (and positions: generation from padded prompts)
         calls = (*_STAGE_INPUTS, CONTEXT_INPUTS)
+        if self.dims.cp > 1 and self.plan.task in POOLED_TASKS:  # each stage cuts its inputs; the last gathers
+            self._pool_hooks = [
+                handle
+                for index, stage in stages
+                for handle in self._pool_at(stage, self._pool_point, gathers=index == plan.num_stages - 1)
+            ]
         chunks = [
             StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
             for index, stage in stages
@@ -605,12 +619,18 @@ class ParallelizedModel(nn.Module):
             out["loss"] = out["loss"] + self._router_loss(out, inputs.get("attention_mask"), self.dims, scored)
         return out
 
+    @property
+    def _cuts_sequences(self) -> bool:
+        """Whether a step cuts each batch into this cp rank's chunks before the model (cp > 1, per-token heads); a
+        pooled or span head is called with whole sequences (its base model cuts them: ``_pool_at``)."""
+        return self.dims.cp > 1 and self.plan.task not in POOLED_TASKS
+
     def _split_targets(self, labels: torch.Tensor | None, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """(what the loss scores, the model's inputs): the labels, or a question-answering head's start and end
         positions taken out of the inputs; for a head with the model's own loss, the labels as they are."""
         if self.loss_fn is None:
             return labels, inputs
-        if self.dims.cp > 1 and self.plan.task not in POOLED_TASKS:
+        if self._cuts_sequences:
             # this cp rank's part of every sequence, the labels shifted over the whole of it first (pooled heads are
             # called with whole sequences: pool_over_whole_sequences cuts them inside)
             impl = self.parallel_config.context_parallel_implementation
@@ -700,7 +720,7 @@ class ParallelizedModel(nn.Module):
             loss.backward()
             loss = loss.detach()
         else:
-            labels, inputs = (targets, model_inputs) if self.dims.cp > 1 else (labels, inputs)
+            labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
             loss = self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
         if sync_dp_grads:
             self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
@@ -763,7 +783,7 @@ class ParallelizedModel(nn.Module):
             if self.pipeline is None:
                 return self._mean_over_dp(self._step_loss(targets, model_inputs, normalizer))
             # already the dp mean on every rank
-            labels, inputs = (targets, model_inputs) if self.dims.cp > 1 else (labels, inputs)
+            labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
             return self._summed_over_cp(
                 self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
             )
@@ -779,11 +799,11 @@ class ParallelizedModel(nn.Module):
                 logits = head_output(self._module_forward(labels, inputs))
             else:
                 labels, inputs = self._checked_on_device(labels, inputs)
-                if self.dims.cp > 1:  # this cp rank's chunks of every microbatch's rows (as train_step)
+                if self._cuts_sequences:  # this cp rank's chunks of every microbatch's rows (as train_step)
                     labels, inputs = self._split_targets(labels, inputs)
                 _, outputs = self.pipeline.run_eval(return_outputs=True, labels=labels, **inputs)
                 logits = torch.cat(outputs) if outputs else None
-        if logits is not None and self.dims.cp > 1 and self.plan.task not in POOLED_TASKS:
+        if logits is not None and self._cuts_sequences:
             logits = gather_sequence(logits, 1, self.dims.cp_mesh)  # the cp ranks of a last stage hold their chunks'
         return logits
 

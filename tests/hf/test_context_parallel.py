@@ -168,8 +168,13 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
         ("t5", {"context_parallel_size": 2}, S, "T5ForConditionalGeneration is a seq2seq lm model"),
-        # a pooled head reads whole sequences, gathered after the layers: not across pipeline stages
-        ("bert_cls", {"context_parallel_size": 2, "pipeline_parallel_size": 2}, S, "pipeline_parallel_size > 1"),
+        # a pooled head reads whole sequences, gathered after the layers: not split over tp again
+        (
+            "bert_cls",
+            {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+            S,
+            "not supported with sequence_parallel",
+        ),
         ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
         # Llama-4's chunks of 8 tokens: a 16-token row crosses one (the probe of 4 cp tokens once did not, and the
         # chunked mask was silently taken for a causal one)
