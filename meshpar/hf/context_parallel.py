@@ -208,14 +208,6 @@ def shard_batch(
     return labels, out
 
 
-def pooled_head(model: nn.Module) -> bool:
-    """Whether :func:`pool_over_whole_sequences` hooked ``model``."""
-    return bool(getattr(model, _POOLED, False))
-
-
-_POOLED = "_meshpar_pools_whole_sequences"
-
-
 # where a pooled or span head's whole sequences are gathered, tried in this order until one is proven on the probe:
 # the base model's output (its final norm and view on the chunks: GPT-2 reshapes to its input's shape), or the last
 # layer's (a pooler inside the base model, BERT's, then reads the whole sequence's first token)
@@ -229,7 +221,6 @@ def pool_over_whole_sequences(
     its layers on this cp rank's chunks and what follows ``gather_at`` (its base model, or its last layer: see
     :data:`GATHER_POINTS`; ``None`` on a stage that holds neither's output) on whole sequences (see the module
     docstring). Returns the hooks' handles."""
-    setattr(model, _POOLED, True)
     cut = partial(_cut_base_inputs, mesh=mesh, implementation=implementation, padding_idx=padding_idx)
     handles = [model.base_model.register_forward_pre_hook(cut, with_kwargs=True)]
     if gather_at is not None:
@@ -325,11 +316,12 @@ def verify_context_parallel(
     dims: ParallelDims,
     implementation: str,
     padding_idx: int | None,
+    pooled: bool,
 ) -> str | None:
     """What differs between the context-parallel model's logits for this rank's tokens and the dense ones (``None``
-    when they agree): the proof that the family's attention is what :func:`_attention` computes."""
+    when they agree): the proof that the family's attention is what :func:`_attention` computes. ``pooled``: a
+    pooled or span head, called with whole sequences (:func:`pool_over_whole_sequences`), its outputs whole."""
     mesh = dims.cp_mesh
-    pooled = pooled_head(model)  # called with whole sequences (pool_over_whole_sequences): whole outputs
     inputs = {"input_ids": ids}
     if not pooled:
         _, inputs = shard_batch(None, inputs, mesh, implementation, False, padding_idx)  # as the steps cut batches

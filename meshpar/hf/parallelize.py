@@ -276,13 +276,13 @@ class ParallelizedModel(nn.Module):
         every rank alike). A pooled or span head tries each point its whole sequences can be gathered at
         (:data:`meshpar.hf.context_parallel.GATHER_POINTS`) and keeps the first one proven."""
         impl = self.parallel_config.context_parallel_implementation
-        points = GATHER_POINTS if self.plan.task in POOLED_TASKS else GATHER_POINTS[:1]
-        for index, point in enumerate(points):
-            if index:
+        pooled = self.plan.task in POOLED_TASKS
+        for index, point in enumerate(GATHER_POINTS if pooled else (None,)):
+            if index:  # the hooks of the point before were not proven
                 for handle in self._pool_hooks:
                     handle.remove()
                 self._pool_hooks = self._pool_at(module, point)
-            found = verify_context_parallel(module, ids, dense_logits, self.dims, impl, self._cp_padding_idx)
+            found = verify_context_parallel(module, ids, dense_logits, self.dims, impl, self._cp_padding_idx, pooled)
             failed = first_failure_on_any_rank(found)
             if failed is None:
                 return
@@ -439,8 +439,8 @@ class ParallelizedModel(nn.Module):
             _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
         else:  # the plan proven here is the plan built below
             check_stage_composition(model, layout, stages)
-        crossing = tensors_crossing(layout, stages)
-        if config.pipeline_schedule == "zero_bubble" and max(crossing, default=1) > 1:
+        crossing = tensors_crossing(layout, stages) if config.pipeline_schedule == "zero_bubble" else []
+        if max(crossing, default=1) > 1:
             raise ValueError(
                 f"the zero_bubble schedule splits the backward of stages that pass one tensor on; {family}'s stages "
                 f"pass on {crossing} (the hidden states and what its layers are handed besides): use pipeline_schedule "
