@@ -58,9 +58,9 @@ class CheckpointError(RuntimeError):
     optimizer. DCP's own ``CheckpointException`` (a ``BaseException``) arrives wrapped in this ``Exception``."""
 
 
-def _run_dcp(operation: Any, state: dict[str, Any], path: Path) -> None:
+def _run_dcp(operation: Any, state: dict[str, Any], path: Path) -> Any:
     try:
-        operation(state, checkpoint_id=str(path))
+        return operation(state, checkpoint_id=str(path))
     except CheckpointException as error:
         # DCP gathers every rank's failure and raises CheckpointException on all ranks: the job stays usable
         raise shared_refusal(CheckpointError(f"DCP {operation.__name__} of {path} failed: {error}")) from error

@@ -100,10 +100,7 @@ def save_optim_state_dict(
     # every rank enters before any rank creates the directory: a script may test whether it exists just before
     # (NxD's own ZeRO-1 DCP test does), and must get one answer on every rank
     dist.barrier()
-    try:
-        return dcp.save(state, checkpoint_id=str(path))
-    except dcp.api.CheckpointException as error:
-        raise shared_refusal(CheckpointError(f"DCP save of {path} failed: {error}")) from error
+    return _run_dcp(dcp.save, state, Path(path))
 
 
 def _saved_size(keys: list[str], dim: str) -> int:
