@@ -15,6 +15,7 @@ from torch import nn
 
 from meshpar.pipeline._split_backward import backward_input
 from meshpar.testing import run_distributed
+from meshpar.testing.dispatch import AtenOps
 
 H = 8
 
@@ -90,8 +91,6 @@ def test_weight_pass_fires_post_accumulate_hooks_once_per_parameter() -> None:
 def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
     """tp=2 column -> row MLP on meshpar's fused linears: equal to the dense grads, and the weight pass repeats
     none of the input pass's collectives."""
-    import torch.distributed as dist
-
     from meshpar import ColumnParallelLinear, RowParallelLinear
     from meshpar.testing import assert_matches_dense, setup_parallel, shard_of
 
@@ -105,31 +104,16 @@ def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
     ref_x = x.clone().requires_grad_()
     dense(ref_x).backward(grad)
 
-    calls: list[str] = []
-    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(name: str) -> Callable:
-        def call(*args, **kwargs):
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-
-        return call
-
     split_x = (shard_of(x, dims.tp_mesh, 1) if sp else x).clone().requires_grad_()
     out = row(torch.tanh(column(split_x)))
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
-        seed = shard_of(grad, dims.tp_mesh, 1) if sp else grad
+    seed = shard_of(grad, dims.tp_mesh, 1) if sp else grad
+    # the collectives each pass dispatches, by name (counted where c10d ops are dispatched, whatever API called them)
+    with AtenOps() as input_pass:
         deferred = backward_input(out, seed, split_x, [*column.parameters(), *row.parameters()])
-        input_calls, calls[:] = list(calls), []
-        assert all(p.grad is None for p in [*column.parameters(), *row.parameters()])
+    assert all(p.grad is None for p in [*column.parameters(), *row.parameters()])
+    with AtenOps() as weight_pass:
         deferred.run()
-        weight_calls = list(calls)
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    input_calls, weight_calls = (sorted(ops.collective_names.elements()) for ops in (input_pass, weight_pass))
     expected_x = shard_of(ref_x.grad, dims.tp_mesh, 1) if sp else ref_x.grad
     torch.testing.assert_close(split_x.grad, expected_x, atol=1e-5, rtol=1e-5)
     for layer, reference in ((column, dense[0]), (row, dense[2])):
@@ -141,8 +125,9 @@ def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_tensor_parallel_layers_split_without_repeating_collectives(sp: bool) -> None:
     input_calls, weight_calls = run_distributed(_tensor_parallel_split, 2, sp)[0]
-    # sp: the column's input grad is reduce-scattered in the input pass, the row's bias grad summed in the weight pass
+    # sp: the column's input grad is reduce-scattered in the input pass (which also gathers the input shards its weight
+    # grad needs, once), the row's bias grad summed in the weight pass
     if sp:
-        assert (input_calls, weight_calls) == (["reduce_scatter_tensor"], ["all_reduce"])
+        assert (input_calls, weight_calls) == (["all_gather_into_tensor", "reduce_scatter_tensor"], ["all_reduce"])
     else:  # the column's input grad is all-reduced once, in the input pass
         assert (input_calls, weight_calls) == (["all_reduce"], [])
