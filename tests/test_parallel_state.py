@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
 
 import meshpar
 from meshpar import ParallelDims, parallel_state
 from meshpar.testing import run_distributed
+
+
+def run_on_fake_ranks(fn: Callable[[], Any], world_size: int) -> list[Any]:
+    """``fn()`` as each rank of a ``world_size`` job, one rank after another in this process, on torch's fake process
+    group (groups are bookkeeping, nothing is sent): for layouts of more ranks than are worth starting processes for.
+    ``fn`` must tear down meshpar's state; the default group and this process's RNG are restored here."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    results = []
+    with torch.random.fork_rng():  # init_parallel seeds the generator
+        for rank in range(world_size):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+            try:
+                results.append(fn())
+            finally:
+                meshpar.destroy_parallel(destroy_process_group=True)
+    return results
 
 
 def state_case(tp: int, pp: int, vpp: int | None) -> dict:
@@ -235,7 +257,7 @@ def expert_state_case() -> dict:
 def test_expert_groups_are_carved_out_of_dp_ep_fastest() -> None:
     """Megatron-Core's layout (the diagram in meshpar.parallel_dims): with tp2 x dp4 and ep2, adjacent dp replicas
     of one tp coordinate form an ep group, every other one an expert-data-parallel group."""
-    results = run_distributed(expert_state_case, 8)
+    results = run_on_fake_ranks(expert_state_case, 8)
     for rank, result in enumerate(results):
         tp_rank, dp_rank = rank % 2, rank // 2
         first = (dp_rank // 2) * 4 + tp_rank  # the ep group's first global rank
@@ -264,7 +286,7 @@ def context_state_case() -> dict:
 
 def test_context_parallel_groups_sit_between_pp_and_tp() -> None:
     """The mesh is (dp, pp, cp, tp): tp fastest, then cp; dp x cp together reduce the dense grads."""
-    for rank, result in enumerate(run_distributed(context_state_case, 8)):
+    for rank, result in enumerate(run_on_fake_ranks(context_state_case, 8)):
         tp_rank, cp_rank = rank % 2, (rank // 2) % 2
         first = rank - 2 * cp_rank  # cp rank 0 of this (dp, tp) position
         assert result["cp"] == (2, cp_rank) and result["dp"] == 2, result

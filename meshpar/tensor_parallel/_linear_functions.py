@@ -227,10 +227,24 @@ class RowLinearFunction(torch.autograd.Function):
         return (*_dtensor_grads(ctx, grad_out @ w if need_x else None, grad_w, grad_b), None)
 
 
+def _gathered_in_input_pass(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor | None:
+    """The output grad a zero-bubble input pass all-gathered, for its weight pass (Megatron keeps it for the deferred
+    weight grad too): only for the very grad it gathered, unchanged since (the input pass holds it, so no other
+    tensor can live at its address); taken once."""
+    kept = getattr(ctx, "gathered", None)
+    ctx.gathered = None
+    if kept is None:
+        return None
+    source, version, gathered = kept
+    same = source.data_ptr() == grad_out.data_ptr() and source.shape == grad_out.shape
+    return gathered if same and source.stride() == grad_out.stride() and grad_out._version == version else None
+
+
 class RowLinearSequenceParallelFunction(torch.autograd.Function):
     """Sequence-parallel row linear as one node: ``y = reduce_scatter_seq(x_r W_r^T) + b`` on this rank's sequence
     shard. Backward all-gathers the output grad over the sequence; the bias grad (a partial sum over the sequence
-    shards) is all-reduced asynchronously while the input- and weight-grad matmuls run."""
+    shards) is all-reduced asynchronously while the input- and weight-grad matmuls run. A zero-bubble schedule's
+    input pass keeps the gathered grad for its weight pass, which then gathers nothing."""
 
     @staticmethod
     def forward(
@@ -253,7 +267,11 @@ class RowLinearSequenceParallelFunction(torch.autograd.Function):
         if need_b:
             grad_b = _flat(grad_out).sum(0)
             work = dist.all_reduce(grad_b, group=ctx.mesh.get_group(), async_op=True)
-        grad_full = _all_gather(grad_out, ctx.mesh, -2) if need_x or need_w else None
+        grad_full = _gathered_in_input_pass(ctx, grad_out) if need_w and not need_x else None
+        if grad_full is None and (need_x or need_w):
+            grad_full = _all_gather(grad_out, ctx.mesh, -2)
+        if need_x and not need_w and ctx.needs_input_grad[1]:  # a zero-bubble input pass: its weight pass comes next
+            ctx.gathered = (grad_out, grad_out._version, grad_full)
         grad_x = grad_full @ w if need_x else None
         grad_w = _weight_grad(grad_full, x, ctx.in_out) if need_w else None
         if work is not None:

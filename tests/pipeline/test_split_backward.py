@@ -124,13 +124,40 @@ def _tensor_parallel_split(sp: bool) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_tensor_parallel_layers_split_backward_collectives_per_pass(sp: bool) -> None:
     input_calls, weight_calls = run_distributed(_tensor_parallel_split, 2, sp)[0]
-    # sp: the column's input grad is reduce-scattered in the input pass, the row's bias grad summed in the weight pass;
-    # the row's sequence-parallel backward all-gathers the output grad in each pass (its input grad and its weight
-    # grad both need it): that one gather runs twice, which counting by function name never showed
+    # sp: the row all-gathers the output grad over the sequence once, in the input pass (the weight pass uses what it
+    # gathered), the column's input grad is reduce-scattered there; the row's bias grad is summed in the weight pass
     if sp:
-        assert (input_calls, weight_calls) == (
-            ["all_gather_into_tensor", "reduce_scatter_tensor"],
-            ["all_gather_into_tensor", "all_reduce"],
-        )
+        assert (input_calls, weight_calls) == (["all_gather_into_tensor", "reduce_scatter_tensor"], ["all_reduce"])
     else:  # the column's input grad is all-reduced once, in the input pass
         assert (input_calls, weight_calls) == (["all_reduce"], [])
+
+
+def _row_grads_after_an_input_only_grad(change: str) -> None:
+    """The SP row's input-only backward keeps the output grad it gathered; a later weight-only backward uses it only
+    for that very grad, unchanged: another grad, or the same one changed in place, is gathered afresh."""
+    from meshpar import RowParallelLinear
+    from meshpar.testing import assert_matches_dense, setup_parallel, shard_of
+
+    dims = setup_parallel(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Linear(4 * H, H)
+    torch.manual_seed(0)
+    row = RowParallelLinear(4 * H, H, input_is_parallel=True, sequence_parallel_enabled=True, tp_mesh=dims.tp_mesh)
+    x, first = torch.randn(2, 4, 4 * H), torch.randn(2, 4, H)
+    second = first if change == "none" else torch.randn(2, 4, H)
+    x_shard = shard_of(x, dims.tp_mesh, 2).clone().requires_grad_()
+    out = row(x_shard)
+    seed = shard_of(first, dims.tp_mesh, 1).clone()
+    torch.autograd.grad(out, [x_shard], seed, retain_graph=True)
+    if change == "in_place":
+        second = first * 3
+        seed.mul_(3)
+    weight_seed = seed if change in ("none", "in_place") else shard_of(second, dims.tp_mesh, 1)
+    (grad_w,) = torch.autograd.grad(out, [row.weight], weight_seed)
+    dense(x).backward(second)
+    assert_matches_dense(grad_w, dense.weight.grad, msg=change)
+
+
+@pytest.mark.parametrize("change", ["none", "other_grad", "in_place"])
+def test_a_kept_output_grad_serves_only_the_grad_it_was_gathered_from(change: str) -> None:
+    run_distributed(_row_grads_after_an_input_only_grad, 2, change)
