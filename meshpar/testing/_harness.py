@@ -28,6 +28,20 @@ import torch.distributed as dist
 
 _GLOO_TIMEOUT_S = 60
 
+# imported once by the fork server that starts every worker: a pool respawned after a failure test (its process
+# groups aborted) starts in a fraction of a second instead of importing torch and transformers again in each process
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers", "meshpar", "meshpar.hf"]
+
+
+def _process_context() -> mp.context.BaseContext:
+    """``forkserver`` with the imports above done once (CUDA is never touched before the fork: the server only
+    imports); ``spawn`` where there is no fork server (not POSIX)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -35,7 +49,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
+class _ParentOutput:
+    """Stands for the creating process's stdout and stderr where they are when a pool starts: pickled into a worker,
+    it becomes copies of those descriptors, which the worker makes its own (a forked worker would otherwise write
+    where the fork server's were, e.g. the captured output of whichever test started the server)."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return (_OutputDescriptors, (DupFd(1), DupFd(2)))
+
+
+class _OutputDescriptors:
+    def __init__(self, stdout: Any, stderr: Any) -> None:
+        self.stdout, self.stderr = stdout, stderr
+
+    def install(self) -> None:
+        for wrapper, target in ((self.stdout, 1), (self.stderr, 2)):
+            fd = wrapper.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection, output: _OutputDescriptors) -> None:
+    output.install()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -47,6 +84,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
     # a rank killed by a signal (an abort in native code) prints every thread's Python stack to stderr first
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    torch.seed()  # forked from one server: give each rank its own unseeded generator, as a fresh process has
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S)
     )
@@ -89,13 +127,13 @@ class DistributedPool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _process_context()
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, _ParentOutput()), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
