@@ -1,10 +1,11 @@
 """A persistent pool of gloo worker processes that runs test functions on every rank.
 
-Spawning processes and importing torch costs seconds, so each world size gets one pool per test session; every
-call sends a picklable (module-level) function to all ranks and returns the per-rank results. A failure on any rank
-raises with every rank's traceback; a rank that does not answer within the timeout is treated as a hang, and one
-whose process died is reported with its exit code: either way the pool is killed (and rebuilt by the next call)
-instead of blocking the test session.
+Starting processes and importing torch costs seconds, so each world size gets one pool per test session, its
+workers forked from a server that imported torch, transformers and meshpar once (a pool rebuilt after a failure
+starts at once); every call sends a picklable (module-level) function to all ranks and returns the per-rank results.
+A failure on any rank raises with every rank's traceback; a rank that does not answer within the timeout is treated
+as a hang, and one whose process died is reported with its exit code: either way the pool is killed (and rebuilt by
+the next call) instead of blocking the test session.
 """
 
 from __future__ import annotations
@@ -49,30 +50,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _ParentOutput:
-    """Stands for the creating process's stdout and stderr where they are when a pool starts: pickled into a worker,
-    it becomes copies of those descriptors, which the worker makes its own (a forked worker would otherwise write
-    where the fork server's were, e.g. the captured output of whichever test started the server)."""
+class _ParentState:
+    """Stands for the creating process's stdout, stderr and environment as they are when a pool starts: pickled into
+    a worker, it becomes copies of those descriptors and that environment, which the worker makes its own, as a
+    spawned worker inherits them (a forked one would otherwise write where the fork server's output went, e.g. the
+    captured output of whichever test started the server, and see the server's environment). Modules the server
+    imported read their environment then (``TRITON_INTERPRET``, set by tests/conftest.py before any pool)."""
 
     def __reduce__(self) -> tuple:
         from multiprocessing.reduction import DupFd
 
-        return (_OutputDescriptors, (DupFd(1), DupFd(2)))
+        return (_InheritedState, (DupFd(1), DupFd(2), dict(os.environ)))
 
 
-class _OutputDescriptors:
-    def __init__(self, stdout: Any, stderr: Any) -> None:
-        self.stdout, self.stderr = stdout, stderr
+class _InheritedState:
+    def __init__(self, stdout: Any, stderr: Any, environment: dict[str, str]) -> None:
+        self.stdout, self.stderr, self.environment = stdout, stderr, environment
 
     def install(self) -> None:
         for wrapper, target in ((self.stdout, 1), (self.stderr, 2)):
             fd = wrapper.detach()
             os.dup2(fd, target)
             os.close(fd)
+        os.environ.clear()
+        os.environ.update(self.environment)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection, output: _OutputDescriptors) -> None:
-    output.install()
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent: _InheritedState) -> None:
+    parent.install()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -133,7 +138,7 @@ class DistributedPool:
         self._procs: list[mp.process.BaseProcess] = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, _ParentOutput()), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, _ParentState()), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
