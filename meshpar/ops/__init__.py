@@ -8,6 +8,7 @@ Triton kernels off.
 from meshpar.ops._dispatch import triton_available, triton_enabled, use_triton
 from meshpar.ops.activations import bias_gelu, swiglu
 from meshpar.ops.cross_entropy import vocab_ce_grad, vocab_ce_stats
+from meshpar.ops.grouped_mm import grouped_mm
 from meshpar.ops.layer_norm import layer_norm
 from meshpar.ops.rms_norm import rms_norm
 from meshpar.ops.rotary import rotary_embedding
@@ -15,6 +16,7 @@ from meshpar.ops.softmax import scaled_masked_softmax, scaled_upper_triang_maske
 
 __all__ = [
     "bias_gelu",
+    "grouped_mm",
     "layer_norm",
     "rms_norm",
     "rotary_embedding",

@@ -5,6 +5,8 @@ Without CUDA the kernels run through the Triton interpreter on CPU tensors; with
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +197,40 @@ def test_rotary_embedding(interleaved: bool, shape: tuple, seq_dim: int, dtype: 
     )
 
 
+# (rows per expert, K, N): uneven groups, an empty expert, groups and K / N off the 64 / 32 tiles, rows past the last
+GROUPS = [([3], 5, 7), ([0, 70, 1, 0], 40, 33), ([65, 2, 31], 96, 130)]
+
+
+@pytest.mark.parametrize(("counts", "k", "n"), GROUPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tail", [0, 3])
+def test_grouped_mm(counts: list[int], k: int, n: int, dtype: torch.dtype, tail: int) -> None:
+    torch.manual_seed(0)
+    offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    rows = int(offs[-1]) + tail  # rows past the last group (an expert-parallel dispatcher's padding) stay zero
+    x, w = _randn(rows, k, dtype=dtype), _randn(len(counts), k, n, dtype=dtype)
+
+    def dense(x, w):  # every group its own matmul, rows past the last group zero
+        bounds = [0, *offs.tolist()]
+        parts = [x[a:b] @ w[e] for e, (a, b) in enumerate(itertools.pairwise(bounds))]
+        return torch.cat([*parts, x[bounds[-1] :] @ w.new_zeros(k, n)])
+
+    _compare(lambda x, w: ops.grouped_mm(x, w, offs), dense, [x, w], _randn(rows, n, dtype=dtype), _tol(dtype, 4))
+
+
+def test_grouped_mm_refuses_what_does_not_fit() -> None:
+    x, w, offs = torch.randn(4, 3), torch.randn(2, 3, 5), torch.tensor([1, 4])
+    for bad, match in [
+        ((x, w[:, :2], offs), "do not fit"),
+        ((x, w, offs[:1]), "do not fit"),
+        ((x.double(), w, offs), "share a dtype"),
+        ((x, w, offs.float()), "int32 or int64"),
+        ((x[None], w, offs), "x \\[S, K\\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ops.grouped_mm(*bad)
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (7, 37), (3, 5000), (4, 4096)])
 @pytest.mark.parametrize("vocab_start", [0, 11])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -223,6 +259,7 @@ def _opcheck_cases() -> list:
     mask = torch.rand(2, 1, 3, 5) > 0.5
     angles = torch.randn(4, 3)
     logits, labels = torch.randn(3, 7), torch.tensor([0, 3, 9])
+    offs = torch.tensor([2, 2, 4], dtype=torch.int32)  # an expert with no rows, one row past the last group
     m = torch.ops.meshpar
     _, rstd = rms_norm_fwd_reference(x, w, 1e-6)
     _, mean, lrstd = layer_norm_fwd_reference(x, w, b, 1e-5)
@@ -247,6 +284,8 @@ def _opcheck_cases() -> list:
             (torch.randn(2, 4, 2, 6, requires_grad=True), angles.cos(), angles.sin(), False, 2, False),
         ),
         (m.rotary_embedding, (torch.randn(2, 4, 2, 6, requires_grad=True), angles.cos(), angles.sin(), True, 2, True)),
+        (m.grouped_mm, (torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, 6, requires_grad=True), offs)),
+        (m.grouped_mm_bwd, (torch.randn(5, 6), torch.randn(5, 4), torch.randn(3, 4, 6), offs)),
         (m.vocab_ce_stats, (logits, labels, 2)),
         (m.vocab_ce_grad, (logits, labels, torch.randn(3), torch.rand(3), 2, 14, 0.1)),
     ]

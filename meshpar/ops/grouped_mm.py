@@ -1,0 +1,187 @@
+"""Grouped matrix multiply for mixture-of-experts layers: the rows of ``x`` sorted by expert, each block of rows
+multiplied by its own expert's weight, in one launch.
+
+``grouped_mm(x [S, K], w [E, K, N], offs [E]) -> [S, N]``: rows ``offs[e-1] <= r < offs[e]`` (``offs[-1]`` taken as
+0) use ``w[e]``; rows at or past ``offs[E-1]`` are zero (torch's ``_grouped_mm`` leaves them unwritten). The layout is
+torch's ``_grouped_mm`` / transformers' ``grouped_mm`` experts: cumulative row ends per expert, which an
+expert-parallel dispatcher produces from its per-expert token counts.
+
+Ops: ``meshpar::grouped_mm(x, w, offs)`` and ``meshpar::grouped_mm_bwd(dy, x, w, offs) -> (dx, dw)``. The forward
+kernel's program ``(e, m, n)`` owns row tile ``m`` of expert ``e`` (a program past its expert's last row returns at
+once: no host sync to learn the group sizes, so the op also runs inside CUDA graphs and ``torch.compile``) and
+column tile ``n``. ``dx`` is the same kernel with each ``w[e]`` read transposed (strides, no copy); ``dw[e]`` is
+``x_e^T dy_e``, one program per ``(e, k tile, n tile)`` walking its expert's rows (an expert with no rows gets a
+zero grad).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from meshpar.ops._dispatch import interpreting, run_triton
+from meshpar.ops._eager import call, register_autograd
+from meshpar.ops._triton import tl, triton
+
+_BLOCK_M, _BLOCK_N, _BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _rows_of(OFFS, e):
+    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    return start, tl.load(OFFS + e)
+
+
+@triton.jit
+def _accumulate(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in fp32: fp32 operands exactly (no TF32), half-precision ones on the tensor cores; the
+    interpreter (CPU tests) gets fp32 operands, as its half-precision dot is not numpy's to do."""
+    if UPCAST:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if IEEE:
+        return acc + tl.dot(a, b, input_precision="ieee")
+    return acc + tl.dot(a, b)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    X, W, OFFS, Y, K, N, sx_m, sx_k, sw_e, sw_k, sw_n, sy_m, sy_n,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e, m, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _rows_of(OFFS, e)
+    row0 = start + m * BLOCK_M
+    if row0 < end:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < end, cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a_ptrs = X + rows[:, None].to(tl.int64) * sx_m + ks[None, :] * sx_k
+            b_ptrs = W + e.to(tl.int64) * sw_e + ks[:, None] * sw_k + cols[None, :] * sw_n
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = _accumulate(acc, a, b, IEEE, UPCAST)
+        out = Y + rows[:, None].to(tl.int64) * sy_m + cols[None, :] * sy_n
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _grouped_weight_grad_kernel(
+    X, DY, OFFS, DW, K, N, sx_m, sx_k, sd_m, sd_n, sw_e, sw_k, sw_n,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e, kt, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = _rows_of(OFFS, e)
+    ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask, col_mask = ks < K, cols < N
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for row0 in range(start, end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        xt_ptrs = X + rows[None, :].to(tl.int64) * sx_m + ks[:, None] * sx_k
+        dy_ptrs = DY + rows[:, None].to(tl.int64) * sd_m + cols[None, :] * sd_n
+        xt = tl.load(xt_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        dy = tl.load(dy_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _accumulate(acc, xt, dy, IEEE, UPCAST)
+    out = DW + e.to(tl.int64) * sw_e + ks[:, None] * sw_k + cols[None, :] * sw_n
+    tl.store(out, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
+
+
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert in fp32 (the CPU kernel and the test oracle)."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e, (start, end) in enumerate(_group_bounds(offs)):
+        out[start:end] = (x[start:end].float() @ w[e].float()).to(x.dtype)
+    return out
+
+
+def grouped_mm_bwd_reference(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+    for e, (start, end) in enumerate(_group_bounds(offs)):
+        dx[start:end] = (dy[start:end].float() @ w[e].float().t()).to(x.dtype)
+        dw[e] = (x[start:end].float().t() @ dy[start:end].float()).to(w.dtype)
+    return dx, dw
+
+
+def _launch_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], offs: torch.Tensor,
+                       n: int) -> torch.Tensor:  # fmt: skip
+    """``x @ w[e]`` per group with ``w[e]`` read as ``[K, n]`` through ``w_strides`` (expert, k, n)."""
+    y = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
+    grid = (offs.numel(), triton.cdiv(max(x.shape[0], 1), _BLOCK_M), triton.cdiv(n, _BLOCK_N))
+    wrap_triton(_grouped_mm_kernel)[grid](
+        x, w, offs, y, x.shape[1], n, x.stride(0), x.stride(1), *w_strides, y.stride(0), y.stride(1),
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+    return y
+
+
+@triton_op("meshpar::grouped_mm", mutates_args=())
+def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if not run_triton(x):
+        return grouped_mm_reference(x, w, offs)
+    return _launch_grouped_mm(x, w, (w.stride(0), w.stride(1), w.stride(2)), offs, w.shape[2])
+
+
+@triton_op("meshpar::grouped_mm_bwd", mutates_args=())
+def grouped_mm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not run_triton(x):
+        return grouped_mm_bwd_reference(dy, x, w, offs)
+    k, n = w.shape[1], w.shape[2]
+    dx = _launch_grouped_mm(dy, w, (w.stride(0), w.stride(2), w.stride(1)), offs, k)  # dy @ w[e]^T
+    dw = torch.empty_like(w)
+    grid = (offs.numel(), triton.cdiv(k, _BLOCK_K), triton.cdiv(n, _BLOCK_N))
+    wrap_triton(_grouped_weight_grad_kernel)[grid](
+        x, dy, offs, dw, k, n, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *dw.stride(),
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+    return dx, dw
+
+
+@grouped_mm_fwd.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@grouped_mm_bwd.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _save(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx: object, dy: torch.Tensor) -> tuple:
+    x, w, offs = ctx.saved_tensors
+    dx, dw = call(grouped_mm_bwd, dy.contiguous(), x, w, offs)
+    return dx, dw, None
+
+
+register_autograd(grouped_mm_fwd, _backward, _save)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x [S, K]`` (rows sorted by expert) times ``w [E, K, N]`` per group; ``offs [E]``: each expert's cumulative
+    row end (int32 or int64, non-decreasing, at most ``S``). Rows past ``offs[-1]`` come out zero."""
+    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1:
+        raise ValueError(f"grouped_mm takes x [S, K], w [E, K, N], offs [E]; got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(offs.shape)}")  # fmt: skip
+    if x.shape[1] != w.shape[1] or offs.numel() != w.shape[0]:
+        raise ValueError(f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and offs of {offs.numel()} experts do "
+                         "not fit (x's columns must be w's dim 1, one offset per expert)")  # fmt: skip
+    if x.dtype != w.dtype or offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_mm: x and w must share a dtype ({x.dtype}, {w.dtype}); offs must be int32 or int64")
+    return call(grouped_mm_fwd, x.contiguous(), w, offs.contiguous())
