@@ -14,6 +14,7 @@ once (inputs, outputs, grads), divided by the device time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -76,6 +77,17 @@ def cases(scale: int) -> dict[str, tuple]:
     logits = torch.randn(tokens, vocab, device=DEVICE, dtype=bf16, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
 
+    # Mixtral-sized experts at 1/scale: 8 experts, top-2 pairs of 4096 tokens sorted by expert, uneven groups
+    experts, pairs = 8, 8192 // scale
+    cuts = torch.randint(0, pairs, (experts - 1,), generator=torch.Generator().manual_seed(0)).sort().values
+    offs = torch.cat([cuts, torch.tensor([pairs])]).to(DEVICE, torch.int32)  # each expert's cumulative row end
+    routed = torch.randn(pairs, 4096 // scale, device=DEVICE, dtype=bf16, requires_grad=True)
+    expert_w = torch.randn(experts, 4096 // scale, 14336 // scale, device=DEVICE, dtype=bf16, requires_grad=True)
+    bounds = [0, *offs.tolist()]
+
+    def experts_loop(t: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:  # the eager experts forward's matmuls
+        return torch.cat([t[a:b] @ ww[e] for e, (a, b) in enumerate(itertools.pairwise(bounds))])
+
     def ce_fused(lg: torch.Tensor) -> torch.Tensor:
         from meshpar.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
@@ -125,6 +137,12 @@ def cases(scale: int) -> dict[str, tuple]:
             rotary_ref,
             [q],
             4 * q.numel() * 2,
+        ),
+        f"grouped_mm {pairs}x{routed.shape[1]} @ {tuple(expert_w.shape)}": (
+            lambda t, ww: ops.grouped_mm(t, ww, offs),
+            experts_loop,
+            [routed, expert_w],
+            (3 * routed.numel() + 2 * expert_w.numel() + 2 * pairs * expert_w.shape[2]) * 2,
         ),
         f"vocab CE {tokens}x{vocab}": (
             ce_fused,
