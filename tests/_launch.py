@@ -58,7 +58,7 @@ def _aborted_only_in_finalisation(result: subprocess.CompletedProcess, nproc: in
     finished = set(re.findall(re.escape(MARKER) + r" (\d+)", output))
     if finished != {str(rank) for rank in range(nproc)} or _FINALISATION_ABORT not in output:
         return False
-    if len(finished) == 1 and nproc == 1 and result.returncode == -6:  # plain python
+    if nproc == 1 and result.returncode == -6:  # plain python (torchrun itself exits 1)
         return True
     codes = {int(code) for code in _EXIT_CODE.findall(result.stderr)}
     return -6 in codes and codes <= {-6, -15}
