@@ -20,8 +20,11 @@ def is_dp_sharded(param: torch.Tensor) -> bool:
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
     """Sharded over an ``ep`` dim (an expert weight under expert parallelism): dp ranks hold different experts, and
-    its grads are reduced over the expert-data-parallel group only."""
-    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+    its grads are reduced over the expert-data-parallel group only. A DTensor says so by its mesh, a plain local
+    shard by NxD's ``expert_model_parallel`` attribute."""
+    if isinstance(param, DTensor):
+        return "ep" in (param.device_mesh.mesh_dim_names or ())
+    return bool(getattr(param, "expert_model_parallel", False))
 
 
 def refuse_dp_sharded(parameters: Iterable[torch.Tensor], who: str) -> None:

@@ -3,7 +3,9 @@
 A grad that is sharded along a mesh dim (tp shards, FSDP/ZeRO-2 dp shards) contributes its local part and is summed
 over that dim; a replicated grad (``Replicate()`` DTensors and plain tensors of a tp model) counts once. A plain
 tensor whose parameter is marked ``tensor_model_parallel`` (the Megatron / NxD attribute the apex and NxD views'
-layers put on their plain local shards) is a tp shard: its local part is summed over tp. Stages of a
+layers put on their plain local shards) is a tp shard: its local part is summed over tp; one marked
+``expert_model_parallel`` (NxD's expert weights under expert parallelism) holds this ep rank's experts: summed over
+ep. Stages of a
 pipeline hold different parameters, so the per-stage totals are summed over pp; a parameter that a second stage holds
 a copy of (a tied embedding on the last stage, see :func:`mark_shared_copy`) counts once, on the stage that owns it.
 Every rank gets the same total norm.
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DTensor, Partial, Replicate, local_tensor
+from meshpar._dp_checks import is_expert_parallel
 from meshpar.parallel_dims import ParallelDims
 
 _SHARED_COPY = "_meshpar_shared_copy"
@@ -73,17 +76,19 @@ def total_grad_norm(
             )
             meshes[key] = grad.device_mesh
             groups.setdefault(key, []).append(grad.to_local())
-        elif _plain_tp_shard(param) and dims is not None and dims.tp > 1:
-            groups.setdefault(("plain tp shard",), []).append(grad)
-        else:
-            groups.setdefault(("plain",), []).append(grad)
+        else:  # a plain tensor: summed over the dims it is a part of (its attributes say which)
+            over_tp = _plain_tp_shard(param) and dims is not None and dims.tp > 1
+            over_ep = is_expert_parallel(param) and dims is not None and dims.ep > 1
+            groups.setdefault(("plain", over_tp, over_ep), []).append(grad)
     device = _device(dims)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         value = _local_power(grads, norm_type).to(device)
-        if key == ("plain tp shard",):
-            dist.all_reduce(value, op=op, group=dims.tp_mesh.get_group())
-        elif key != ("plain",):
+        if key[0] == "plain":
+            for summed, mesh in zip(key[1:], ("tp_mesh", "ep_mesh"), strict=True):
+                if summed:
+                    dist.all_reduce(value, op=op, group=getattr(dims, mesh).get_group())
+        else:
             mesh = meshes[key]
             for dim in key[1]:
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))

@@ -256,11 +256,18 @@ class ParallelDims:
         return self.dp > 1
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """All groups of global ranks along ``dim``, e.g. ``[[0, 1], [2, 3]]`` for tp=2 on 4 ranks."""
-        if dim not in MESH_DIM_NAMES:
-            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {MESH_DIM_NAMES}")
-        ranks = self._require_mesh().mesh
-        axis = MESH_DIM_NAMES.index(dim)
+        """All groups of global ranks along ``dim``, e.g. ``[[0, 1], [2, 3]]`` for tp=2 on 4 ranks. The expert dims
+        ``"ep"`` and ``"edp"`` are those of the expert mesh; without expert parallelism every ep group is one rank
+        and the edp groups are the dp groups."""
+        if dim not in MESH_DIM_NAMES + EXPERT_DIM_NAMES:
+            raise ValueError(f"unknown mesh dim {dim!r}; expected one of {MESH_DIM_NAMES + EXPERT_DIM_NAMES}")
+        mesh = self._require_mesh()
+        if dim in EXPERT_DIM_NAMES:
+            if self._expert_mesh is None:
+                return self.group_ranks("dp") if dim == "edp" else [[r] for r in mesh.mesh.flatten().tolist()]
+            mesh = self._expert_mesh
+        ranks = mesh.mesh
+        axis = mesh.mesh_dim_names.index(dim)
         moved = ranks.movedim(axis, -1)
         return moved.reshape(-1, ranks.shape[axis]).tolist()
 

@@ -50,27 +50,42 @@ def get_parallel_info(args: Any) -> tuple[int, int, int]:
     return dp, tp, pp
 
 
-def read_full_state(optim_dir: Path, tp_rank: int, pp_rank: int, map_location: Any = "cpu") -> dict[str, Any]:
+def read_full_state(
+    optim_dir: Path, tp_rank: int, pp_rank: int, map_location: Any = "cpu", ep_rank: int | None = None
+) -> dict[str, Any]:
     """One (tp, pp) rank's ZeRO-1 state with every parameter's entry, ``{"layout", "state": {"state",
     "param_groups"}}``: the full file if there is one, else the union of the dp files (each dp rank owned whole
-    parameters). Every file read must have been written at the same tp / pp sizes (``layout``, dp set to 0)."""
+    parameters). Every file read must have been written at the same tp / pp / ep sizes (``layout``, dp set to 0).
+    A state saved under expert parallelism has different experts' entries under one index on the dp ranks of an ep
+    group (dp rank ``d`` is ep rank ``d % ep``): ``ep_rank`` picks whose, by reading that ep rank's files last (they
+    hold every entry of its experts; dense entries are the same in every file); without it such a state is refused."""
     full = optim_dir / f"full_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
     files = (
         [full] if full.exists() else sorted(optim_dir.glob(f"dp_rank_*_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"))
     )
     if not files:
         raise FileNotFoundError(f"{optim_dir} holds no ZeRO-1 state of tp rank {tp_rank}, pp rank {pp_rank}")
-    merged: dict[str, Any] = {"state": {}, "param_groups": None}
-    layouts = set()
+    payloads = []
     for file in files:
         payload = torch.load(file, map_location=map_location, weights_only=False)
-        layouts.add((payload["layout"]["tp"], payload["layout"]["pp"]))
-        merged["state"].update(payload["state"]["state"])
-        merged["param_groups"] = payload["state"]["param_groups"]
+        match = _SHARDED.search(file.name)
+        payloads.append((int(match.group(1)) if match else 0, payload))
+    layouts = {(p["layout"]["tp"], p["layout"]["pp"], p["layout"].get("ep", 1)) for _, p in payloads}
     if len(layouts) != 1:
         raise ValueError(f"{optim_dir}: files of tp rank {tp_rank}, pp rank {pp_rank} from different layouts {layouts}")
-    ((tp, pp),) = layouts
-    return {"layout": {"tp": tp, "pp": pp, "dp": 0}, "state": merged}
+    ((tp, pp, ep),) = layouts
+    if ep > 1:
+        if ep_rank is None:
+            raise ValueError(
+                f"{optim_dir}: a ZeRO-1 state saved at expert-parallel size {ep} has one set of expert entries per ep "
+                "rank; it is read by load_checkpoint at the same ep size, not merged into one state"
+            )
+        payloads.sort(key=lambda item: item[0] % ep == ep_rank)  # this ep rank's files last (a stable sort)
+    merged: dict[str, Any] = {"state": {}, "param_groups": None}
+    for _, payload in payloads:
+        merged["state"].update(payload["state"]["state"])
+        merged["param_groups"] = payload["state"]["param_groups"]
+    return {"layout": {"tp": tp, "pp": pp, "dp": 0, "ep": ep}, "state": merged}
 
 
 def merge_optim_dp_checkpoints(args: Any, tp_rank: int, pp_rank: int) -> dict[str, Any]:

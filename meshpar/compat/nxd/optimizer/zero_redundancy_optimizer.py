@@ -7,7 +7,9 @@ replicas and pipeline stages counted once each; ``grad_norm`` keeps the norm), s
 updated parameters. Parameter groups keep their own options. Options that tune torch_xla's buckets or its
 compiler (``pin_layout``, ``coalesce_cc``, ``bucket_cap_mb_*``, ``use_grad_acc_hook``, ``lazy_init``) change nothing
 here; ``optimizer_dtype`` / ``higher_cc_precision`` keep fp32 master copies of low-precision parameters and reduce
-in fp32. ``sharding_groups`` must be the data-parallel groups (the default).
+in fp32. ``sharding_groups`` must be the data-parallel groups (the default). Under expert parallelism the
+parameters marked ``expert_model_parallel`` are owned within the expert-data-parallel groups instead (the dp ranks
+holding the same experts), as :class:`NeuronEPZero1Optimizer` does in NxD.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from meshpar.parallel_dims import get_parallel
 
 def _layout() -> dict[str, int]:
     dims = get_parallel()
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep}
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -168,16 +170,10 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
 
 
 class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
-    """NxD's ZeRO-1 optimizer for models with expert parallelism: with expert-parallel size 1 (meshpar has no
-    expert parallelism yet) the expert parameters are sharded over dp like the others, so it is the plain one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if parallel_state.get_expert_model_parallel_size() != 1:
-            raise NotImplementedError(
-                "NeuronEPZero1Optimizer: the NxD view has no expert parallelism (meshpar's own ZeRO-1 owns expert "
-                "state within the expert-data-parallel group: meshpar.optim.DistributedOptimizer)"
-            )
-        super().__init__(*args, **kwargs)
+    """NxD's ZeRO-1 optimizer for models with expert parallelism. :class:`NeuronZero1Optimizer` already owns the
+    state of the parameters marked ``expert_model_parallel`` within the expert-data-parallel groups (the dp ranks
+    holding the same experts; their grads summed there and divided by dp) and the rest within dp, which is what NxD
+    splits into two inner optimizers here; ``sharding_groups`` must be the data-parallel groups, as NxD requires."""
 
 
 __all__ = ["NeuronEPZero1Optimizer", "NeuronZero1Optimizer"]

@@ -2,9 +2,10 @@
 
 ``save({"model": model.state_dict(), "optimizer_state_dict": ..., "epoch": ...}, path)`` writes
 ``path/tp_rank_XX_pp_rank_YY/checkpoint.pt`` (dp rank 0 only, unless ``master_dp_only=False``), DTensors as their
-local shards. ``load(path, model, model_key="model")`` reads this rank's file, loads ``checkpoint[model_key]`` into
+local shards; under expert parallelism ``path/ep_rank_ZZ_tp_rank_XX_pp_rank_YY/`` from the first dp rank holding each
+ep rank's experts. ``load(path, model, model_key="model")`` reads this rank's file, loads ``checkpoint[model_key]`` into
 ``model`` and returns the whole dict. The format does not reshard (NxD's does not either): a checkpoint written at
-another tp / pp is refused on every rank. For checkpoints that load into any layout use :mod:`meshpar.checkpoint`.
+another tp / pp / ep is refused on every rank. For checkpoints that load into any layout use :mod:`meshpar.checkpoint`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,13 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: dict[str, Any]) -
 
 def _rank_dir(path: str | os.PathLike, dims: ParallelDims, dp_rank: int | None) -> Path:
     prefix = f"dp_rank_{dp_rank:02d}_" if dp_rank is not None else ""
+    if dims.ep > 1:  # the dp ranks of an ep group hold different experts
+        prefix += f"ep_rank_{dims.ep_rank:02d}_"
     return Path(path) / f"{prefix}tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}"
+
+
+def _saved_layout(dims: ParallelDims) -> dict[str, int]:
+    return {"tp": dims.tp, "pp": dims.pp, **({"ep": dims.ep} if dims.ep > 1 else {})}
 
 
 def _local(value: Any) -> Any:
@@ -82,10 +89,10 @@ def _local(value: Any) -> Any:
 def save(checkpoint: dict[str, Any], output_dir: str | os.PathLike, master_dp_only: bool = True) -> None:
     """Write this rank's shards (atomically: a temporary file renamed into place), then wait for every rank."""
     dims = get_parallel()
-    if not master_dp_only or dims.dp_rank == 0:
+    if not master_dp_only or dims.edp_mesh.get_local_rank() == 0:  # dp rank 0 of the ranks holding these experts
         directory = _rank_dir(output_dir, dims, None if master_dp_only else dims.dp_rank)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"layout": {"tp": dims.tp, "pp": dims.pp}, "checkpoint": _local(checkpoint)}
+        payload = {"layout": _saved_layout(dims), "checkpoint": _local(checkpoint)}
         tmp = directory / f".{_FILE}.tmp"
         torch.save(payload, tmp)
         os.replace(tmp, directory / _FILE)
@@ -131,9 +138,9 @@ def load(
     else:
         payload = torch.load(file, map_location=dims.device, weights_only=False)
         saved = payload.get("layout", {}) if isinstance(payload, dict) else {}
-        if saved != {"tp": dims.tp, "pp": dims.pp}:
+        if saved != _saved_layout(dims):
             error = (
-                f"{file} was saved at {saved or 'an unknown layout'}, this run is tp={dims.tp} pp={dims.pp}; this "
+                f"{file} was saved at {saved or 'an unknown layout'}, this run is {_saved_layout(dims)}; this "
                 "format does not reshard (use meshpar.checkpoint for that)"
             )
         else:

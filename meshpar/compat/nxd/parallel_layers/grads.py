@@ -93,16 +93,22 @@ def clip_grad_norm(
 
 
 def bucket_allreduce_gradients(grads_list: list[torch.Tensor], reduce_over_ep_group: bool = False) -> None:
-    """Average ``grads_list`` over dp in place, in buckets of at most ``ALLREDUCE_BUCKET_CAP_MB`` (per dtype, last
-    layer first). ``reduce_over_ep_group``: the expert-parallel group, of one rank while meshpar has no expert
-    parallelism (nothing to do)."""
-    if reduce_over_ep_group:
-        return
+    """Reduce ``grads_list`` in place, in buckets of at most ``ALLREDUCE_BUCKET_CAP_MB`` (per dtype, last layer
+    first), as NxD does: summed over the expert-data-parallel group and divided by the dp size (all of dp without
+    expert parallelism, so the dp mean); or, with ``reduce_over_ep_group``, summed over the expert-parallel group with
+    no division, the second half of a dense grad's dp mean under expert parallelism (an expert's grad takes the first
+    half only: its ep ranks hold other experts)."""
     dims = get_parallel()
-    if dims.dp == 1:
+    if reduce_over_ep_group:
+        group, size, divide_by = (dims.ep_mesh.get_group() if dims.ep_mesh is not None else None), dims.ep, 1
+    else:
+        group, size, divide_by = dims.edp_mesh.get_group(), dims.dp // dims.ep, dims.dp
+    if size == 1:
+        if divide_by != 1:
+            for grad in grads_list:
+                grad.div_(divide_by)
         return
     cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _ALLREDUCE_BUCKET_CAP_MB)) * 1024 * 1024
-    group = dims.dp_mesh.get_group()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in grads_list:
         by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -112,12 +118,12 @@ def bucket_allreduce_gradients(grads_list: list[torch.Tensor], reduce_over_ep_gr
         for grad in reversed(grads):
             nbytes = grad.numel() * grad.element_size()
             if bucket and size + nbytes > cap:
-                _reduce_bucket(bucket, group, dims.dp)
+                _reduce_bucket(bucket, group, divide_by)
                 bucket, size = [], 0
             bucket.append(grad)
             size += nbytes
         if bucket:
-            _reduce_bucket(bucket, group, dims.dp)
+            _reduce_bucket(bucket, group, divide_by)
 
 
 def _reduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, divide_by: int = 1) -> None:

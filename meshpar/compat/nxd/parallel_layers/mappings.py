@@ -2,8 +2,11 @@
 (an optional ``process_group``, the tp group by default; the sequence functions' ``sequence_dimension``, 0 by
 default as in NxD), on meshpar's tp collectives (:mod:`meshpar.tensor_parallel._collectives`).
 
-Expert-parallel regions are the identity while the NxD view has no expert parallelism (every rank holds every expert of
-its tp shard). NxD's SPMD-rank scatters (inference tracing with a rank tensor) are not provided.
+Expert-parallel regions swap which dim is split over the expert-parallel group with one all-to-all each way (NxD's
+``[e, c, h]`` expert slots in, ``[e / ep, ep, c, h]`` out: this rank's experts' slots from every ep rank), the identity
+without expert parallelism. NxD's ``scatter_gather`` option only thins the traffic of the same exchange (tp ranks
+each send a 1/tp slice of identical rows and gather them back); here every tp rank sends its rows, to the same
+result. NxD's SPMD-rank scatters (inference tracing with a rank tensor) are not provided.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 import torch.fx
 
 from meshpar._compat import DeviceMesh
+from meshpar.expert_parallel import all_to_all
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import (
     copy_to_tp,
@@ -49,9 +53,9 @@ def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
     dims = get_parallel()
     if process_group is None or process_group == dims.tp_mesh.get_group():
         return dims.tp_mesh
-    for name in ("pp", "dp"):
+    for name in ("pp", "dp", "ep"):
         mesh = getattr(dims, f"{name}_mesh")
-        if process_group == mesh.get_group():
+        if mesh is not None and process_group == mesh.get_group():
             return mesh
     return DeviceMesh.from_group(process_group, dims.device.type)
 
@@ -161,14 +165,34 @@ def gather_from_tensor_model_parallel_region_with_dim(
     return gather_from_tp(input_, group_mesh(process_group), dim=gather_dim)
 
 
+def _swap_split_over_ep(x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """``x`` cut into ep equal parts along ``split_dim``, part ``j`` sent to ep rank ``j``; the parts received,
+    in ep-rank order, concatenated along ``concat_dim`` (every ep rank's ``x`` has the same shape). Differentiable:
+    the grads go back by the inverse exchange."""
+    ep_mesh = get_parallel().ep_mesh
+    if ep_mesh is None:
+        return x
+    ep = ep_mesh.size()
+    if x.shape[split_dim] % ep != 0:
+        raise ValueError(f"dim {split_dim} of {tuple(x.shape)} does not divide over the {ep} expert-parallel ranks")
+    parts = torch.stack(x.chunk(ep, dim=split_dim))
+    rows = parts.shape[1]
+    received = all_to_all(parts.reshape(ep * rows, *parts.shape[2:]), [rows] * ep, [rows] * ep, ep_mesh)
+    return torch.cat(received.view_as(parts).unbind(0), dim=concat_dim)
+
+
 def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    """Entering an expert-parallel region: the identity (expert-parallel size 1, see the module docstring)."""
-    return x
+    """``[e, c, h]`` expert slots (expert ``i``'s ``c`` rows at ``x[i]``) -> ``[e / ep, ep, c, h]``: this rank's
+    experts' slots from each ep rank (``[e, 1, c, h]`` without expert parallelism). ``scatter_gather``: see the
+    module docstring."""
+    e, c, h = x.shape
+    return _swap_split_over_ep(x.view(e, 1, c, h), 0, 1)
 
 
 def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
-    """Leaving an expert-parallel region: the identity (expert-parallel size 1)."""
-    return x
+    """The inverse of :func:`enter_expert_parallel_region`: ``[e / ep, ep, c, h]`` -> ``[e, c, h]``, each ep rank's
+    slots back to it."""
+    return _swap_split_over_ep(x, 1, 0).squeeze(1)
 
 
 __all__ = [

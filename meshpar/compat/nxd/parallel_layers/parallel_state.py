@@ -2,12 +2,14 @@
 over meshpar's one mesh (every getter of :mod:`meshpar.parallel_state`, plus NxD's replica-group lists, world group,
 context / expert sizes and rank messages).
 
-The NxD view runs neither context nor expert parallelism (meshpar's own do, on HF models: ``parallelize(model,
-{"context_parallel_size": ..., "expert_parallel_size": ...})``): ``context_parallel_size`` and
-``expert_model_parallel_size`` are accepted at 1 (NxD's examples pass them) and refused above it, naming where they
-run, as are NxD's Neuron-only options (``lnc_size`` > 1, ``mesh_only``). Rank layout: meshpar's mesh
-is Megatron's (tp fastest, then pp, then dp); NxD orders dp before pp, so which global ranks share a dp or pp group
-differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups and results do not).
+Expert parallelism is NxD's: ``expert_model_parallel_size`` ep splits each data-parallel group into expert-data-
+parallel groups of dp / ep ranks, ep fastest (the ranks of an ep group are neighbouring dp ranks at the same tp and pp
+coordinates; NxD's ``[PP, DP_exp, EP, TP]``, meshpar's own expert mesh). The view does not run context parallelism
+(meshpar's own does, on HF models: ``parallelize(model, {"context_parallel_size": ...})``): ``context_parallel_size``
+is accepted at 1 (NxD's examples pass it) and refused above it, as are NxD's Neuron-only options (``lnc_size`` > 1,
+``mesh_only``). Rank layout: meshpar's mesh is Megatron's (tp fastest, then pp, then dp); NxD orders dp before pp, so
+which global ranks share a dp, ep or pp group differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups
+and results do not).
 """
 
 from __future__ import annotations
@@ -31,22 +33,21 @@ def initialize_model_parallel(
     lnc_size: int = 1,
     mesh_only: bool = False,
 ) -> None:
-    """NxD's entry point: data parallelism takes the rest of the world."""
-    for name, value in (("context_parallel_size", context_parallel_size),
-                        ("expert_model_parallel_size", expert_model_parallel_size)):  # fmt: skip
-        if value != 1:
-            kind = "context" if name.startswith("context") else "expert"
-            raise NotImplementedError(
-                f"initialize_model_parallel({name}={value}): the NxD view's layers, MoE modules and trainer do not "
-                f"run {kind} parallelism; use 1, or meshpar's own on an HF model: meshpar.parallelize(model, "
-                f"{{'{kind}_parallel_size': {value}}})"
-            )
+    """NxD's entry point: data parallelism takes the rest of the world, expert parallelism is carved out of it."""
+    if context_parallel_size != 1:
+        raise NotImplementedError(
+            f"initialize_model_parallel(context_parallel_size={context_parallel_size}): the NxD view's layers and "
+            f"trainer do not run context parallelism; use 1, or meshpar's own on an HF model: "
+            f"meshpar.parallelize(model, {{'context_parallel_size': {context_parallel_size}}})"
+        )
     if lnc_size != 1 or mesh_only or skip_collective_init:
         raise NotImplementedError(
             "initialize_model_parallel: lnc_size, mesh_only and skip_collective_init are Neuron-runtime options "
             "meshpar does not have (use their defaults)"
         )
-    _initialize_mesh(tensor_model_parallel_size, pipeline_model_parallel_size)
+    _initialize_mesh(
+        tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size=expert_model_parallel_size
+    )
 
 
 def _replica_groups(dim: str) -> list[list[int]]:
@@ -97,25 +98,26 @@ def get_context_model_parallel_rank() -> int:
 
 
 def get_expert_model_parallel_size() -> int:
-    return 1
+    return get_parallel().ep
 
 
 def get_expert_model_parallel_rank() -> int:
-    return 0
+    return get_parallel().ep_rank
 
 
 def get_expert_data_parallel_size() -> int:
-    """Without expert parallelism the experts' data-parallel group is the data-parallel group."""
-    return get_parallel().dp
+    """The dp ranks holding the same experts: all of dp without expert parallelism."""
+    dims = get_parallel()
+    return dims.dp // dims.ep
 
 
 def get_expert_data_parallel_rank() -> int:
-    return get_parallel().dp_rank
+    return get_parallel().edp_mesh.get_local_rank()
 
 
 def get_expert_data_parallel_group(as_list: bool = False) -> Any:
     dims = get_parallel()
-    return dims.group_ranks("dp") if as_list else dims.dp_mesh.get_group()
+    return dims.group_ranks("edp") if as_list else dims.edp_mesh.get_group()
 
 
 def is_global_rank_zero() -> bool:
@@ -227,17 +229,18 @@ def rmsg(msg: str) -> str:
 
 def rmsg_ep(msg: str) -> str:
     dims = get_parallel()
-    return f"[pp{dims.pp_rank}|ep0|tp{dims.tp_rank}|dp{dims.dp_rank}] {msg}"
+    return f"[pp{dims.pp_rank}|ep{dims.ep_rank}|tp{dims.tp_rank}|dp{dims.dp_rank}] {msg}"
 
 
-# -- the context- and expert-parallel groups: one rank each while meshpar has neither -------------------------------
+# -- the context-parallel group (one rank each) and the expert-parallel groups -------------------------------------
 def _singletons() -> list[list[int]]:
     return [[rank] for rank in range(dist.get_world_size())]
 
 
 def _own_group() -> dist.ProcessGroup:
-    """This rank alone: the context- and expert-parallel group at size 1 (made once per parallel state; every rank
-    makes every one-rank group, as c10d requires, the first time any of these getters runs on all ranks)."""
+    """This rank alone: the context-parallel group at size 1, and the expert-parallel one without expert parallelism
+    (made once per parallel state; every rank makes every one-rank group, as c10d requires, the first time any of
+    these getters runs on all ranks)."""
     dims = get_parallel()
     if not _SINGLE or _SINGLE[0] is not dims:
         mine, _ = dist.new_subgroups_by_enumeration(_singletons())
@@ -257,27 +260,39 @@ def get_context_model_parallel_replica_groups() -> list[list[int]]:
 
 
 def get_expert_model_parallel_group(as_list: bool = False) -> Any:
-    return _singletons() if as_list else _own_group()
+    dims = get_parallel()
+    if as_list:
+        return dims.group_ranks("ep")
+    return dims.ep_mesh.get_group() if dims.ep_mesh is not None else _own_group()
 
 
 def get_expert_model_parallel_replica_groups() -> list[list[int]]:
-    return _singletons()
+    return get_parallel().group_ranks("ep")
 
 
 def get_expert_data_parallel_replica_groups() -> list[list[int]]:
-    return get_data_parallel_replica_groups()
+    return get_parallel().group_ranks("edp")
 
 
 def get_zero1_sharding_groups() -> list[list[int]]:
-    """The groups ZeRO-1 shards optimizer state over: the data-parallel groups (with context-parallel size 1)."""
+    """The groups ZeRO-1 shards the dense parameters' optimizer state over: the data-parallel groups (with
+    context-parallel size 1; expert weights' state is sharded over the expert-data-parallel groups)."""
     return get_data_parallel_replica_groups()
 
 
 def get_expert_parallel_rank_from_global_rank(rank: int, expert_parallel_group: Any = None) -> int:
-    """A global rank's expert-parallel rank: 0 (expert-parallel size 1)."""
+    """A global rank's place in its expert-parallel group (``expert_parallel_group``: a process group or the list of
+    replica groups; default: this state's ep groups)."""
     if not 0 <= rank < dist.get_world_size():
         raise ValueError(f"rank {rank} is not in the world of {dist.get_world_size()}")
-    return 0
+    if isinstance(expert_parallel_group, dist.ProcessGroup):
+        groups = [dist.get_process_group_ranks(expert_parallel_group)]
+    else:
+        groups = expert_parallel_group if expert_parallel_group is not None else get_parallel().group_ranks("ep")
+    for ranks in groups:
+        if rank in ranks:
+            return list(ranks).index(rank)
+    raise ValueError(f"rank {rank} is in none of the expert-parallel groups {groups}")
 
 
 def get_experts_for_expert_parallel_rank(

@@ -11,10 +11,12 @@
 
 Every file is written to a temporary name and renamed, and a tag counts only once its ``done`` marker exists, so a
 save killed half way leaves the previous checkpoint as the newest one. Each file records the tp / pp / dp layout it
-was written at. A checkpoint loads at another dp size (the model and a plain optimizer's state come from dp rank 0;
+was written at. Under expert parallelism the model's and a plain optimizer's files are one per ep rank
+(``dp_rank_00_ep_rank_ZZ_tp_rank_XX_pp_rank_YY.pt``, NxD's names), written by the first dp rank holding those
+experts. A checkpoint loads at another dp size (the model and a plain optimizer's state come from dp rank 0;
 a ZeRO-1 optimizer's, split by parameter over the saved dp ranks, is put back together from every saved dp rank's
-file, or from ``optim/full_tp_rank_XX_pp_rank_YY.pt`` written by ``convert_zero_checkpoints``); another tp or pp
-size is refused on every rank (:mod:`meshpar.checkpoint` reshards those too).
+file, or from ``optim/full_tp_rank_XX_pp_rank_YY.pt`` written by ``convert_zero_checkpoints``); another tp, pp
+or ep size is refused on every rank (:mod:`meshpar.checkpoint` reshards those too).
 ``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
 (``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers``
 (Neuron's serialisation and its throttling) change nothing. With ``use_zero1_dcp=True`` a ZeRO-1 optimizer's state is
@@ -57,13 +59,22 @@ class CheckpointIOState:
 
 def _layout() -> dict[str, int]:
     dims = get_parallel()
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep}
 
 
 def _file(kind: str, per_dp_rank: bool) -> str:
+    """This rank's file of ``kind``: its dp rank's (ZeRO-1 state), else its replica set's, which under expert
+    parallelism is one per ep rank (``_ep_rank_ZZ``, NxD's name: the dp ranks of an ep group hold different experts)."""
     dims = get_parallel()
     dp_rank = dims.dp_rank if per_dp_rank else 0
-    return f"{kind}/dp_rank_{dp_rank:02d}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
+    ep = f"_ep_rank_{dims.ep_rank:02d}" if dims.ep > 1 and not per_dp_rank else ""
+    return f"{kind}/dp_rank_{dp_rank:02d}{ep}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
+
+
+def _writes_replica_files() -> bool:
+    """Whether this rank writes its replica set's files: dp rank 0 of the ranks holding its experts (all of dp
+    without expert parallelism)."""
+    return get_parallel().edp_mesh.get_local_rank() == 0
 
 
 def _write(path: Path, payload: Any) -> None:
@@ -139,10 +150,11 @@ def save_checkpoint(
         zero1 = _is_zero1(optimizer, zero1_optimizer)
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         if zero1 and use_zero1_dcp:
+            _refuse_dcp_with_experts(dims)
             dcp_utils.save_optim_state_dict(str(directory / "optim"), state, _dcp_aux_infos(model, optimizer))
-        elif zero1 or dims.dp_rank == 0:
+        elif zero1 or _writes_replica_files():
             _write(directory / _file("optim", zero1), {"layout": layout, "state": _local(state)})
-    if model is not None and dims.dp_rank == 0:
+    if model is not None and _writes_replica_files():
         _write(directory / _file("model", False), {"layout": layout, "state": _local(_model_state(model))})
     if dist.get_rank() == 0:
         if scheduler is not None:
@@ -162,9 +174,19 @@ def save_checkpoint(
     dist.barrier()
 
 
+def _refuse_dcp_with_experts(dims: Any) -> None:
+    if dims.ep > 1:  # the ep ranks' different experts share parameter names, which key the DCP state
+        raise NotImplementedError(
+            "use_zero1_dcp=True under expert parallelism is not provided (expert weights of different ep ranks share "
+            "their names); save ZeRO-1 state without it"
+        )
+
+
 def _same_tp_pp(saved: dict[str, int] | None) -> bool:
+    """Whether a file saved at ``saved`` loads here: the same tp, pp and ep sizes (files saved before the ep size
+    was recorded are ep 1)."""
     now = _layout()
-    return saved is not None and (saved["tp"], saved["pp"]) == (now["tp"], now["pp"])
+    return saved is not None and (saved["tp"], saved["pp"], saved.get("ep", 1)) == (now["tp"], now["pp"], now["ep"])
 
 
 def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
@@ -176,7 +198,7 @@ def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
     if not _same_tp_pp(payload.get("layout")):
         return (
             f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints reshard "
-            "across dp only (meshpar.checkpoint reshards across tp and pp too)"
+            "across dp only (meshpar.checkpoint reshards across tp, pp and ep too)"
         ), None
     return None, payload["state"]
 
@@ -184,12 +206,13 @@ def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
 def merged_zero1_state(directory: Path, tp_rank: int, pp_rank: int) -> tuple[str | None, Any]:
     """This (tp, pp) rank's ZeRO-1 state with every parameter's entry, from the saved dp ranks' files (or the
     converter's full file): ``(None, state)`` or ``(why not, None)``."""
+    dims = get_parallel()
     try:
-        payload = read_full_state(directory / "optim", tp_rank, pp_rank, map_location=get_parallel().device)
+        payload = read_full_state(directory / "optim", tp_rank, pp_rank, map_location=dims.device, ep_rank=dims.ep_rank)
     except (FileNotFoundError, ValueError) as error:
         return str(error), None
     if not _same_tp_pp(payload["layout"]):
-        return f"{directory} was saved at tp / pp {payload['layout']}, this run is {_layout()}", None
+        return f"{directory} was saved at tp / pp / ep {payload['layout']}, this run is {_layout()}", None
     return None, payload["state"]
 
 
@@ -219,6 +242,7 @@ def load_checkpoint(
     _agree(error, "load_checkpoint")
     directory = root / str(tag)
     if optimizer is not None and use_zero1_dcp and _is_zero1(optimizer, True):
+        _refuse_dcp_with_experts(get_parallel())
         dcp_utils.load_optim_state_dict(str(directory / "optim"), optimizer, _dcp_aux_infos(model, optimizer))
     elif optimizer is not None:
         _load_optimizer(directory, optimizer)

@@ -1,6 +1,7 @@
 """``neuronx_distributed.trainer.optimizer``: ``NxDOptimizer``, the optimizer ``initialize_parallel_optimizer``
 returns. Its ``step`` does what NxD's does before stepping: sums the sequence-parallel grads over tp (with
-``sequence_parallel`` in the config), averages the grads over dp in buckets and clips them to ``max_grad_norm``
+``sequence_parallel`` in the config), averages the grads over dp in buckets (an expert-parallel weight's over the
+ranks holding the same experts, divided by dp, as NxD does) and clips them to ``max_grad_norm``
 over the whole model (``grad_norm`` keeps the norm); a ZeRO-1 optimizer does its own reduction and clipping."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from meshpar.compat.nxd.parallel_layers import grads
+from meshpar.parallel_dims import get_parallel
 
 
 class NxDOptimizer(torch.optim.Optimizer):
@@ -70,14 +72,15 @@ class NxDOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    def _gradients(self) -> list[torch.Tensor]:
-        out = []
+    def _gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The dense parameters' grads and the expert-parallel ones' (``main_grad`` where a parameter has no grad)."""
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
         for param in self.params:
-            if param.grad is not None:
-                out.append(param.grad.data)
-            elif hasattr(param, "main_grad"):
-                out.append(param.main_grad.data)
-        return out
+            grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+            if grad is not None:
+                (experts if getattr(param, "expert_model_parallel", False) else dense).append(grad.data)
+        return dense, experts
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         grads.allreduce_context_parallel_gradients(self)
@@ -85,7 +88,10 @@ class NxDOptimizer(torch.optim.Optimizer):
             grads.allreduce_sequence_parallel_gradients(self)
         config = self.nxd_config["optimizer_config"]
         if not config["zero_one_enabled"]:
-            grads.bucket_allreduce_gradients(self._gradients())
+            dense, experts = self._gradients()
+            grads.bucket_allreduce_gradients(dense + experts)  # over edp (all of dp without ep), / dp
+            if get_parallel().ep > 1:  # a dense grad's mean is over all of dp: its ep groups too
+                grads.bucket_allreduce_gradients(dense, reduce_over_ep_group=True)
             if config["grad_clipping"]:
                 self._grad_norm = grads.clip_grad_norm(self.params, config["max_grad_norm"])
         result = self.optimizer.step(closure=closure)

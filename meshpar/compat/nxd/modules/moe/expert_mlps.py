@@ -13,10 +13,19 @@ weighted by the token's affinities for them (renormalised over the chosen expert
 of its tokens are dropped for that expert (their affinity for it set to zero before any renormalisation: NxD's
 policy); a factor of at least ``E / top_k`` (or ``None``) drops nothing. NxD's blockwise path
 (``capacity_factor <= 0``) is dropless, so it computes what ``None`` does. Each expert computes only the tokens it
-takes. Expert parallelism is not part of this view (``expert_model_parallel_size`` 1; meshpar's own expert
-parallelism shards HF's MoE blocks: ``parallelize(model, {"expert_parallel_size": ...})``); NxD's Neuron kernel
-options are accepted and change nothing, the few that would change the result (``early_expert_affinity_modulation``,
-hybrid sharding, ``expert_distribution``) are refused, and so are names NxD does not have.
+takes.
+
+Expert parallelism (``expert_model_parallel_size`` ep > 1): each rank holds ``E / ep`` whole experts, its ep rank's
+contiguous block (each still split over tp), marked ``expert_model_parallel`` as NxD marks them; the kept
+(token, expert) pairs go to the ranks holding their experts by all-to-all and their outputs come back the same way
+(:mod:`meshpar.expert_parallel`'s dispatcher: only the kept pairs travel, rather than NxD's capacity-sized slots,
+to the same result). Capacity is counted over this rank's tokens, as in NxD. A rank whose experts received no
+tokens still gets a (zero) grad for each of them, so every rank's grad reduction sees the same parameters. The
+weights are initialised as the ep-1 layer's would be from the same seed (each rank keeps its block).
+
+NxD's Neuron kernel options are accepted and change nothing; the few that would change the result
+(``early_expert_affinity_modulation``, hybrid sharding, ``expert_distribution``) are refused, and so are names NxD
+does not have.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.parallel_layers.layers import create_local_weight
 from meshpar.compat.nxd.parallel_layers.mappings import copy_to_tensor_model_parallel_region, group_mesh
 from meshpar.compat.nxd.parallel_layers.utils import divide, set_tensor_model_parallel_attributes
+from meshpar.expert_parallel import combine, dispatch, experts_touched
+from meshpar.parallel_dims import get_parallel
 
 # NxD's options of its Neuron kernels and inference sharding: accepted, and change nothing here (the torch path)
 _NEURON_OPTIONS = frozenset({
@@ -47,8 +58,8 @@ _NEURON_OPTIONS = frozenset({
 _REFUSED_OPTIONS = {
     "early_expert_affinity_modulation": "scaling the experts' inputs by the affinities is not provided",
     "enabled_hybrid_sharding": "hybrid prefill / decode sharding is Neuron inference; not provided",
-    "expert_distribution": "expert_distribution places experts on expert-parallel ranks; this view runs NxD's MoE at "
-    "expert_model_parallel_size 1",
+    "expert_distribution": "expert_distribution places experts on expert-parallel ranks out of order or more than "
+    "once; this view gives each ep rank its contiguous block of experts",
 }
 
 
@@ -75,15 +86,23 @@ class _ShareOfReplicated(torch.autograd.Function):
         return grad, None
 
 
-def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, tp: int) -> nn.Parameter:
-    local = create_local_weight(full, dim, full.shape[dim] // tp, stride)
+def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, tp: int, experts: slice) -> nn.Parameter:
+    """This rank's block of ``experts`` of ``full``, split over tp along ``dim`` (NxD's attributes set; marked
+    ``expert_model_parallel`` when the block is not every expert)."""
+    local = create_local_weight(full[experts], dim, full.shape[dim] // tp, stride)
     param = nn.Parameter(local.contiguous())
     set_tensor_model_parallel_attributes(param, True, dim, stride, tp)
+    _mark_expert_parallel(param, experts, full.shape[0])
     return param
 
 
+def _mark_expert_parallel(param: nn.Parameter, experts: slice, num_experts: int) -> None:
+    if experts != slice(0, num_experts):
+        param.expert_model_parallel = True
+
+
 class _ExpertProjection(nn.Module):
-    """One projection of every expert: ``weight`` ``[E, in, out]`` (the local shard), optional ``bias``."""
+    """One projection of this rank's experts: ``weight`` ``[E / ep, in, out]`` (the local shard), optional ``bias``."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
         super().__init__()
@@ -100,6 +119,7 @@ class _Experts(nn.Module):
         tp = mlps.tp_mesh.size()
         experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
         divide(inter, tp)
+        mine = mlps.local_experts
 
         def full(rows: int, cols: int, method: Callable | None) -> torch.Tensor:
             weight = torch.empty(experts, rows, cols, dtype=config.dtype)
@@ -115,11 +135,15 @@ class _Experts(nn.Module):
             return torch.empty(experts, size, dtype=config.dtype).uniform_(-bound, bound).to(config.device)
 
         columns = 2 * inter if config.glu_mlp else inter
-        up_weight = _sharded_parameter(full(hidden, columns, init_method), 2, 2 if config.glu_mlp else 1, tp)
-        up_bias = _sharded_parameter(bias(columns, hidden), 1, 2 if config.glu_mlp else 1, tp) if config.bias else None
+        stride = 2 if config.glu_mlp else 1
+        up_weight = _sharded_parameter(full(hidden, columns, init_method), 2, stride, tp, mine)
+        up_bias = _sharded_parameter(bias(columns, hidden), 1, stride, tp, mine) if config.bias else None
         setattr(self, "gate_up_proj" if config.glu_mlp else "up_proj", _ExpertProjection(up_weight, up_bias))
-        down_weight = _sharded_parameter(full(inter, hidden, output_init_method), 1, 1, tp)
-        down_bias = nn.Parameter(bias(hidden, inter)) if config.bias else None
+        down_weight = _sharded_parameter(full(inter, hidden, output_init_method), 1, 1, tp, mine)
+        down_bias = None
+        if config.bias:
+            down_bias = nn.Parameter(bias(hidden, inter)[mine].contiguous())
+            _mark_expert_parallel(down_bias, mine, experts)
         self.down_proj = _ExpertProjection(down_weight, down_bias)
 
 
@@ -184,6 +208,16 @@ class ExpertMLPs(nn.Module):
             else parallel_state.get_tensor_model_parallel_group()
         )
         self.tp_mesh = group_mesh(self.tensor_parallel_group)
+        # the state's ep group by default (None without expert parallelism: no one-rank groups made here, which
+        # would be a collective call every rank must make, pipeline stages without MoE layers included)
+        ep_mesh = get_parallel().ep_mesh
+        if expert_model_parallel_group is not None:
+            ep_mesh = group_mesh(expert_model_parallel_group) if expert_model_parallel_group.size() > 1 else None
+        self.ep_mesh = ep_mesh
+        self.expert_model_parallel_group = ep_mesh.get_group() if ep_mesh is not None else expert_model_parallel_group
+        ep, ep_rank = (ep_mesh.size(), ep_mesh.get_local_rank()) if ep_mesh is not None else (1, 0)
+        per_rank = divide(num_experts, ep)
+        self.local_experts = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         self.mlp_op = _Experts(self, init_method, output_layer_init_method)
 
     # -- routing ------------------------------------------------------------------------------------------------
@@ -232,14 +266,16 @@ class ExpertMLPs(nn.Module):
             activated = gate * activated
         return activated * (up + self.hidden_act_bias)
 
-    def _expert(self, e: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Expert ``e``'s partial output (this rank's intermediate slice) for ``tokens`` ``[n, H]``."""
+    def _expert(self, e: int, tokens: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
+        """Local expert ``e``'s partial output (this rank's intermediate slice) for ``tokens`` ``[n, H]``;
+        ``down_bias``: the experts' ``1/tp`` shares of the output bias."""
         op = self.mlp_op
         up = op.gate_up_proj if self.glu_mlp else op.up_proj
         hidden = tokens @ up.weight[e]
         if up.bias is not None:
             hidden = hidden + up.bias[e]
-        return self._activation(hidden) @ op.down_proj.weight[e]
+        out = self._activation(hidden) @ op.down_proj.weight[e]
+        return out + down_bias[e] if down_bias is not None else out
 
     def forward(
         self,
@@ -258,18 +294,27 @@ class ExpertMLPs(nn.Module):
         if padding_mask is not None:
             affinities = affinities * padding_mask.reshape(-1, 1).to(affinities.dtype)
         x = copy_to_tensor_model_parallel_region(hidden_states, self.tensor_parallel_group)
-        output = torch.zeros_like(hidden_states)
-        for e in range(self.num_experts):
-            rows = kept[:, e].nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            out = self._expert(e, x[rows]) * affinities[rows, e].unsqueeze(1).to(hidden_states.dtype)
-            output = output.index_add(0, rows, out)
+        # one route per (token, chosen expert); a dropped one goes nowhere (expert id E, the dispatcher's sentinel)
+        route_kept = kept.gather(1, expert_index) > 0
+        route_experts = torch.where(route_kept, expert_index, self.num_experts)
+        route_weights = affinities.gather(1, expert_index).to(hidden_states.dtype)
+        rows, local_ids, weights, routes = dispatch(
+            x, route_experts, route_weights, num_experts=self.num_experts, ep_mesh=self.ep_mesh
+        )
         down_bias = self.mlp_op.down_proj.bias
-        if down_bias is not None:  # each token's affinity-weighted expert biases, a 1/tp share on every rank
-            share = _ShareOfReplicated.apply(down_bias, self.tp_mesh.size())
-            output = output + affinities.to(down_bias.dtype) @ share
-        return output
+        if down_bias is not None:  # each expert's output bias, a 1/tp share on every rank (summed over tp later)
+            down_bias = _ShareOfReplicated.apply(down_bias, self.tp_mesh.size())
+        if rows.shape[0]:
+            out = torch.zeros_like(rows)
+            for e in range(self.local_experts.stop - self.local_experts.start):
+                picked = (local_ids == e).nonzero().squeeze(1)
+                if picked.numel():
+                    out = out.index_add(0, picked, self._expert(e, rows[picked], down_bias) * weights[picked, None])
+        else:  # no route reached this rank's experts: zero grads for them (every rank's grad reduction sees the
+            # same parameters), and the empty rows and weights stay in the graph, as the all-to-alls' backwards are
+            # collectives every ep rank must join
+            out = experts_touched(rows + weights.unsqueeze(-1), list(self.mlp_op.parameters()))
+        return combine(out, routes, self.ep_mesh)
 
 
 __all__ = ["ExpertMLPs"]

@@ -1,0 +1,280 @@
+"""NxD's MoE under expert parallelism (``expert_model_parallel_size`` > 1) through the NxD view, against a dense
+mixture of experts written out here: one training step through NxD's trainer API (``neuronx_distributed_config``,
+``initialize_parallel_optimizer``; plain and ZeRO-1 optimizers, grad clipping active) at tp1 x ep2, tp1 x ep4 and
+tp2 x ep2 in a gloo world of 4, each dp rank with its own batch: the loss, the clipped norm and every parameter after
+an AdamW step equal one dense step on the mean of the replicas' losses. Also: the parallel state's ep / edp groups,
+the expert-parallel regions' all-to-all, an ep rank whose experts get no token, and checkpoints saved per ep rank
+(loaded back, refused at another ep size)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshpar.testing import run_distributed
+from tests.compat.test_nxd_layers import _shard
+
+E, H, INTER, B, S = 4, 8, 6, 2, 4
+LR, MAX_NORM = 0.05, 0.05
+
+
+def dense_replica_loss(x, target, w, *, top_k, capacity_factor, glu):
+    """One replica's loss through the dense layer: softmax affinities over all experts, each token's top-k experts,
+    each expert keeping its first C arrivals among this replica's tokens (C from its token count), the kept
+    affinities renormalised for top-k > 1."""
+    tokens = x.reshape(-1, H)
+    logits = tokens @ w["router_w"].T + w["router_b"]
+    affinities = F.softmax(logits, dim=1, dtype=torch.float64).to(x.dtype)
+    index = logits.topk(top_k, dim=1).indices
+    total = tokens.shape[0]
+    capacity = total
+    if capacity_factor is not None and capacity_factor < E / top_k:
+        capacity = min(math.ceil(total * top_k * capacity_factor / E), total)
+    seen, keep = [0] * E, torch.zeros(total, E)
+    for t in range(total):
+        for e in index[t].tolist():
+            seen[e] += 1
+            keep[t, e] = float(seen[e] <= capacity)
+    weights = affinities * keep
+    if top_k > 1:
+        weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    out = torch.zeros_like(tokens)
+    for e in range(E):
+        h = tokens @ w["up_w"][e] + w["up_b"][e]
+        h = F.silu(h[:, :INTER]) * h[:, INTER:] if glu else F.relu(h)
+        out = out + (h @ w["down_w"][e] + w["down_b"][e]) * weights[:, e : e + 1]
+    return ((out.view(x.shape) - target) ** 2).mean()
+
+
+def _full_weights(glu: bool, skewed: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    columns = 2 * INTER if glu else INTER
+    w = {
+        "router_w": torch.randn(E, H) * 0.5,
+        "router_b": torch.zeros(E),
+        "up_w": torch.randn(E, H, columns) * 0.3,
+        "up_b": torch.randn(E, columns) * 0.1,
+        "down_w": torch.randn(E, INTER, H) * 0.3,
+        "down_b": torch.randn(E, H) * 0.1,
+    }
+    if skewed:  # every token picks expert 0 (then 1): the ep ranks holding experts 2 and 3 get no token at all
+        w["router_b"] = torch.tensor([40.0, 20.0, 0.0, 0.0])
+    return w
+
+
+def _batches(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(dp, B, S, H, generator=generator), torch.randn(dp, B, S, H, generator=generator)
+
+
+def _dense_step(w, xs, targets, **kw):
+    """The dense reference: loss (mean over replicas), the grad norm before clipping, the parameters after a clipped
+    AdamW step."""
+    params = {k: v.clone().requires_grad_() for k, v in w.items()}
+    loss = sum(dense_replica_loss(x, t, params, **kw) for x, t in zip(xs, targets, strict=True)) / len(xs)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM)
+    torch.optim.AdamW(list(params.values()), lr=LR).step()
+    return loss.detach(), norm, {k: v.detach() for k, v in params.items()}
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, glu: bool, top_k: int, capacity_factor: float | None) -> None:
+        super().__init__()
+        from meshpar.compat.nxd.modules.moe import ExpertMLPs, MoE, RouterTopK
+
+        self.router = RouterTopK(E, top_k, H, bias=True)
+        self.experts = ExpertMLPs(E, top_k, H, INTER, "silu" if glu else "relu", glu, capacity_factor,
+                                  normalize_top_k_affinities=top_k > 1, bias=True)  # fmt: skip
+        self.moe = MoE(self.router, self.experts)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((self.moe(x)[0] - target) ** 2).mean()
+
+
+def _local(w: dict[str, torch.Tensor], glu: bool, experts: slice, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's parts of the dense weights: its ep rank's experts, cut over tp the NxD way."""
+    stride = 2 if glu else 1
+    return {
+        "router_w": w["router_w"],
+        "router_b": w["router_b"],
+        "up_w": _shard(w["up_w"][experts], 2, tp, tp_rank, stride),
+        "up_b": _shard(w["up_b"][experts], 1, tp, tp_rank, stride),
+        "down_w": _shard(w["down_w"][experts], 1, tp, tp_rank),
+        "down_b": w["down_b"][experts],
+    }
+
+
+def _net_params(net: _Net, glu: bool) -> dict[str, torch.nn.Parameter]:
+    up = net.experts.mlp_op.gate_up_proj if glu else net.experts.mlp_op.up_proj
+    return {
+        "router_w": net.router.linear_router.weight,
+        "router_b": net.router.linear_router.bias,
+        "up_w": up.weight,
+        "up_b": up.bias,
+        "down_w": net.experts.mlp_op.down_proj.weight,
+        "down_b": net.experts.mlp_op.down_proj.bias,
+    }
+
+
+CONFIGS = [
+    dict(tp=1, ep=2, zero1=False, glu=True, top_k=2, capacity_factor=None, skewed=False),
+    dict(tp=1, ep=4, zero1=True, glu=False, top_k=1, capacity_factor=0.5, skewed=False),
+    dict(tp=2, ep=2, zero1=False, glu=True, top_k=2, capacity_factor=1.0, skewed=False),
+    dict(tp=1, ep=2, zero1=True, glu=True, top_k=2, capacity_factor=None, skewed=True),
+]
+
+
+def training_step_case(tp: int, ep: int, zero1: bool, glu: bool, top_k: int, capacity_factor, skewed: bool) -> None:
+    from meshpar.compat.nxd import trainer
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+
+    config = trainer.neuronx_distributed_config(
+        tensor_parallel_size=tp, expert_parallel_size=ep,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": MAX_NORM},
+    )  # fmt: skip
+    try:
+        dp, tp_rank = ps.get_data_parallel_size(), ps.get_tensor_model_parallel_rank()
+        assert ps.get_expert_model_parallel_size() == ep and ps.get_expert_data_parallel_size() == dp // ep
+        w = _full_weights(glu, skewed)
+        xs, targets = _batches(dp)
+        net = _Net(glu, top_k, capacity_factor)
+        experts = net.experts.local_experts
+        assert (
+            experts.stop - experts.start == E // ep and experts.start == ps.get_expert_model_parallel_rank() * E // ep
+        )
+        params = _net_params(net, glu)
+        for name in ("up_w", "up_b", "down_w", "down_b"):
+            assert getattr(params[name], "expert_model_parallel", False), name
+        assert not hasattr(params["router_w"], "expert_model_parallel")
+        with torch.no_grad():
+            for name, value in _local(w, glu, experts, tp, tp_rank).items():
+                params[name].copy_(value)
+        optimizer = trainer.initialize_parallel_optimizer(config, torch.optim.AdamW, net.parameters(), lr=LR)
+        rank = ps.get_data_parallel_rank()
+        loss = net(xs[rank], targets[rank])
+        loss.backward()
+        if skewed and ps.get_expert_model_parallel_rank() == ep - 1:  # no token reached these experts: zero grads
+            assert all(p.grad is not None and not p.grad.any() for p in net.experts.parameters())
+        optimizer.step()
+        ref_loss, ref_norm, ref = _dense_step(w, xs, targets, top_k=top_k, capacity_factor=capacity_factor, glu=glu)
+        mean_loss = loss.detach().clone()
+        torch.distributed.all_reduce(mean_loss, group=ps.get_data_parallel_group())
+        torch.testing.assert_close(mean_loss / dp, ref_loss, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(optimizer.grad_norm.reshape(()), ref_norm, atol=1e-6, rtol=1e-5)
+        for name, value in _local(ref, glu, experts, tp, tp_rank).items():
+            torch.testing.assert_close(params[name].detach(), value, atol=1e-6, rtol=1e-5, msg=name)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=lambda i: "tp{tp}_ep{ep}_zero1_{zero1}".format(**CONFIGS[i]))
+def test_nxd_moe_training_step_under_expert_parallelism_equals_dense(index: int) -> None:
+    run_distributed(training_step_case, 4, **CONFIGS[index])
+
+
+def groups_and_regions_case() -> None:
+    """The ep / edp groups (ep fastest inside dp) and the regions' all-to-all: entering sends expert block j to ep
+    rank j, leaving brings it back, and the grads go the inverse way."""
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.parallel_layers import mappings
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+
+    rank = dist.get_rank()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert ps.get_expert_model_parallel_replica_groups() == [[0, 2], [1, 3]]
+    assert ps.get_expert_data_parallel_replica_groups() == [[0], [1], [2], [3]]
+    assert ps.get_expert_model_parallel_group(as_list=True) == [[0, 2], [1, 3]]
+    assert ps.get_expert_model_parallel_rank() == rank // 2 and ps.get_expert_data_parallel_rank() == 0
+    assert ps.get_expert_parallel_rank_from_global_rank(3) == 1
+    assert f"|ep{rank // 2}|" in ps.rmsg_ep("x")
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    assert ps.get_expert_model_parallel_replica_groups() == [[0, 1], [2, 3]]
+    assert ps.get_expert_data_parallel_replica_groups() == [[0, 2], [1, 3]]
+    assert ps.get_expert_data_parallel_size() == 2 and ps.get_expert_data_parallel_rank() == rank // 2
+    assert dist.get_process_group_ranks(ps.get_expert_data_parallel_group()) == [rank % 2, rank % 2 + 2]
+    ep_rank = rank % 2
+    every = torch.arange(4 * 4 * 3 * 5, dtype=torch.float32).view(4, 4, 3, 5)  # [source rank, e, c, h]
+    x = every[rank].clone().requires_grad_()
+    entered = mappings.enter_expert_parallel_region(x, scatter_gather=False)
+    peers = [rank - ep_rank, rank - ep_rank + 1]  # this rank's ep group, in ep order
+    expected = torch.stack([every[p][2 * ep_rank : 2 * ep_rank + 2] for p in peers], dim=1)
+    assert entered.shape == (2, 2, 3, 5) and torch.equal(entered, expected)
+    back = mappings.exit_expert_parallel_region(entered * 2, scatter_gather=True)
+    assert torch.equal(back, 2 * x.detach())
+    weight = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(rank))
+    (back * weight).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * weight)
+    with pytest.raises(ValueError, match="does not divide over the 2 expert-parallel ranks"):
+        mappings.enter_expert_parallel_region(torch.zeros(3, 2, 5), scatter_gather=False)
+    ps.destroy_model_parallel()
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        ps.initialize_model_parallel(context_parallel_size=2)
+
+
+def test_nxd_expert_parallel_groups_and_regions() -> None:
+    run_distributed(groups_and_regions_case, 4)
+
+
+def checkpoint_case(tmp: str, zero1: bool) -> None:
+    """``save_checkpoint`` at tp1 x ep2 writes one model file per ep rank; loading it into a fresh model and
+    optimizer at the same layout restores both (the next step equals the uninterrupted run's), at ep 1 it is refused on
+    every rank; ``parallel_layers.save`` / ``load`` likewise."""
+    from meshpar.compat.nxd import trainer
+    from meshpar.compat.nxd.parallel_layers import checkpointing
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+
+    def setup(ep: int):
+        config = trainer.neuronx_distributed_config(
+            expert_parallel_size=ep, optimizer_config={"zero_one_enabled": zero1, "grad_clipping": False}
+        )
+        torch.manual_seed(2)  # every rank the same full weights (each keeps its experts)
+        net = _Net(True, 2, None)
+        return net, trainer.initialize_parallel_optimizer(config, torch.optim.AdamW, net.parameters(), lr=LR)
+
+    def step(net, optimizer, seed):
+        generator = torch.Generator().manual_seed(seed * 10 + ps.get_data_parallel_rank())
+        x, target = torch.randn(B, S, H, generator=generator), torch.randn(B, S, H, generator=generator)
+        optimizer.zero_grad()
+        net(x, target).backward()
+        optimizer.step()
+
+    net, optimizer = setup(2)
+    step(net, optimizer, 1)
+    trainer.save_checkpoint(tmp, "one", model=net, optimizer=optimizer)
+    checkpointing.save({"model": net.state_dict()}, f"{tmp}/plain")
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    names = sorted(p.name for p in (__import__("pathlib").Path(tmp) / "one" / "model").iterdir())
+    assert names == [f"dp_rank_00_ep_rank_0{e}_tp_rank_00_pp_rank_00.pt" for e in range(2)], names
+    step(net, optimizer, 2)
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    ps.destroy_model_parallel()
+
+    fresh, fresh_optimizer = setup(2)
+    trainer.load_checkpoint(tmp, "one", model=fresh, optimizer=fresh_optimizer)
+    step(fresh, fresh_optimizer, 2)
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0, msg=name)
+    other = _Net(True, 2, None)
+    checkpointing.load(f"{tmp}/plain", other)
+    for name, value in other.state_dict().items():
+        torch.testing.assert_close(value, saved[name], atol=0, rtol=0, msg=name)
+    ps.destroy_model_parallel()
+
+    dense, dense_optimizer = setup(1)
+    with pytest.raises(ValueError, match="load_checkpoint failed on rank"):
+        trainer.load_checkpoint(tmp, "one", model=dense, optimizer=dense_optimizer)
+    with pytest.raises(ValueError, match=r"parallel_layers\.load failed on rank"):
+        checkpointing.load(f"{tmp}/plain", dense)
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
+def test_nxd_checkpoints_under_expert_parallelism(tmp_path, zero1: bool) -> None:
+    run_distributed(checkpoint_case, 4, str(tmp_path), zero1)
