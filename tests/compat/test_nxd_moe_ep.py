@@ -82,14 +82,17 @@ def _dense_step(w, xs, targets, **kw):
 
 
 class _Net(torch.nn.Module):
-    def __init__(self, glu: bool, top_k: int, capacity_factor: float | None) -> None:
+    """The layer as NxD's Mixtral example builds it (with ``sp``: router and layer sequence-parallel, the tokens
+    ``[S, B, H]`` split over tp along S)."""
+
+    def __init__(self, glu: bool, top_k: int, capacity_factor: float | None, sp: bool = False) -> None:
         super().__init__()
         from meshpar.compat.nxd.modules.moe import ExpertMLPs, MoE, RouterTopK
 
-        self.router = RouterTopK(E, top_k, H, bias=True)
+        self.router = RouterTopK(E, top_k, H, bias=True, sequence_parallel_enabled=sp, sequence_dimension=0)
         self.experts = ExpertMLPs(E, top_k, H, INTER, "silu" if glu else "relu", glu, capacity_factor,
                                   normalize_top_k_affinities=top_k > 1, bias=True)  # fmt: skip
-        self.moe = MoE(self.router, self.experts)
+        self.moe = MoE(self.router, self.experts, sequence_parallel_enabled=sp, sequence_dimension=0)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return ((self.moe(x)[0] - target) ** 2).mean()
@@ -125,15 +128,18 @@ CONFIGS = [
     dict(tp=1, ep=4, zero1=True, glu=False, top_k=1, capacity_factor=0.5, skewed=False),
     dict(tp=2, ep=2, zero1=False, glu=True, top_k=2, capacity_factor=1.0, skewed=False),
     dict(tp=1, ep=2, zero1=True, glu=True, top_k=2, capacity_factor=None, skewed=True),
+    dict(tp=2, ep=2, zero1=True, glu=True, top_k=2, capacity_factor=1.0, skewed=False, sp=True),
 ]
 
 
-def training_step_case(tp: int, ep: int, zero1: bool, glu: bool, top_k: int, capacity_factor, skewed: bool) -> None:
+def training_step_case(
+    tp: int, ep: int, zero1: bool, glu: bool, top_k: int, capacity_factor, skewed: bool, sp: bool = False
+) -> None:
     from meshpar.compat.nxd import trainer
     from meshpar.compat.nxd.parallel_layers import parallel_state as ps
 
     config = trainer.neuronx_distributed_config(
-        tensor_parallel_size=tp, expert_parallel_size=ep,
+        tensor_parallel_size=tp, expert_parallel_size=ep, sequence_parallel=sp,
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": MAX_NORM},
     )  # fmt: skip
     try:
@@ -141,7 +147,7 @@ def training_step_case(tp: int, ep: int, zero1: bool, glu: bool, top_k: int, cap
         assert ps.get_expert_model_parallel_size() == ep and ps.get_expert_data_parallel_size() == dp // ep
         w = _full_weights(glu, skewed)
         xs, targets = _batches(dp)
-        net = _Net(glu, top_k, capacity_factor)
+        net = _Net(glu, top_k, capacity_factor, sp)
         experts = net.experts.local_experts
         assert (
             experts.stop - experts.start == E // ep and experts.start == ps.get_expert_model_parallel_rank() * E // ep
@@ -155,13 +161,20 @@ def training_step_case(tp: int, ep: int, zero1: bool, glu: bool, top_k: int, cap
                 params[name].copy_(value)
         optimizer = trainer.initialize_parallel_optimizer(config, torch.optim.AdamW, net.parameters(), lr=LR)
         rank = ps.get_data_parallel_rank()
-        loss = net(xs[rank], targets[rank])
+        x, target = xs[rank], targets[rank]
+        if sp:  # this tp rank's part of the sequence ([S, B, H]); the replica's loss is the mean of the parts' losses
+            x, target = (t.transpose(0, 1).chunk(tp)[tp_rank] for t in (x, target))
+        loss = net(x, target) / (tp if sp else 1)
         loss.backward()
         if skewed and ps.get_expert_model_parallel_rank() == ep - 1:  # no token reached these experts: zero grads
             assert all(p.grad is not None and not p.grad.any() for p in net.experts.parameters())
         optimizer.step()
+        if sp:  # the layer sees the tokens in [S, B, H] order (which decides who is dropped first)
+            xs, targets = xs.transpose(1, 2), targets.transpose(1, 2)
         ref_loss, ref_norm, ref = _dense_step(w, xs, targets, top_k=top_k, capacity_factor=capacity_factor, glu=glu)
         mean_loss = loss.detach().clone()
+        if sp:
+            torch.distributed.all_reduce(mean_loss, group=ps.get_tensor_model_parallel_group())
         torch.distributed.all_reduce(mean_loss, group=ps.get_data_parallel_group())
         torch.testing.assert_close(mean_loss / dp, ref_loss, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(optimizer.grad_norm.reshape(()), ref_norm, atol=1e-6, rtol=1e-5)
@@ -171,7 +184,11 @@ def training_step_case(tp: int, ep: int, zero1: bool, glu: bool, top_k: int, cap
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=lambda i: "tp{tp}_ep{ep}_zero1_{zero1}".format(**CONFIGS[i]))
+@pytest.mark.parametrize(
+    "index",
+    range(len(CONFIGS)),
+    ids=lambda i: "tp{tp}_ep{ep}_zero1_{zero1}".format(**CONFIGS[i]) + ("_sp" if CONFIGS[i].get("sp") else ""),
+)
 def test_nxd_moe_training_step_under_expert_parallelism_equals_dense(index: int) -> None:
     run_distributed(training_step_case, 4, **CONFIGS[index])
 
