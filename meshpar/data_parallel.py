@@ -85,7 +85,8 @@ class DataParallelGrads:
     ranks' grads are parts of one replica's, summed. Under expert parallelism (``expert_dp_mesh``: the
     expert-data-parallel group, see :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an
     ``"ep"`` dim, are summed over that group after backward and divided by dp, in the all-reduce modes; under FSDP2
-    they are their own units over that group (:func:`apply_fsdp`); ZeRO-1's mode does not take them.
+    they are their own units over that group (:func:`apply_fsdp`); in the optimizer's mode the optimizer reduces them
+    (:class:`meshpar.optim.DistributedOptimizer` owns their state within that group).
     """
 
     def __init__(
@@ -112,11 +113,8 @@ class DataParallelGrads:
                 "(context parallelism: dp alone); use the all-reduce modes, or apply_fsdp(..., divisor=dp)"
             )
         experts = [p for chunk in self._chunk_parameters(experts=True) for p in chunk]
-        if experts and (expert_dp_mesh is None or mode == "optimizer"):
-            raise ValueError(
-                "expert-parallel weights need the expert-data-parallel group and the all-reduce or FSDP2 modes"
-                + (f"; mode {mode!r} (ZeRO-1) does not take them" if expert_dp_mesh is not None else "")
-            )
+        if experts and expert_dp_mesh is None:
+            raise ValueError("expert-parallel weights need the expert-data-parallel group (expert_dp_mesh)")
         overlapped = mode == "overlapped" and dp_mesh.size() > 1
         self.syncs = (
             [OverlappedGradSync(params, dp_mesh, divisor=self.divisor) for params in self._chunk_parameters()]
@@ -154,7 +152,8 @@ class DataParallelGrads:
             # parameters FSDP2 shards over dp (stages sharded by a user's stage_transform) reduced their own grads
             params = (p for chunk in self._chunk_parameters() for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(params, self.dp_mesh, divisor=self.divisor)
-        if self.expert_dp_mesh is not None:  # experts FSDP2 shards over edp reduce-scattered their own grads
+        if self.expert_dp_mesh is not None and self.mode != "optimizer":
+            # experts FSDP2 shards over edp reduce-scattered their own grads; the optimizer's mode leaves them to it
             experts = (p for chunk in self._chunk_parameters(experts=True) for p in chunk if not is_dp_sharded(p))
             allreduce_gradients(experts, self.expert_dp_mesh, divisor=self.divisor)
 

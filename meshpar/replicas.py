@@ -18,20 +18,24 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DTensor, local_tensor
+from meshpar._dp_checks import is_expert_parallel
 from meshpar.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
 
-def _unique_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """name -> tensor for every parameter and buffer, each (tied ones too) once; a DTensor by its local shard."""
+def _unique_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """name -> tensor for every parameter and buffer, each (tied ones too) once; a DTensor by its local shard. And
+    the names of the expert-parallel ones."""
     seen: set[int] = set()
-    tensors = {}
+    tensors, experts = {}, set()
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]:
         if tensor is not None and id(tensor) not in seen:
             seen.add(id(tensor))
             tensors[name] = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-    return tensors
+            if is_expert_parallel(tensor):
+                experts.add(name)
+    return tensors, experts
 
 
 @torch.no_grad()
@@ -63,19 +67,25 @@ def make_replicas_equal(module: nn.Module, dims: ParallelDims, over: Sequence[st
     """Make this rank's ``module`` equal to the first rank's of each group along ``over`` (mesh dims whose ranks
     hold the same module: ``("tp", "dp", "pp")`` for a whole dense model every rank built, ``("tp", "dp")`` for one
     dense pipeline stage, ``("dp",)`` for a tp-sharded chunk, whose dp replicas hold the same shards; sharded
-    parameters go by their local shards, so never name a dim they are sharded over). Call it on every rank of the
-    job; a module on ``meta`` has nothing to make equal."""
-    tensors = _unique_tensors(module)
+    parameters go by their local shards, so never name a dim they are sharded over; expert-parallel ones, whose dp
+    ranks hold different experts, are made equal over the expert-data-parallel group where ``over`` says dp). Call
+    it on every rank of the job; a module on ``meta`` has nothing to make equal."""
+    tensors, expert_names = _unique_tensors(module)
     if not tensors or any(t.is_meta for t in tensors.values()):
         return
     changed: list[str] = []
     sizes = {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp}
+    # expert-parallel tensors (different experts on the dp ranks of an ep group) are replicated over edp only
+    experts = {name: t for name, t in tensors.items() if name in expert_names}
+    dense = {name: t for name, t in tensors.items() if name not in expert_names}
     # cp never shards a weight: whatever is replicated over dp is replicated over cp too (each cp rank runs a part of
     # the same sequences with the same weights)
     for dim in [*over, *(["cp"] if "dp" in over and "cp" not in over else [])]:
         if sizes[dim] > 1:
             mesh = getattr(dims, f"{dim}_mesh")
-            changed += _broadcast_coalesced(tensors, mesh.get_group(), dims.device)
+            changed += _broadcast_coalesced(dense if dim == "dp" else tensors, mesh.get_group(), dims.device)
+        if dim == "dp" and experts and dims.dp // dims.ep > 1:
+            changed += _broadcast_coalesced(experts, dims.edp_mesh.get_group(), dims.device)
     if changed:
         names = sorted(set(changed))
         logger.warning(

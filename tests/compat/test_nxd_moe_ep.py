@@ -295,3 +295,48 @@ def checkpoint_case(tmp: str, zero1: bool) -> None:
 @pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
 def test_nxd_checkpoints_under_expert_parallelism(tmp_path, zero1: bool) -> None:
     run_distributed(checkpoint_case, 4, str(tmp_path), zero1)
+
+
+def replicas_and_grad_modes_case() -> None:
+    """At dp 4 x ep 2 (edp 2): a model whose ranks built different values is made equal with the dense weights over
+    dp and the expert weights over edp only (each ep rank keeps its own experts); the pipeline's grad reduction
+    averages expert grads over edp in its all-reduce mode and leaves them to the optimizer in the optimizer's mode."""
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+    from meshpar.data_parallel import DataParallelGrads
+    from meshpar.parallel_dims import get_parallel
+    from meshpar.replicas import make_replicas_equal
+
+    rank = dist.get_rank()
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        dims = get_parallel()
+        torch.manual_seed(100 + rank)  # every rank builds other values
+        module = _Net(True, 2, None)
+        make_replicas_equal(module, dims, over=("dp",))
+        every = [None] * 4
+        dist.all_gather_object(every, {k: v.detach().clone() for k, v in module.state_dict().items()})
+        edp_first = [0, 1, 0, 1][rank]  # the first rank of this rank's edp group: [0, 2] or [1, 3]
+        for name, value in module.state_dict().items():
+            source = edp_first if ".mlp_op." in name else 0
+            assert torch.equal(value, every[source][name]), name
+        assert not torch.equal(every[0]["experts.mlp_op.down_proj.weight"], every[1]["experts.mlp_op.down_proj.weight"])
+
+        for mode, expected in (("optimizer", "own"), ("allreduce", "edp mean")):
+            for p in module.parameters():
+                p.grad = torch.full_like(p, float(rank + 1))
+            DataParallelGrads(mode, dims.dp_mesh, [module], expert_dp_mesh=dims.expert_dp_mesh).finish()
+            down = module.experts.mlp_op.down_proj.weight.grad
+            router = module.router.linear_router.weight.grad
+            if expected == "own":
+                assert (down == rank + 1).all() and (router == rank + 1).all()
+            else:  # summed over the ranks holding the same experts, divided by dp
+                assert torch.allclose(down, torch.full_like(down, (rank + 1 + (rank + 2) % 4 + 1) / 4))
+                assert torch.allclose(router, torch.full_like(router, 10 / 4))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_replicas_and_grad_modes_keep_expert_weights_per_ep_rank() -> None:
+    run_distributed(replicas_and_grad_modes_case, 4)

@@ -64,11 +64,13 @@ def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
 
 def _leaf_classes(module: nn.Module | None, leaf_module_cls: Sequence[Any] | None) -> list[type]:
     """``leaf_module_cls`` as classes (NxD also takes class names: each resolves to the classes of that name among
-    the model's modules) plus NxD's parallel layers, which the tracer never enters (their collectives are leaves)."""
+    the model's modules) plus NxD's parallel layers and MoE layer, which the tracer never enters (their collectives
+    are leaves; the MoE's routing depends on the values it routes)."""
+    from meshpar.compat.nxd.modules.moe import MoE
     from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
     from meshpar.compat.nxd.parallel_layers import PARALLEL_MODULES
 
-    classes: list[type] = [*PARALLEL_MODULES, GQAQKVColumnParallelLinear]
+    classes: list[type] = [*PARALLEL_MODULES, GQAQKVColumnParallelLinear, MoE]
     names = {type(m).__name__: type(m) for m in module.modules()} if module is not None else {}
     for entry in leaf_module_cls or ():
         if isinstance(entry, str):
