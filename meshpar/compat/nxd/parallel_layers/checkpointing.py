@@ -134,14 +134,16 @@ def load(
         file = _rank_dir(chkpt_path, dims, dims.dp_rank) / _FILE
     error, checkpoint = None, None
     if not file.exists():
-        error = f"{file} does not exist (saved with another tp / pp, or not an NxD-format checkpoint)"
+        error = f"{file} does not exist (saved with another tp / pp / ep, or not an NxD-format checkpoint)"
     else:
         payload = torch.load(file, map_location=dims.device, weights_only=False)
         saved = payload.get("layout", {}) if isinstance(payload, dict) else {}
-        if saved != _saved_layout(dims):
+        now = _saved_layout(dims)
+        if saved != now:
             error = (
-                f"{file} was saved at {saved or 'an unknown layout'}, this run is {_saved_layout(dims)}; this "
-                "format does not reshard (use meshpar.checkpoint for that)"
+                f"{file} was saved at {saved or 'an unknown layout'}, this run is "
+                f"{' '.join(f'{k}={v}' for k, v in now.items())}; this format does not reshard (use meshpar.checkpoint "
+                "for that)"
             )
         else:
             checkpoint = payload["checkpoint"]
