@@ -340,3 +340,30 @@ def replicas_and_grad_modes_case() -> None:
 
 def test_replicas_and_grad_modes_keep_expert_weights_per_ep_rank() -> None:
     run_distributed(replicas_and_grad_modes_case, 4)
+
+
+def init_case() -> None:
+    """Each rank builds only its own experts, each from a seed of its own: at ep 2 they are the ep-1 layer's
+    experts built from the same generator state, and no two experts start equal."""
+    from meshpar.compat.nxd.modules.moe import ExpertMLPs
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+
+    def build() -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        layer = ExpertMLPs(E, 2, H, INTER, "silu", True, None, bias=True)
+        return {name: p.detach().clone() for name, p in layer.named_parameters()}
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    split, block = build(), slice(2 * ps.get_expert_model_parallel_rank(), 2 * ps.get_expert_model_parallel_rank() + 2)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()
+    whole = build()
+    ps.destroy_model_parallel()
+    for name, value in whole.items():
+        assert split[name].shape[0] == E // 2 and torch.equal(split[name], value[block]), name
+    up = whole["mlp_op.gate_up_proj.weight"]
+    assert all(not torch.equal(up[a], up[b]) for a in range(E) for b in range(a))
+
+
+def test_experts_are_built_per_rank_as_the_unsplit_layer_builds_them() -> None:
+    run_distributed(init_case, 4)

@@ -20,8 +20,9 @@ contiguous block (each still split over tp), marked ``expert_model_parallel`` as
 (token, expert) pairs go to the ranks holding their experts by all-to-all and their outputs come back the same way
 (:mod:`meshpar.expert_parallel`'s dispatcher: only the kept pairs travel, rather than NxD's capacity-sized slots,
 to the same result). Capacity is counted over this rank's tokens, as in NxD. A rank whose experts received no
-tokens still gets a (zero) grad for each of them, so every rank's grad reduction sees the same parameters. The
-weights are initialised as the ep-1 layer's would be from the same seed (each rank keeps its block).
+tokens still gets a (zero) grad for each of them, so every rank's grad reduction sees the same parameters. Each
+expert is initialised from a seed of its own (one draw per tensor from the default generator, plus its expert id), so
+a rank builds only its own experts, and they are what the ep-1 layer built from the same generator state holds.
 
 NxD's Neuron kernel options are accepted and change nothing; the few that would change the result
 (``early_expert_affinity_modulation``, hybrid sharding, ``expert_distribution``) are refused, and so are names NxD
@@ -86,19 +87,28 @@ class _ShareOfReplicated(torch.autograd.Function):
         return grad, None
 
 
-def _sharded_parameter(full: torch.Tensor, dim: int, stride: int, tp: int, experts: slice) -> nn.Parameter:
-    """This rank's block of ``experts`` of ``full``, split over tp along ``dim`` (NxD's attributes set; marked
-    ``expert_model_parallel`` when the block is not every expert)."""
-    local = create_local_weight(full[experts], dim, full.shape[dim] // tp, stride)
+def _sharded_parameter(local_experts: torch.Tensor, dim: int, stride: int, tp: int, ep: int) -> nn.Parameter:
+    """This rank's experts' values split over tp along ``dim`` (NxD's attributes set; marked
+    ``expert_model_parallel`` under expert parallelism)."""
+    local = create_local_weight(local_experts, dim, local_experts.shape[dim] // tp, stride)
     param = nn.Parameter(local.contiguous())
     set_tensor_model_parallel_attributes(param, True, dim, stride, tp)
-    _mark_expert_parallel(param, experts, full.shape[0])
+    if ep > 1:
+        param.expert_model_parallel = True
     return param
 
 
-def _mark_expert_parallel(param: nn.Parameter, experts: slice, num_experts: int) -> None:
-    if experts != slice(0, num_experts):
-        param.expert_model_parallel = True
+def _per_expert_init(experts: range, shape: tuple[int, ...], dtype: torch.dtype, init: Callable) -> torch.Tensor:
+    """``[len(experts), *shape]``: expert ``g`` initialised by ``init`` from its own seed, ``base + g``, ``base``
+    drawn once from the default generator (the same draw on every rank). Only this rank's experts are made, and
+    they are the values an unsplit layer built from the same generator state gives them."""
+    base = int(torch.randint(0, 2**62, ()))
+    out = torch.empty(len(experts), *shape, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        for i, g in enumerate(experts):
+            torch.default_generator.manual_seed(base + g)
+            init(out[i])
+    return out
 
 
 class _ExpertProjection(nn.Module):
@@ -119,31 +129,29 @@ class _Experts(nn.Module):
         tp = mlps.tp_mesh.size()
         experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
         divide(inter, tp)
-        mine = mlps.local_experts
+        mine = range(mlps.local_experts.start, mlps.local_experts.stop)
+        ep = experts // len(mine)
 
-        def full(rows: int, cols: int, method: Callable | None) -> torch.Tensor:
-            weight = torch.empty(experts, rows, cols, dtype=config.dtype)
-            for e in range(experts):  # each expert's [in, out] matrix initialised alone, as NxD does
-                if method is None:
-                    nn.init.kaiming_uniform_(weight[e], a=math.sqrt(5))
-                else:
-                    method(weight[e])
-            return weight.to(config.device)
+        def weight(rows: int, cols: int, method: Callable | None) -> torch.Tensor:
+            # each expert's [in, out] matrix initialised alone, as NxD does
+            init = method if method is not None else (lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+            return _per_expert_init(mine, (rows, cols), config.dtype, init).to(config.device)
 
         def bias(size: int, fan_in: int) -> torch.Tensor:
             bound = 1 / math.sqrt(fan_in)
-            return torch.empty(experts, size, dtype=config.dtype).uniform_(-bound, bound).to(config.device)
+            return _per_expert_init(mine, (size,), config.dtype, lambda b: b.uniform_(-bound, bound)).to(config.device)
 
         columns = 2 * inter if config.glu_mlp else inter
         stride = 2 if config.glu_mlp else 1
-        up_weight = _sharded_parameter(full(hidden, columns, init_method), 2, stride, tp, mine)
-        up_bias = _sharded_parameter(bias(columns, hidden), 1, stride, tp, mine) if config.bias else None
+        up_weight = _sharded_parameter(weight(hidden, columns, init_method), 2, stride, tp, ep)
+        up_bias = _sharded_parameter(bias(columns, hidden), 1, stride, tp, ep) if config.bias else None
         setattr(self, "gate_up_proj" if config.glu_mlp else "up_proj", _ExpertProjection(up_weight, up_bias))
-        down_weight = _sharded_parameter(full(inter, hidden, output_init_method), 1, 1, tp, mine)
+        down_weight = _sharded_parameter(weight(inter, hidden, output_init_method), 1, 1, tp, ep)
         down_bias = None
         if config.bias:
-            down_bias = nn.Parameter(bias(hidden, inter)[mine].contiguous())
-            _mark_expert_parallel(down_bias, mine, experts)
+            down_bias = nn.Parameter(bias(hidden, inter))
+            if ep > 1:
+                down_bias.expert_model_parallel = True
         self.down_proj = _ExpertProjection(down_weight, down_bias)
 
 
