@@ -17,6 +17,9 @@ Two ways to bring the keys and values together, both exact (the same masks, the 
   local queries against the whole sequence. One collective each way; K and V of the whole sequence held at once.
 - ``"ring"``: K and V travel around the ring of cp ranks, ``cp - 1`` exchanges forward (and ``cp - 1`` of their
   grads backward); each step attends to one rank's keys, and the partial results are merged by their log-sum-exp.
+  Nothing of size ``queries x keys`` is kept for backward (flash attention's way): the forward keeps the K/V blocks
+  it received, the merged output and the log-sum-exp of every query, and the backward recomputes each step's
+  probabilities from them, one step at a time; each block's K/V grads travel back to their owner around the ring.
 
 Masks are given by what they mean, evaluated on global positions (:class:`AttentionMask`): causal, a sliding window,
 documents packed into one row (a query attends to keys of its own document only), and key padding.
@@ -25,6 +28,7 @@ documents packed into one row (a query attends to keys of its own document only)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,19 +99,6 @@ def gather_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor
     """Every cp rank's tokens of ``x`` along ``dim`` in global order (grads summed over cp and returned to their
     owners in backward)."""
     return _GatherSequence.apply(x, dim, mesh)
-
-
-class _RingShift(torch.autograd.Function):
-    """Send ``x`` to the next cp rank and receive the previous one's; backward sends the grad the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # noqa: ANN001
-        ctx.mesh = mesh
-        return _shift(x, mesh, +1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        return _shift(grad, ctx.mesh, -1), None
 
 
 def _shift(x: torch.Tensor, mesh: DeviceMesh, step: int) -> torch.Tensor:
@@ -204,19 +195,85 @@ def context_parallel_attention(
             return torch.nan_to_num(out, nan=0.0)  # a query with no permitted key: 0, as the ring gives
         out, _ = _attend(q, k_all, v_all, allow, scale, softcap)
         return out.to(q.dtype)
-    outs, lses = [], []
-    kv = torch.stack([k, v])
-    for step in range(cp):
-        owner = (rank - step) % cp  # the rank whose keys and values this step holds
-        k_pos = local_positions(seq_len, cp, owner, q.device)
-        allow = mask.allowed(q_pos, k_pos)
-        out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allow, scale, softcap)
-        outs.append(out)
-        lses.append(lse)
-        if step < cp - 1:
-            kv = _RingShift.apply(kv, mesh)
-    lse_all = torch.stack(lses)
-    total = torch.logsumexp(lse_all, dim=0)
-    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
-    return merged.to(q.dtype)
+    return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap)
+
+
+def _step_probabilities(
+    q: torch.Tensor, k: torch.Tensor, allow: torch.Tensor, lse: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ring step's attention probabilities, normalised by the whole sequence's log-sum-exp ``lse`` (finite), and
+    the soft-capping's ``tanh`` (for its derivative; ``None`` without soft-capping)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        scores = capped * softcap
+    return torch.exp(scores.masked_fill(~allow, float("-inf")) - lse), capped
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring implementation (see the module docstring): forward keeps the received K/V blocks, the output and the
+    log-sum-exp; backward recomputes each step's probabilities and sends each block's K/V grads back to its owner
+    (``cp - 1`` exchanges, accumulated on the way: the grads for one owner's block meet on the ranks that held it)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mesh: DeviceMesh,
+        mask: AttentionMask,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        cp, rank = mesh.size(), mesh.get_local_rank()
+        seq_len, heads = q.shape[2] * cp, q.shape[1]
+        q_pos = local_positions(seq_len, cp, rank, q.device)
+        kv = torch.stack([k, v])
+        blocks, outs, lses = [], [], []
+        for step in range(cp):
+            allow = mask.allowed(q_pos, local_positions(seq_len, cp, (rank - step) % cp, q.device))
+            out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allow, scale, softcap)
+            blocks.append(kv)
+            outs.append(out)
+            lses.append(lse)
+            if step < cp - 1:
+                kv = _shift(kv, mesh, +1)
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # a query with no key: output 0
+        merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
+        ctx.save_for_backward(q, merged, total, torch.stack(blocks))
+        ctx.mesh, ctx.mask, ctx.scale, ctx.softcap = mesh, mask, scale, softcap
+        return merged.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, out, lse, blocks = ctx.saved_tensors
+        mesh, cp, rank = ctx.mesh, ctx.mesh.size(), ctx.mesh.get_local_rank()
+        batch, heads, local, dim = q.shape
+        kv_heads = blocks.shape[3]  # blocks: [cp, k or v, batch, kv_heads, local, head_dim]
+        q_pos = local_positions(local * cp, cp, rank, q.device)
+        qf, d_out = q.float(), grad_out.float()
+        delta = (d_out * out).sum(-1, keepdim=True)  # softmax's backward term, per query
+        dq = torch.zeros_like(qf)
+        block_grads = []
+        for step in range(cp):
+            allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
+            k, v = (_repeat_kv(t, heads).float() for t in blocks[step])
+            probs, capped = _step_probabilities(qf, k, allow, lse, ctx.scale, ctx.softcap)
+            dv = torch.matmul(probs.transpose(-1, -2), d_out)
+            d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta)
+            if capped is not None:
+                d_scores = d_scores * (1 - capped * capped)
+            dq = dq + torch.matmul(d_scores, k) * ctx.scale
+            dk = torch.matmul(d_scores.transpose(-1, -2), qf) * ctx.scale
+            # grouped-query heads: each key/value head's grad is the sum over the query heads it served
+            shape = (batch, kv_heads, heads // kv_heads, local, dim)
+            block_grads.append(torch.stack([dk.view(shape).sum(2), dv.view(shape).sum(2)]))
+        # the block of step s belongs to rank - s; its grad reaches it through the ranks that held it after
+        acc = block_grads[-1]
+        for step in range(cp - 2, -1, -1):
+            acc = block_grads[step] + _shift(acc, mesh, -1)
+        dk, dv = acc.to(blocks.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None

@@ -5,6 +5,8 @@ lengths refused."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +115,64 @@ def test_load_balanced_layout() -> None:
     assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([local_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+def softcap_case(implementation: str) -> None:
+    """Gemma-2's logit soft-capping through both implementations, against one device's capped attention."""
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    generator = torch.Generator().manual_seed(3)  # 3 rows and one key/value head (batch and heads told apart)
+    q, cotangent = torch.randn(3, H, S, D, generator=generator), torch.randn(3, H, S, D, generator=generator)
+    k, v = torch.randn(3, 1, S, D, generator=generator), torch.randn(3, 1, S, D, generator=generator)
+    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation, softcap=2.0)
+    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = H
+    scores = dense[0] @ dense[1].repeat_interleave(rep, 1).transpose(-1, -2) * D**-0.5
+    scores = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~AttentionMask().allowed(torch.arange(S), torch.arange(S)),
+                                                           float("-inf"))  # fmt: skip
+    want = torch.softmax(scores, -1) @ dense[2].repeat_interleave(rep, 1)
+    (want * cotangent).sum().backward()
+    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
+    torch.testing.assert_close(out, want.detach()[:, :, positions], atol=1e-5, rtol=1e-5)
+    for name, got, full in zip("qkv", (t.grad for t in mine), (t.grad for t in dense), strict=True):
+        torch.testing.assert_close(got, full[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+def test_soft_capped_attention_matches_one_device(implementation: str) -> None:
+    run_distributed(softcap_case, 2, implementation)
+
+
+def saved_case(seq: int) -> list[tuple[int, ...]]:
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    local = seq // mesh.size()
+    q = torch.randn(B, H, local, D, requires_grad=True)
+    k, v = (torch.randn(B, KV, local, D, requires_grad=True) for _ in range(2))
+    shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(q, k, v, mesh, AttentionMask(), implementation="ring", softcap=2.0)
+    out.sum().backward()
+    return shapes
+
+
+def test_the_ring_keeps_nothing_of_size_queries_by_keys_for_backward() -> None:
+    """What the ring saves for backward grows with the sequence, not with its square: no saved tensor ends in a
+    (queries, keys) pair of dims, and doubling the sequence doubles the saved elements."""
+    short, long = (run_distributed(saved_case, 2, seq)[0] for seq in (64, 128))
+    for shapes, local in ((short, 32), (long, 64)):
+        assert shapes and not any(shape[-2:] == (local, local) for shape in shapes), shapes
+    assert sum(math.prod(s) for s in long) == 2 * sum(math.prod(s) for s in short)
