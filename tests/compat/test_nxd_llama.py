@@ -105,7 +105,10 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, parallel: bool) -> None:
+    """``layer(parallel)`` builds each decoder layer (this file's ``DecoderLayer`` by default; the Mixtral test passes
+    its MoE layer)."""
+
+    def __init__(self, parallel: bool, layer: type[nn.Module] | None = None, layers: int = LAYERS) -> None:
         super().__init__()
         from meshpar.compat.nxd.modules.rms_norm import RMSNorm
 
@@ -117,7 +120,7 @@ class Llama(nn.Module):
             self.lm_head = ColumnParallelLinear(H, V, bias=False, gather_output=False)
         else:
             self.embed_tokens, self.lm_head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(parallel) for _ in range(LAYERS))
+        self.layers = nn.ModuleList((layer or DecoderLayer)(parallel) for _ in range(layers))
         self.norm = RMSNorm(H, eps=1e-5)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ from torch import nn
 
 from meshpar.testing import run_distributed
 from tests.compat.test_nxd_layers import _shard
+from tests.compat.test_nxd_llama import H, Llama, S, V  # its model, vocabulary, width and sequence length
 
-V, H, E, TOP_K, INTER, LAYERS, S = 32, 16, 4, 2, 12, 2, 8
+E, TOP_K, INTER, LAYERS = 4, 2, 12, 2
 
 
 class DenseExperts(nn.Module):
@@ -77,32 +78,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))[0]
 
 
-class Mixtral(nn.Module):
-    def __init__(self, parallel: bool) -> None:
-        super().__init__()
-        from meshpar.compat.nxd.modules.rms_norm import RMSNorm
-
-        self.parallel = parallel
-        if parallel:
-            from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, ParallelEmbedding
-
-            self.embed_tokens = ParallelEmbedding(V, H)
-            self.lm_head = ColumnParallelLinear(H, V, bias=False, gather_output=False)
-        else:
-            self.embed_tokens, self.lm_head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(parallel) for _ in range(LAYERS))
-        self.norm = RMSNorm(H, eps=1e-5)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.lm_head(self.norm(h))
-        if self.parallel:
-            from meshpar.compat.nxd.parallel_layers.loss_functions import parallel_cross_entropy
-
-            return parallel_cross_entropy(logits, labels).mean()
-        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+def Mixtral(parallel: bool) -> nn.Module:  # noqa: N802 - a model class's name, as the Llama test's
+    """The Llama test's model (vocab-parallel embedding and head, ``parallel_cross_entropy`` inside ``forward``) with
+    these MoE decoder layers."""
+    return Llama(parallel, DecoderLayer, LAYERS)
 
 
 def _local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,10 @@ from tests.compat.test_nxd_layers import _shard
 E, H, INTER = 4, 8, 12
 
 
-def dense_moe(x, router_w, up_w, up_b, down_w, down_b, *, top_k, capacity_factor, normalize, glu, act):
+def dense_moe(x, router_w, up_w, up_b, down_w, down_b, *, top_k, capacity_factor, normalize, glu, act, router_b=None):
     """The dense layer: tokens in (flattened) order, each expert keeps its first C arrivals."""
     tokens = x.reshape(-1, x.shape[-1])
-    logits = tokens @ router_w.T
+    logits = tokens @ router_w.T + (router_b if router_b is not None else 0)
     affinities = F.softmax(logits, dim=1, dtype=torch.float64).to(x.dtype)
     index = logits.topk(top_k, dim=1).indices
     total = tokens.shape[0]
@@ -39,7 +39,8 @@ def dense_moe(x, router_w, up_w, up_b, down_w, down_b, *, top_k, capacity_factor
     out = torch.zeros_like(tokens)
     for e in range(E):
         h = tokens @ up_w[e] + (up_b[e] if up_b is not None else 0)
-        h = act(h[:, :INTER]) * h[:, INTER:] if glu else act(h)
+        inter = down_w.shape[1]
+        h = act(h[:, :inter]) * h[:, inter:] if glu else act(h)
         y = h @ down_w[e] + (down_b[e] if down_b is not None else 0)
         out = out + y * weights[:, e : e + 1]
     return out.view(x.shape), logits, index

@@ -8,45 +8,27 @@ the expert-parallel regions' all-to-all, an ep rank whose experts get no token, 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshpar.testing import run_distributed
 from tests.compat.test_nxd_layers import _shard
+from tests.compat.test_nxd_moe import dense_moe
 
 E, H, INTER, B, S = 4, 8, 6, 2, 4
 LR, MAX_NORM = 0.05, 0.05
 
 
 def dense_replica_loss(x, target, w, *, top_k, capacity_factor, glu):
-    """One replica's loss through the dense layer: softmax affinities over all experts, each token's top-k experts,
-    each expert keeping its first C arrivals among this replica's tokens (C from its token count), the kept
-    affinities renormalised for top-k > 1."""
-    tokens = x.reshape(-1, H)
-    logits = tokens @ w["router_w"].T + w["router_b"]
-    affinities = F.softmax(logits, dim=1, dtype=torch.float64).to(x.dtype)
-    index = logits.topk(top_k, dim=1).indices
-    total = tokens.shape[0]
-    capacity = total
-    if capacity_factor is not None and capacity_factor < E / top_k:
-        capacity = min(math.ceil(total * top_k * capacity_factor / E), total)
-    seen, keep = [0] * E, torch.zeros(total, E)
-    for t in range(total):
-        for e in index[t].tolist():
-            seen[e] += 1
-            keep[t, e] = float(seen[e] <= capacity)
-    weights = affinities * keep
-    if top_k > 1:
-        weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    out = torch.zeros_like(tokens)
-    for e in range(E):
-        h = tokens @ w["up_w"][e] + w["up_b"][e]
-        h = F.silu(h[:, :INTER]) * h[:, INTER:] if glu else F.relu(h)
-        out = out + (h @ w["down_w"][e] + w["down_b"][e]) * weights[:, e : e + 1]
-    return ((out.view(x.shape) - target) ** 2).mean()
+    """One replica's loss through the dense layer (``test_nxd_moe.dense_moe``: capacity counted over this replica's
+    tokens, the kept affinities renormalised for top-k > 1)."""
+    out, _, _ = dense_moe(
+        x, w["router_w"], w["up_w"], w["up_b"], w["down_w"], w["down_b"], top_k=top_k,
+        capacity_factor=capacity_factor, normalize=top_k > 1, glu=glu, act=F.silu if glu else F.relu,
+        router_b=w["router_b"],
+    )  # fmt: skip
+    return ((out - target) ** 2).mean()
 
 
 def _full_weights(glu: bool, skewed: bool) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_stat
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
 from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
-from meshpar.parallel_dims import get_parallel
+from meshpar.parallel_dims import ParallelDims, get_parallel
 from meshpar.pipeline.model import PipelineModel
 
 _DONE = "done"
@@ -174,7 +174,7 @@ def save_checkpoint(
     dist.barrier()
 
 
-def _refuse_dcp_with_experts(dims: Any) -> None:
+def _refuse_dcp_with_experts(dims: ParallelDims) -> None:
     if dims.ep > 1:  # the ep ranks' different experts share parameter names, which key the DCP state
         raise NotImplementedError(
             "use_zero1_dcp=True under expert parallelism is not provided (expert weights of different ep ranks share "

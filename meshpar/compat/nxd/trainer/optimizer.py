@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from meshpar._dp_checks import is_expert_parallel
 from meshpar.compat.nxd.parallel_layers import grads
 from meshpar.parallel_dims import get_parallel
 
@@ -79,7 +80,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         for param in self.params:
             grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
             if grad is not None:
-                (experts if getattr(param, "expert_model_parallel", False) else dense).append(grad.data)
+                (experts if is_expert_parallel(param) else dense).append(grad.data)
         return dense, experts
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -1,6 +1,6 @@
 """``neuronx_distributed.modules.moe``: NxD's mixture-of-experts layer for training: routers (:mod:`.routing`),
 expert MLPs split over tp and, with ``expert_model_parallel_size`` > 1, over ep (:mod:`.expert_mlps`), the ``MoE``
-layer (:mod:`.model`) and the load-balancing loss (:mod:`.loss_function`)"""
+layer (:mod:`.model`) and the load-balancing loss (:mod:`.loss_function`)."""
 
 from meshpar.compat.nxd.modules.moe.expert_mlps import ExpertMLPs
 from meshpar.compat.nxd.modules.moe.loss_function import load_balancing_loss_func
