@@ -52,12 +52,24 @@ def test_a_script_that_did_not_finish_keeps_its_failure(body: str, tmp_path: Pat
 @pytest.mark.parametrize("rank_0_finishes", [True, False])
 def test_under_torchrun_every_rank_must_have_finished(rank_0_finishes: bool, tmp_path: Path) -> None:
     """Rank 1 aborts in finalisation; torchrun stops rank 0 with SIGTERM. Taken as finished only when rank 0 had
-    finished too (else it waits for a signal, and it is torchrun's SIGTERM that ends it)."""
+    finished too (else it waits for a signal, and it is torchrun's SIGTERM that ends it). When rank 0 finishes, rank 1
+    waits until rank 0's process has ended (its pid in a file; no timing): on a loaded machine rank 1 could otherwise
+    abort before rank 0 got through its start-up, and torchrun's SIGTERM would end a rank 0 that never ran."""
     rank_0 = "pass" if rank_0_finishes else "import signal; signal.pause()"
     body = f"""
+    import pathlib, time
+    pid_file = pathlib.Path("rank0.pid")
     if os.environ["RANK"] == "1":
+        while {rank_0_finishes}:  # until rank 0's process has ended (gone, or a zombie torchrun has not reaped)
+            if pid_file.exists() and pid_file.read_text():
+                stat = pathlib.Path(f"/proc/{{pid_file.read_text()}}/stat")
+                if not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
         bomb = _AbortsWhenCollected()
     else:
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        pid_file.with_suffix(".tmp").rename(pid_file)
         {rank_0}
     """
     result = launch(_script(tmp_path, body), nproc=2, cwd=tmp_path)
