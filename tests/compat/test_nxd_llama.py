@@ -137,7 +137,6 @@ class Llama(nn.Module):
 
 def llama_case(tp: int, pp: int) -> None:
     import meshpar.compat.nxd as nxd
-    from meshpar.compat.nxd.parallel_layers import parallel_state
     from meshpar.compat.nxd.utils.adamw_fp32_optim_params import AdamW_FP32OptimParams
 
     pipeline_config = {"transformer_layer_cls": DecoderLayer, "num_microbatches": 2, "output_loss_value_spec": True,
@@ -161,27 +160,44 @@ def llama_case(tp: int, pp: int) -> None:
     model = nxd.initialize_parallel_model(config, build)
     optimizer = nxd.initialize_parallel_optimizer(config, AdamW_FP32OptimParams, model.parameters(), lr=3e-3)
     dense_optimizer = AdamW_FP32OptimParams(dense.parameters(), lr=3e-3)
-    dp_rank = parallel_state.get_data_parallel_rank()
     for step in range(3):
-        torch.manual_seed(50 + step)
-        ids = torch.randint(0, V, (4 * dp, S + 1))
-        inputs, labels = ids[:, :-1], ids[:, 1:]
-        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
-        if pp > 1:
-            loss = model.run_train(input_ids=inputs[mine], labels=labels[mine])
-        else:
-            loss = model.run_train(inputs[mine], labels[mine]).detach()
-            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-            loss = loss / dp
-        optimizer.step()
-        optimizer.zero_grad()
-        dense_loss = dense(inputs, labels)
-        dense_loss.backward()
-        torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
-        dense_optimizer.step()
-        dense_optimizer.zero_grad()
-        torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=2e-5, rtol=1e-5)
+        train_step_like_dense(model, optimizer, dense, dense_optimizer, step, rows=4, max_norm=1.0)
         assert_params_match(model, dict(dense.named_parameters()), atol=3e-5)
+
+
+def train_step_like_dense(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dense: nn.Module,
+    dense_optimizer: torch.optim.Optimizer,
+    step: int,
+    *,
+    rows: int,
+    max_norm: float,
+) -> None:
+    """One step of the parallel model through NxD's trainer API (``rows`` sequences per dp rank) and of the dense
+    model on every dp rank's rows (clipped to ``max_norm``); their losses must be equal."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    torch.manual_seed(50 + step)
+    ids = torch.randint(0, V, (rows * dp, S + 1))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    mine = slice(rows * dp_rank, rows * dp_rank + rows)
+    if parallel_state.get_pipeline_model_parallel_size() > 1:
+        loss = model.run_train(input_ids=inputs[mine], labels=labels[mine])
+    else:
+        loss = model.run_train(inputs[mine], labels[mine]).detach()
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        loss = loss / dp
+    optimizer.step()
+    optimizer.zero_grad()
+    dense_loss = dense(inputs, labels)
+    dense_loss.backward()
+    torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+    dense_optimizer.step()
+    dense_optimizer.zero_grad()
+    torch.testing.assert_close(loss.reshape(()).cpu(), dense_loss.detach(), atol=2e-5, rtol=1e-5, msg=f"step {step}")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])

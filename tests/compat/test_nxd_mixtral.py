@@ -15,7 +15,11 @@ from torch import nn
 
 from meshpar.testing import run_distributed
 from tests.compat.test_nxd_layers import _shard
-from tests.compat.test_nxd_llama import H, Llama, S, V  # its model, vocabulary, width and sequence length
+from tests.compat.test_nxd_llama import (  # its model, vocabulary, width and sequence length
+    H,
+    Llama,
+    train_step_like_dense,
+)
 
 E, TOP_K, INTER, LAYERS = 4, 2, 12, 2
 
@@ -133,28 +137,8 @@ def mixtral_case(tp: int, pp: int, ep: int = 2) -> None:
         model = nxd.initialize_parallel_model(config, build)
         optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=3e-3)
         dense_optimizer = torch.optim.AdamW(dense.parameters(), lr=3e-3)
-        dp_rank = parallel_state.get_data_parallel_rank()
         for step in range(3):
-            torch.manual_seed(50 + step)
-            ids = torch.randint(0, V, (2 * dp, S + 1))
-            inputs, labels = ids[:, :-1], ids[:, 1:]
-            mine = slice(2 * dp_rank, 2 * dp_rank + 2)
-            if pp > 1:
-                loss = model.run_train(input_ids=inputs[mine], labels=labels[mine])
-            else:
-                loss = model.run_train(inputs[mine], labels[mine]).detach()
-                torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-                loss = loss / dp
-            optimizer.step()
-            optimizer.zero_grad()
-            dense_loss = dense(inputs, labels)
-            dense_loss.backward()
-            torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
-            dense_optimizer.step()
-            dense_optimizer.zero_grad()
-            torch.testing.assert_close(
-                loss.reshape(()).cpu(), dense_loss.detach(), atol=2e-5, rtol=1e-5, msg=f"loss of step {step}"
-            )
+            train_step_like_dense(model, optimizer, dense, dense_optimizer, step, rows=2, max_norm=0.5)
             held = _stage_params(model)
             experts = [name for name in held if ".expert_mlps." in name]  # every stage holds a MoE layer
             assert experts and all(getattr(held[name], "expert_model_parallel", False) for name in experts)
