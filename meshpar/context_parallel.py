@@ -147,10 +147,7 @@ def _attend(
     """Softmax attention of ``q`` over the keys ``allow`` permits: (output, log-sum-exp per query); a query with no
     permitted key gets output 0 and log-sum-exp -inf (so that merging ignores it). ``softcap``: Gemma-2's logit
     soft-capping, ``softcap * tanh(scores / softcap)``."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allow, float("-inf"))
+    scores = _masked_scores(q.float(), k.float(), allow, scale, softcap)[0]
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - finite)  # exp(-inf) = 0 where masked
@@ -198,17 +195,17 @@ def context_parallel_attention(
     return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap)
 
 
-def _step_probabilities(
-    q: torch.Tensor, k: torch.Tensor, allow: torch.Tensor, lse: torch.Tensor, scale: float, softcap: float | None
+def _masked_scores(
+    q: torch.Tensor, k: torch.Tensor, allow: torch.Tensor, scale: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One ring step's attention probabilities, normalised by the whole sequence's log-sum-exp ``lse`` (finite), and
-    the soft-capping's ``tanh`` (for its derivative; ``None`` without soft-capping)."""
+    """The scaled (and soft-capped) scores, -inf where ``allow`` forbids; and the soft-capping's ``tanh`` (for its
+    derivative; ``None`` without soft-capping)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     capped = None
     if softcap is not None:
         capped = torch.tanh(scores / softcap)
         scores = capped * softcap
-    return torch.exp(scores.masked_fill(~allow, float("-inf")) - lse), capped
+    return scores.masked_fill(~allow, float("-inf")), capped
 
 
 class _RingAttention(torch.autograd.Function):
@@ -261,7 +258,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
             k, v = (_repeat_kv(t, heads).float() for t in blocks[step])
-            probs, capped = _step_probabilities(qf, k, allow, lse, ctx.scale, ctx.softcap)
+            scores, capped = _masked_scores(qf, k, allow, ctx.scale, ctx.softcap)
+            probs = torch.exp(scores - lse)  # normalised by the whole sequence's (finite) log-sum-exp
             dv = torch.matmul(probs.transpose(-1, -2), d_out)
             d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta)
             if capped is not None:
