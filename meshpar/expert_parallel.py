@@ -132,15 +132,25 @@ def experts_touched(output: torch.Tensor, parameters: list[torch.Tensor]) -> tor
 DROP_POLICIES = ("probs", "position")
 
 
-def drop_over_capacity(
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, factor: float, policy: str = "probs"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megatron-Core's token dropping: each expert keeps at most ``ceil(tokens * k / num_experts * factor)`` of the
-    routes ``[tokens, k]`` it got, those with the highest routing weight (``policy="probs"``) or of the earliest tokens
-    (``"position"``); a dropped route gets the expert id ``num_experts`` (routed nowhere) and weight 0. Kept routes
-    keep their weights (no renormalisation, as Megatron-Core)."""
+def capacity_keep(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    factor: float,
+    policy: str = "probs",
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which routes ``[tokens, k]`` Megatron-Core's token dropping keeps (a bool mask of their shape): each expert at
+    most ``ceil(tokens * k / num_experts * factor)`` of those it got, the highest routing weights (``"probs"``) or
+    the earliest tokens' (``"position"``), ties going to the earlier token. ``order`` (``[tokens]``, distinct) is each
+    token's place in the dense model's token order where the rows arrive in another (sequence-parallel shards, cp
+    chunks); ``None``: the rows' own order."""
     if policy not in DROP_POLICIES:
         raise ValueError(f"unknown drop policy {policy!r}; one of {DROP_POLICIES}")
+    if order is not None:  # decide in the dense order, answer in the rows' own
+        perm = torch.argsort(order)
+        keep = capacity_keep(top_k_index[perm], top_k_weights[perm], num_experts, factor, policy)
+        return torch.empty_like(keep).index_copy(0, perm, keep)
     tokens, k = top_k_index.shape
     capacity = math.ceil(tokens * k / num_experts * factor)
     flat = top_k_index.reshape(-1)
@@ -153,6 +163,26 @@ def drop_over_capacity(
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(flat)
     rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-    keep = (rank < capacity) & (flat < num_experts)
-    index = torch.where(keep, flat, num_experts).view_as(top_k_index)
-    return index, top_k_weights * keep.view_as(top_k_weights).to(top_k_weights.dtype)
+    return ((rank < capacity) & (flat < num_experts)).view_as(top_k_index)
+
+
+def drop_over_capacity(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    factor: float,
+    policy: str = "probs",
+    order: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-Core's token dropping (:func:`capacity_keep`): a dropped route gets the expert id ``num_experts``
+    (routed nowhere) and weight 0. Kept routes keep their weights (no renormalisation, as Megatron-Core)."""
+    keep = capacity_keep(top_k_index, top_k_weights, num_experts, factor, policy, order)
+    return without_dropped(top_k_index, top_k_weights, keep, num_experts)
+
+
+def without_dropped(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, keep: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes with those not in ``keep`` sent nowhere (expert id ``num_experts``, weight 0)."""
+    index = torch.where(keep, top_k_index, num_experts)
+    return index, top_k_weights * keep.to(top_k_weights.dtype)

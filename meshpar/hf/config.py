@@ -110,11 +110,6 @@ class ParallelConfig:
                 "config key 'context_parallel_implementation' must be 'all_gather' or 'ring', got "
                 f"{self.context_parallel_implementation!r}"
             )
-        if self.context_parallel_size > 1 and factor is not None:
-            raise ValueError(
-                "config keys 'context_parallel_size' > 1 and 'expert_capacity_factor' cannot be combined: an expert's "
-                "capacity counts the routes of one forward of a replica's whole sequences, which cp splits over ranks"
-            )
         if self.fsdp and self.overlap_grad_reduce:
             raise ValueError(
                 "config keys 'fsdp' and 'overlap_grad_reduce' exclude each other: FSDP2 reduce-scatters the grads "

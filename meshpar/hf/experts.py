@@ -26,7 +26,8 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Replicate, Shard
 from meshpar._in_place import mix_into
-from meshpar.expert_parallel import combine, dispatch, drop_over_capacity, experts_touched
+from meshpar.expert_parallel import capacity_keep, combine, dispatch, experts_touched, without_dropped
+from meshpar.hf.capacity import TokenLayout, dense_token_order
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import (
     all_gather,
@@ -54,6 +55,10 @@ class _LocalExperts:
     num_experts: int
     # tokens arrive as sequence shards (sequence parallelism): gathered on entry, the output reduce-scattered back
     sequence_parallel: bool
+    # token dropping under sequence or context parallelism: the layer's input grid of this forward, recorded by a
+    # pre-hook on the layer (meshpar.hf.capacity.record_token_layouts)
+    token_layout_recorded: bool = False
+    token_layout: TokenLayout | None = None
 
     def forward(
         self,
@@ -69,18 +74,42 @@ class _LocalExperts:
                 )
             return self._forward_blocks(hidden_states) if self.ep_mesh is None else self._route_blocks(hidden_states)
         mesh = self.tp_mesh
+        order, cp_mesh = None, None
+        if self.capacity is not None and self.token_layout_recorded:  # out of the dense order: meshpar.hf.capacity
+            # (the layout is kept after use: a recomputing backward runs the experts again without their layer's hooks)
+            rows, device = hidden_states.shape[0], hidden_states.device
+            order = dense_token_order(self.token_layout, rows, mesh, self.sequence_parallel, device)
+            cp_mesh = self.token_layout.cp_mesh
         if self.sequence_parallel:  # per-token inputs: any dim-0 order works if the output is scattered back alike
             hidden_states = gather_from_sp(hidden_states, mesh, 0)
             top_k_weights = gather_from_sp(top_k_weights, mesh, 0)
             top_k_index = all_gather(top_k_index, mesh, 0)
+            order = all_gather(order, mesh, 0) if order is not None else None
         else:
             hidden_states, top_k_weights = copy_to_tp(hidden_states, mesh), copy_to_tp(top_k_weights, mesh)
         if self.capacity is not None:  # on every tp rank alike: the same tokens, the same routes
-            top_k_index, top_k_weights = drop_over_capacity(
-                top_k_index, top_k_weights, self.num_experts, *self.capacity
-            )
+            top_k_index, top_k_weights = self._drop_over_capacity(top_k_index, top_k_weights, order, cp_mesh)
         out = self._forward_routed(hidden_states, top_k_index, top_k_weights)
         return reduce_scatter_to_sp(out, mesh, 0) if self.sequence_parallel else reduce_from_tp(out, mesh)
+
+    def _drop_over_capacity(
+        self, index: torch.Tensor, weights: torch.Tensor, order: torch.Tensor | None, cp_mesh: DeviceMesh | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routes past their expert's capacity sent nowhere, decided over one forward of the replica's tokens
+        in the dense order: this cp rank's chunks decide with the other cp ranks' routes (gathered; no grad flows
+        through the decision)."""
+        if cp_mesh is None:
+            keep = capacity_keep(index, weights, self.num_experts, *self.capacity, order)
+        else:
+            rows, rank = index.shape[0], cp_mesh.get_local_rank()
+            keep = capacity_keep(
+                all_gather(index, cp_mesh, 0),
+                all_gather(weights.detach(), cp_mesh, 0),
+                self.num_experts,
+                *self.capacity,
+                all_gather(order, cp_mesh, 0),
+            )[rank * rows : (rank + 1) * rows]
+        return without_dropped(index, weights, keep, self.num_experts)
 
     def _forward_routed(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

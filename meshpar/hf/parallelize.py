@@ -31,6 +31,7 @@ from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
 from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, stop_all_ranks_on_error
 from meshpar.grad_clip import mark_shared_copy
 from meshpar.grad_sync import OverlappedGradSync
+from meshpar.hf.capacity import dropless, record_token_layouts
 from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.context_parallel import (
     GATHER_POINTS,
@@ -261,6 +262,8 @@ class ParallelizedModel(nn.Module):
         self._record_replacements(originals)
         if probe is not None:
             self._verify_context_parallel(self.module, *probe)
+        # capacity-limited experts seeing their tokens out of the dense order, or some of them, learn where each sits
+        record_token_layouts(self.local_modules(), self.plan.layers, self.dims.cp > 1)
 
     def _pool_at(self, model: nn.Module, point: str, gathers: bool = True) -> list[Any]:
         """A pooled or span head's hooks (:func:`meshpar.hf.context_parallel.pool_over_whole_sequences`) on
@@ -282,7 +285,10 @@ class ParallelizedModel(nn.Module):
                 for handle in self._pool_hooks:
                     handle.remove()
                 self._pool_hooks = self._pool_at(module, point)
-            found = verify_context_parallel(module, ids, dense_logits, self.dims, impl, self._cp_padding_idx, pooled)
+            with dropless(module):  # proven against the dense forward, which drops nothing
+                found = verify_context_parallel(
+                    module, ids, dense_logits, self.dims, impl, self._cp_padding_idx, pooled
+                )
             failed = first_failure_on_any_rank(found)
             if failed is None:
                 return

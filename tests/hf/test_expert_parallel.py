@@ -437,14 +437,20 @@ def _dropping_dense(dense: torch.nn.Module, factor: float, policy: str) -> list[
     return dropped
 
 
-def capacity_case(family: str, ep: int, tp: int, factor: float, policy: str) -> int:
+def capacity_case(
+    family: str, ep: int, tp: int, factor: float, policy: str, cp: int = 1, sequence_parallel: bool = False
+) -> int:
     """Token dropping per forward of one replica's tokens (Megatron-Core's capacity): the step equals a dense model
     that drops the same routes, run replica by replica on the same rows (its token losses summed over the global
-    count); returns the routes the dense reference dropped."""
-    dims = setup_parallel(tp=tp, ep=ep)
+    count); returns the routes the dense reference dropped. Under sequence parallelism the experts get the tp ranks'
+    shards, under context parallelism each cp rank two chunks of every sequence: the routes kept are still those the
+    dense model keeps over the replica's whole batch, in its order (two rows per replica at least, so that an order
+    of the rows' shards would differ)."""
+    dims = setup_parallel(tp=tp, ep=ep, cp=cp)
     dense = build(family)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "expert_capacity_factor": factor,
-              "expert_drop_policy": policy}  # fmt: skip
+              "expert_drop_policy": policy, "context_parallel_size": cp,
+              "sequence_parallel": sequence_parallel}  # fmt: skip
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     dropped = _dropping_dense(dense, factor, policy)
     data = batch(family, rows=4)
@@ -472,13 +478,21 @@ def capacity_case(family: str, ep: int, tp: int, factor: float, policy: str) -> 
 
 
 @pytest.mark.parametrize(
-    "family,ep,tp,factor,policy",
-    [("mixtral", 2, 1, 1.0, "probs"), _slow("mixtral", 2, 2, 0.75, "position"), _slow("qwen2_moe", 1, 2, 1.0, "probs")],
+    "family,ep,tp,factor,policy,cp,sp",
+    [
+        ("mixtral", 2, 1, 1.0, "probs", 1, False),
+        ("mixtral", 1, 2, 0.75, "position", 1, True),  # tp2 x dp2: each replica's two rows in tp shards
+        ("mixtral", 1, 1, 0.75, "position", 2, False),  # cp2 x dp2
+        _slow("mixtral", 2, 2, 0.75, "position", 1, False),
+        _slow("qwen2_moe", 1, 2, 1.0, "probs", 1, False),
+        _slow("mixtral", 2, 1, 1.0, "probs", 2, False),  # ep2 carved from dp2 x cp2
+        _slow("qwen2_moe", 1, 2, 0.75, "probs", 2, True),  # cp2 x tp2 with sequence parallelism, one replica
+    ],
 )
 def test_capacity_factor_drops_the_routes_a_dense_model_dropping_them_drops(
-    family: str, ep: int, tp: int, factor: float, policy: str
+    family: str, ep: int, tp: int, factor: float, policy: str, cp: int, sp: bool
 ) -> None:
-    dropped = run_distributed(capacity_case, 4, family, ep, tp, factor, policy)
+    dropped = run_distributed(capacity_case, 4, family, ep, tp, factor, policy, cp, sp)
     assert all(d > 0 for d in dropped), dropped
 
 
@@ -495,6 +509,53 @@ def test_drop_over_capacity_keeps_each_experts_best_routes() -> None:
     assert kept.tolist() == [[0, 1], [0, 2], [2, 1], [2, 2]]
     with pytest.raises(ValueError, match="unknown drop policy"):
         drop_over_capacity(index, weights, 2, 0.5, "random")
+
+
+class _Mesh:
+    """The two things :func:`meshpar.hf.capacity.dense_token_order` asks of a mesh."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def test_dense_token_order_places_sequence_shards_and_cp_chunks() -> None:
+    """Rows of a layer input ``[batch, seq]`` as this rank holds it, as indices into the replica's whole batch
+    flattened: tp rank 1's shard of 3 tokens is positions 3..5 of each row of 6; under cp2 rank 0 (chunks 0 and 3 of
+    a row of 8) tp rank 1 holds the second chunk: positions 6, 7. A layer input that is not the experts' rows is
+    refused."""
+    from meshpar.hf.capacity import TokenLayout, dense_token_order
+
+    cpu = torch.device("cpu")
+    order = dense_token_order(TokenLayout(2, 3, None), 6, _Mesh(2, 1), True, cpu)
+    assert order.tolist() == [3, 4, 5, 9, 10, 11]
+    order = dense_token_order(TokenLayout(2, 2, _Mesh(2, 0)), 4, _Mesh(2, 1), True, cpu)
+    assert order.tolist() == [6, 7, 14, 15]
+    order = dense_token_order(TokenLayout(1, 4, _Mesh(2, 1)), 4, _Mesh(2, 0), False, cpu)
+    assert order.tolist() == [2, 3, 4, 5]  # cp rank 1: chunks 1 and 2
+    for layout in (None, TokenLayout(2, 3, None)):
+        with pytest.raises(RuntimeError, match="leave expert_capacity_factor unset"):
+            dense_token_order(layout, 5, _Mesh(1, 0), False, cpu)
+
+
+def test_capacity_keep_decides_in_the_given_order() -> None:
+    """The same routes in another row order, with that order given, keep the same routes as in the dense order."""
+    from meshpar.expert_parallel import capacity_keep
+
+    generator = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 4, (12, 2), generator=generator)
+    weights = torch.randint(1, 4, (12, 2), generator=generator) / 4  # many ties, broken by the earlier token
+    perm = torch.randperm(12, generator=generator)
+    for policy in ("probs", "position"):
+        want = capacity_keep(index, weights, 4, 0.5, policy)
+        got = capacity_keep(index[perm], weights[perm], 4, 0.5, policy, order=perm)
+        assert torch.equal(got, want[perm]), policy
+        assert not torch.equal(capacity_keep(index[perm], weights[perm], 4, 0.5, policy), want[perm]), policy
 
 
 def no_rows_case(ep: int, tp: int) -> None:
