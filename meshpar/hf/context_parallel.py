@@ -317,17 +317,19 @@ def verify_context_parallel(
     implementation: str,
     padding_idx: int | None,
     pooled: bool,
+    **forward_kwargs: Any,
 ) -> str | None:
     """What differs between the context-parallel model's logits for this rank's tokens and the dense ones (``None``
     when they agree): the proof that the family's attention is what :func:`_attention` computes. ``pooled``: a
-    pooled or span head, called with whole sequences (:func:`pool_over_whole_sequences`), its outputs whole."""
+    pooled or span head, called with whole sequences (:func:`pool_over_whole_sequences`), its outputs whole;
+    ``forward_kwargs``: for the model's forward besides the ids."""
     mesh = dims.cp_mesh
     inputs = {"input_ids": ids}
     if not pooled:
         _, inputs = shard_batch(None, inputs, mesh, implementation, False, padding_idx)  # as the steps cut batches
     try:
         with eval_mode(model):
-            logits = head_output(model(**inputs, use_cache=False)).float()
+            logits = head_output(model(**inputs, use_cache=False, **forward_kwargs)).float()
     except Exception as error:  # the family's forward cannot run this way: a refusal, never a crash
         return f"its forward raises {type(error).__name__}: {error}"
     positions = local_positions(ids.shape[-1], mesh.size(), mesh.get_local_rank(), ids.device)

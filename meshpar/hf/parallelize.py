@@ -54,7 +54,13 @@ from meshpar.hf.init import init_hf_weights
 from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, causal_labels_shifted, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
-from meshpar.hf.router_loss import RouterLoss, check_router_loss_layout, router_loss_wanted
+from meshpar.hf.router_loss import (
+    RouterLoss,
+    check_router_loss_layout,
+    recorded_router_logits,
+    router_loss_asked,
+    router_loss_wanted,
+)
 from meshpar.hf.stages import (
     PipelineLayout,
     block_lists,
@@ -208,8 +214,20 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(model, self.dims.pp, self.plan.sequence_parallel)
+        check_router_loss_layout(model, self.dims.pp)
         self._router_loss = RouterLoss(model)
+        # under sequence parallelism the model's own load-balancing loss cannot run on the routers' shards: meshpar's
+        # is computed from the recorded logits instead, its formula proven on the dense model here
+        self._router_loss_over_shards = self.plan.sequence_parallel and router_loss_asked(model)
+        self._no_router_loss = {"output_router_logits": False} if self._router_loss_over_shards else {}
+        if self._router_loss_over_shards:
+            if self._from_meta:
+                raise ValueError(
+                    f"{type(model).__name__}: the routers' load-balancing loss under sequence_parallel is proven on "
+                    "the dense model first, and one built on meta has no values; build it on CPU, or set "
+                    "output_router_logits=False"
+                )
+            self._router_loss.prove(model)
         self._verify(model)
         self._no_kv_cache = {"use_cache": False} if _builds_kv_cache(model) else {}  # see forward
         self.recipe = self._recipe()
@@ -287,7 +305,7 @@ class ParallelizedModel(nn.Module):
                 self._pool_hooks = self._pool_at(module, point)
             with dropless(module):  # proven against the dense forward, which drops nothing
                 found = verify_context_parallel(
-                    module, ids, dense_logits, self.dims, impl, self._cp_padding_idx, pooled
+                    module, ids, dense_logits, self.dims, impl, self._cp_padding_idx, pooled, **self._no_router_loss
                 )
             failed = first_failure_on_any_rank(found)
             if failed is None:
@@ -610,6 +628,7 @@ class ParallelizedModel(nn.Module):
 
     def _forward_on(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> Any:
         """:meth:`_module_forward` on a checked batch whose targets are already apart from the model's inputs."""
+        inputs = {**inputs, **self._no_router_loss}  # see _build: the model's own cannot run on sequence shards
         if torch.is_grad_enabled():
             # a training forward needs no key/value cache, and one costs: compiled blocks guard on their layer's cache
             # slot, so each layer compiles its own graph and past dynamo's recompile limit (8) the rest run eagerly;
@@ -618,6 +637,13 @@ class ParallelizedModel(nn.Module):
             inputs = {**self._no_kv_cache, **inputs}
         if targets is None or self.loss_fn is None:
             return self.module(**inputs, **({"labels": targets} if targets is not None else {}))
+        if self._router_loss_over_shards:
+            with recorded_router_logits(self.module) as router_logits:
+                out = self.module(**inputs)
+            out["loss"] = self.loss_fn.of_output(out, targets, normalizer)
+            padding = local_key_padding(inputs, self.dims.cp_mesh) if self.dims.cp > 1 else inputs.get("attention_mask")
+            out["loss"] = out["loss"] + self._router_loss.over_shards(router_logits, padding, self.dims)
+            return out
         out = self.module(**inputs)
         out["loss"] = self.loss_fn.of_output(out, targets, normalizer)
         if router_loss_wanted(out):  # the routers' load-balancing loss, over the global batch as the tokens' loss

@@ -11,35 +11,72 @@ Under context parallelism each cp rank routes its own chunks' tokens: the counts
 scores its tokens' probabilities (padding masked by the whole sequence's padding mask, cut to the rank's chunks), and
 the cp ranks' shares sum to their replica's.
 
-The formula is checked once against the model's own loss on its own outputs (``output.aux_loss``); a family whose
-auxiliary loss it does not reproduce is refused, never approximated.
+Under sequence parallelism each tp rank's routers run on its shard of the sequence, and the model's own loss, which
+reads every router's logits against the whole padding mask, cannot run on them: the forward is called without it
+(``output_router_logits=False``), the routers' logits are taken from the modules transformers records them from
+(:func:`recorded_router_logits`), each tp rank scores its shard's tokens (the counts summed over tp as well) and the
+tp ranks' shares are added into one value on every tp rank, each rank's grads from its own share (summed over tp as
+every per-token module's are under sequence parallelism).
+
+The formula is checked once against the model's own loss on its own outputs (``output.aux_loss``): on the first
+step's batch, or under sequence parallelism on a padded probe of the dense model at ``parallelize`` time; a family
+whose auxiliary loss it does not reproduce is refused, never approximated.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar.hf.hf_plan import expert_count, text_config
+from meshpar.hf.hf_plan import dense_probe, expert_count, text_config
 from meshpar.parallel_dims import ParallelDims
 
 
-def check_router_loss_layout(model: nn.Module, pp: int, sequence_parallel: bool) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
-    (or of its cp ranks' chunks; pp = 1, whole sequences or chunks on every tp rank); elsewhere a model that asks for
-    it is refused before any step."""
-    split = pp > 1 or sequence_parallel
-    if not getattr(text_config(model.config), "output_router_logits", False) or not split:
+    (or of its cp ranks' chunks, or tp ranks' shards; pp = 1); under pipeline parallelism a model that asks for it
+    is refused before any step."""
+    if not router_loss_asked(model) or pp == 1:
         return
-    where = "pipeline_parallel_size > 1" if pp > 1 else "sequence_parallel"
     raise ValueError(
         f"{type(model).__name__} adds the routers' load-balancing loss (output_router_logits=True), which meshpar "
-        f"computes over the global batch only without {where}; set config.output_router_logits=False (the loss "
-        "then leaves it out) or use another layout"
+        "computes over the global batch only without pipeline_parallel_size > 1; set config.output_router_logits="
+        "False (the loss then leaves it out) or use another layout"
     )
+
+
+def _router_recorder(model: nn.Module) -> tuple[type, int] | None:
+    """(the module class, the index in its output) transformers records ``router_logits`` from, if by class."""
+    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    target, index = getattr(recorder, "target_class", None), getattr(recorder, "index", 0)
+    return (target, index) if isinstance(target, type) else None
+
+
+@contextlib.contextmanager
+def recorded_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The router logits of the forwards run inside, layer by layer, as transformers would record them."""
+    target, index = _router_recorder(model)
+    logits: list[torch.Tensor] = []
+
+    def record(_module: nn.Module, _args: Any, output: Any) -> None:
+        logits.append(output[index] if isinstance(output, tuple) else output)
+
+    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, target)]
+    try:
+        yield logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def router_loss_asked(model: nn.Module) -> bool:
+    """Whether the model's config asks for the load-balancing loss (``output_router_logits``)."""
+    return bool(getattr(text_config(model.config), "output_router_logits", False))
 
 
 def router_loss_wanted(output: Any) -> bool:
@@ -91,26 +128,76 @@ class RouterLoss:
     ) -> torch.Tensor:
         """This rank's share; ``attention_mask``: what the model's forward was given (its own loss used it),
         ``scored``: which of this rank's tokens count when that is not the mask (cp: the padding of its chunks)."""
+        self._check_config()
+        if not self.checked:  # the model's own value on this rank's batch: the formula must reproduce it
+            self._check(output.router_logits, attention_mask, output.aux_loss)
+        return self._share(output.router_logits, attention_mask if scored is None else scored, dims)
+
+    def over_shards(
+        self, router_logits: list[torch.Tensor], scored: torch.Tensor | None, dims: ParallelDims
+    ) -> torch.Tensor:
+        """Under sequence parallelism: from the routers' logits of this tp rank's shard
+        (:func:`recorded_router_logits`), ``scored`` the padding mask of the sequence this rank's tp group holds
+        (``None``: no padding); the same value on every tp rank, each one's grads from its own tokens (see the
+        module docstring)."""
+        self._check_config()
+        if not self.checked:
+            raise RuntimeError(f"{self.family}: the load-balancing loss under sequence parallelism was not proven")
+        tp = dims.tp_mesh
+        shard = scored.chunk(tp.size(), 1)[tp.get_local_rank()] if scored is not None else None
+        mine = self._share(tuple(router_logits), shard, dims, over_tp=True)
+        others = mine.detach().clone()
+        dist.all_reduce(others, group=tp.get_group())
+        return mine + (others - mine.detach())
+
+    def prove(self, model: nn.Module) -> None:
+        """Check the formula on the dense ``model`` (every rank, before sharding): a padded probe's own load-balancing
+        loss against meshpar's, for layouts whose forwards cannot compute the model's own (sequence parallelism)."""
+        self._check_config()
+        if _router_recorder(model) is None:
+            raise ValueError(
+                f"{self.family} adds the routers' load-balancing loss, but transformers records its router logits "
+                "from no module class meshpar can hook under sequence_parallel; set output_router_logits=False"
+            )
+        with dense_probe(model, length=8) as (forward, ids):
+            mask = torch.ones_like(ids)
+            mask[..., -3:] = 0
+            output = forward(attention_mask=mask, output_router_logits=True)
+        self._check(output.router_logits, mask, output.aux_loss)
+
+    def _check_config(self) -> None:
         if self.experts is None or self.top_k is None or self.coef is None:
             raise ValueError(
                 f"{self.family} returned a router auxiliary loss, but meshpar cannot read its experts, top-k or "
                 "coefficient from the config to compute it over the global batch; set output_router_logits=False"
             )
-        assigned, probs, tokens = _sums(output.router_logits, self.experts, self.top_k, attention_mask)
-        if not self.checked:  # the model's own value on this rank's batch: the formula must reproduce it
-            own = _balance(assigned, probs, tokens, self.experts).detach()
-            if not torch.allclose(own, output.aux_loss.detach().float(), rtol=1e-4, atol=1e-6):
-                raise ValueError(
-                    f"{self.family}'s router auxiliary loss ({float(output.aux_loss):.6g}) is not the Switch "
-                    f"load-balancing loss meshpar makes global ({float(own):.6g}); set output_router_logits=False"
-                )
-            self.checked = True
-        if scored is not None:
-            assigned, probs, tokens = _sums(output.router_logits, self.experts, self.top_k, scored)
+
+    def _check(self, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor | None, aux: torch.Tensor) -> None:
+        own = _balance(*_sums(router_logits, self.experts, self.top_k, mask), self.experts).detach()
+        if aux is None or not torch.allclose(own, aux.detach().float(), rtol=1e-4, atol=1e-6):
+            got = "none" if aux is None else f"{float(aux):.6g}"
+            raise ValueError(
+                f"{self.family}'s router auxiliary loss ({got}) is not the Switch load-balancing loss meshpar makes "
+                f"global ({float(own):.6g}); set output_router_logits=False"
+            )
+        self.checked = True
+
+    def _share(
+        self,
+        router_logits: tuple[torch.Tensor, ...],
+        mask: torch.Tensor | None,
+        dims: ParallelDims,
+        over_tp: bool = False,
+    ) -> torch.Tensor:
+        """This rank's share: its tokens' probabilities against the assignment and token counts of the whole batch
+        (summed over dp x cp, and over tp where the tp ranks hold different tokens)."""
+        assigned, probs, tokens = _sums(router_logits, self.experts, self.top_k, mask)
+        counts = torch.cat([assigned, tokens.reshape(1)])
         if dims.dp > 1 or dims.cp > 1:
-            counts = torch.cat([assigned, tokens.reshape(1)])
             dist.all_reduce(counts, group=dims.grad_mesh.get_group())
-            assigned, tokens = counts[:-1], counts[-1]
+        if over_tp and dims.tp > 1:
+            dist.all_reduce(counts, group=dims.tp_mesh.get_group())
+        assigned, tokens = counts[:-1], counts[-1]
         # grads are summed over dp x cp and divided by dp afterwards: dp times each rank's share, so the result is the
         # global value
         return self.coef * dims.dp * _balance(assigned, probs, tokens.clamp(min=1), self.experts)

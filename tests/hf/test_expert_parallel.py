@@ -371,15 +371,17 @@ def test_zero1_of_expert_weights_without_the_expert_group_is_refused() -> None:
         assert "is sharded over ep, but the optimizer was given no mesh with an expert-data-parallel group" in message
 
 
-def router_loss_case(family: str, ep: int, tp: int, cp: int = 1) -> None:
+def router_loss_case(family: str, ep: int, tp: int, cp: int = 1, sequence_parallel: bool = False) -> None:
     """With output_router_logits the step's loss and grads include the routers' load-balancing loss of the global
     batch (dp replicas with different token counts; under cp each rank routing its chunks, the padding across a
-    chunk border), as the dense model's do."""
+    chunk border; under sequence parallelism each tp rank routing its shard, the padding in one of them), as the
+    dense model's do."""
     dims = setup_parallel(tp=tp, ep=ep, cp=cp)
     dense = build(family)
     dense.config.output_router_logits = True
     dense.router_aux_loss_coef = 0.5  # large enough for its grads to show
-    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "context_parallel_size": cp}
+    config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "context_parallel_size": cp,
+              "sequence_parallel": sequence_parallel}  # fmt: skip
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=4)
     data["attention_mask"] = torch.ones_like(data["input_ids"])
@@ -399,23 +401,47 @@ def router_loss_case(family: str, ep: int, tp: int, cp: int = 1) -> None:
 
 
 @pytest.mark.parametrize(
-    "family,ep,tp,cp",
-    [("mixtral", 2, 1, 1), _slow("qwen2_moe", 2, 2, 1), _slow("mixtral", 1, 1, 1), ("mixtral", 2, 1, 2)],
-)  # fmt: skip
-def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int, cp: int) -> None:
-    run_distributed(router_loss_case, 4, family, ep, tp, cp)
+    "family,ep,tp,cp,sp",
+    [
+        ("mixtral", 2, 1, 1, False),
+        _slow("qwen2_moe", 2, 2, 1, False),
+        _slow("mixtral", 1, 1, 1, False),
+        ("mixtral", 2, 1, 2, False),
+        ("mixtral", 1, 2, 1, True),  # tp2 x dp2, each tp rank routing its sequence shard
+        _slow("qwen2_moe", 2, 2, 1, True),  # shared experts too
+        _slow("mixtral", 1, 2, 2, True),  # cp2 x tp2: shards of each cp rank's chunks
+    ],
+)
+def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, tp: int, cp: int, sp: bool) -> None:
+    run_distributed(router_loss_case, 4, family, ep, tp, cp, sp)
 
 
-@pytest.mark.parametrize("pp,sp", [(2, False), (1, True)])
-def test_router_loss_where_it_cannot_be_global_is_refused(pp: int, sp: bool) -> None:
+def test_router_loss_under_pipelines_is_refused() -> None:
     from meshpar.hf.router_loss import check_router_loss_layout
 
     model = build("mixtral")
     model.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
-        check_router_loss_layout(model, pp, sp)
+        check_router_loss_layout(model, 2)
+    check_router_loss_layout(model, 1)
     model.config.output_router_logits = False
-    check_router_loss_layout(model, pp, sp)  # nothing asked for, nothing refused
+    check_router_loss_layout(model, 2)  # nothing asked for, nothing refused
+
+
+def test_a_router_loss_meshpar_does_not_reproduce_is_refused_on_the_dense_probe() -> None:
+    """Under sequence parallelism the formula is proven on the dense model before any step: a family whose own
+    auxiliary loss is another (here: one more expert per token than the formula is told) is refused."""
+    from meshpar.hf.router_loss import RouterLoss
+
+    model = build("mixtral")
+    model.config.output_router_logits = True
+    loss = RouterLoss(model)
+    loss.prove(model)
+    assert loss.checked
+    other = RouterLoss(model)
+    other.top_k += 1
+    with pytest.raises(ValueError, match="is not the Switch load-balancing loss"):
+        other.prove(model)
 
 
 def _dropping_dense(dense: torch.nn.Module, factor: float, policy: str) -> list[int]:
