@@ -88,8 +88,6 @@ NOT_PROVIDED: dict[str, str] = {
     },
     "optimizer.zero_dcp_utils.MAX_RETRY": "NxD's rank-0 polling for the other ranks' write results (DCP's "
     "collective here)",
-    "trainer.checkpoint.g_iostate": "NxD's global asynchronous-save state (saves here are synchronous)",
-    "trainer.checkpoint.is_interpreter_active": "NxD's asynchronous-save shutdown check",
 }
 
 

@@ -262,6 +262,70 @@ def test_nxd_checkpoint_bookkeeping(tmp_path) -> None:
     assert len(errors) == 2 and all("not a complete checkpoint" in e for e in errors)
 
 
+def async_save_case(tmp: str) -> dict[str, object]:
+    """NxD's asynchronous saving: a tag completes only at the next save / load / finalize, holds the state as it was
+    when save_checkpoint returned (the parameters changed in place right after), a write failing on one rank raises
+    on every rank (asynchronous and synchronous saves), and exit leaves a pending tag incomplete."""
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.trainer import checkpoint
+
+    rank = torch.distributed.get_rank()
+    config = nxd.neuronx_distributed_config(tensor_parallel_size=2)
+    model = nxd.initialize_parallel_model(config, lambda: Net(parallel=True, layers=1))
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen: dict[str, object] = {}
+    nxd.save_checkpoint(tmp, "a", model=model, user_content={"step": 1}, async_save=True)
+    seen["complete after async a"] = nxd.has_checkpoint(tmp)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next step changes the weights in place while "a" may still be writing
+    nxd.save_checkpoint(tmp, "b", model=model, user_content={"step": 2}, async_save=True)
+    seen["complete after async b"] = [t for t in ("a", "b") if os.path.exists(os.path.join(tmp, t, "done"))]
+    nxd.finalize_checkpoint()
+    seen["complete after finalize"] = [t for t in ("a", "b") if os.path.exists(os.path.join(tmp, t, "done"))]
+    seen["user content of a"] = nxd.load_checkpoint(tmp, tag="a", model=model)
+    seen["a holds the weights at its save"] = all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+    original = checkpoint._write
+
+    def failing(path: object, payload: object) -> None:
+        if torch.distributed.get_rank() == 1:
+            raise OSError("disk full")
+        original(path, payload)
+
+    checkpoint._write = failing
+    try:
+        for tag, asynchronous in (("c", True), ("d", False)):
+            try:
+                nxd.save_checkpoint(tmp, tag, model=model, async_save=asynchronous)
+                nxd.finalize_checkpoint()
+            except RuntimeError as error:
+                seen[f"error of {tag}"] = str(error)
+    finally:
+        checkpoint._write = original
+    with open(os.path.join(tmp, "newest")) as newest:
+        seen["newest after the failures"] = newest.read()
+    nxd.save_checkpoint(tmp, "e", model=model, async_save=True)
+    checkpoint.g_iostate.finalize_shutdown()  # what interpreter exit runs
+    seen["interpreter active after exit"] = checkpoint.is_interpreter_active
+    seen["e complete after exit"] = os.path.exists(os.path.join(tmp, "e", "done"))
+    checkpoint.is_interpreter_active = True  # (this worker process runs other tests)
+    torch.distributed.barrier()
+    return seen if rank == 0 else {k: v for k, v in seen.items() if k.startswith("error")}
+
+
+def test_nxd_asynchronous_saves_complete_later_and_fail_on_every_rank(tmp_path) -> None:
+    results = run_distributed(async_save_case, 4, str(tmp_path))
+    first = results[0]
+    assert first["complete after async a"] is False
+    assert first["complete after async b"] == ["a"] and first["complete after finalize"] == ["a", "b"]
+    assert first["user content of a"] == {"step": 1} and first["a holds the weights at its save"]
+    assert first["newest after the failures"] == "b"
+    assert first["interpreter active after exit"] is False and first["e complete after exit"] is False
+    for seen in results:  # every rank raised, naming the rank whose write failed
+        for tag in ("c", "d"):
+            assert "failed on rank 1: OSError: disk full" in seen[f"error of {tag}"], (tag, seen)
+
+
 def other_layout_case(tmp: str, tp: int) -> None:
     import meshpar.compat.nxd as nxd
 

@@ -17,44 +17,135 @@ experts. A checkpoint loads at another dp size (the model and a plain optimizer'
 a ZeRO-1 optimizer's, split by parameter over the saved dp ranks, is put back together from every saved dp rank's
 file, or from ``optim/full_tp_rank_XX_pp_rank_YY.pt`` written by ``convert_zero_checkpoints``); another tp, pp
 or ep size is refused on every rank (:mod:`meshpar.checkpoint` reshards those too).
-``num_kept_ckpts`` keeps that many complete tags. Saving is synchronous
-(``async_save`` is accepted; ``finalize_checkpoint`` has nothing to wait for); ``use_xser`` / ``num_workers``
-(Neuron's serialisation and its throttling) change nothing. With ``use_zero1_dcp=True`` a ZeRO-1 optimizer's state is
-written with DCP into ``dir/tag/optim/`` instead (:mod:`meshpar.compat.nxd.optimizer.zero_dcp_utils`, keyed by the
-model's parameter names, so ``model`` must be given); a load passes the same flag.
+``num_kept_ckpts`` keeps that many complete tags. With ``async_save=True`` (NxD's asynchronous saving)
+``save_checkpoint`` returns once this rank's state is copied to host memory; one background thread per process
+writes the files, and the tag becomes complete (its ``done`` marker, ``newest``, the pruning) when the next
+``save_checkpoint``, ``load_checkpoint`` or ``finalize_checkpoint()`` finds every rank's writes ended (a write that
+failed on any rank raises there on every rank, the tag left incomplete). NxD completes a pending save at interpreter
+exit as well; here exit only waits for this rank's own writes (a collective at exit could hang on a rank already
+gone) and warns that the tag stays incomplete: call ``finalize_checkpoint()`` before the end, as NxD's examples do.
+``g_iostate`` is the process's :class:`CheckpointIOState` (created by the first save), ``is_interpreter_active``
+NxD's flag, cleared at exit. A write that fails on one rank of a synchronous save raises on every rank too.
+``use_xser`` / ``num_workers`` (Neuron's serialisation and its throttling) change nothing. With
+``use_zero1_dcp=True`` a ZeRO-1 optimizer's state is written with DCP into ``dir/tag/optim/`` instead
+(:mod:`meshpar.compat.nxd.optimizer.zero_dcp_utils`, keyed by the model's parameter names, so ``model`` must be
+given; DCP's writes are collectives, made during the call even when saving asynchronously); a load passes the same
+flag.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
+import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshpar._compat import tree_map_only
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
 from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
+from meshpar.failure import first_failure_on_any_rank
 from meshpar.parallel_dims import ParallelDims, get_parallel
 from meshpar.pipeline.model import PipelineModel
+
+logger = logging.getLogger(__name__)
 
 _DONE = "done"
 _NEWEST = "newest"
 
 
+is_interpreter_active = True  # NxD's flag: False once the interpreter shuts down (see the module docstring)
+
+
+@dataclass
+class _Pending:
+    """An asynchronous save whose files are being written."""
+
+    writes: concurrent.futures.Future
+    root: Path
+    tag: str
+    num_kept: int | None
+
+
 class CheckpointIOState:
-    """NxD's handle on asynchronous saves: here every save has finished when ``save_checkpoint`` returns."""
+    """NxD's handle on this process's saves: an asynchronous one's background writes, completed by
+    :meth:`wait_save` (see the module docstring)."""
 
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: _Pending | None = None
+
+    def start(self, files: list[tuple[Path, Any]], root: Path, tag: str, num_kept: int | None) -> None:
+        """Write ``files`` on the background thread; the tag completes at :meth:`wait_save`."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd-save")
+        future = self._executor.submit(_write_all, files)
+        self._pending = _Pending(future, root, tag, num_kept)
+
+    def wait_save(self) -> None:
+        """Complete the pending asynchronous save, if any: every rank calls it (a collective)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.writes.result()
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        _raise_if_any_rank_failed(error, pending.root / pending.tag)
+        _complete(pending.root, pending.tag, pending.num_kept)
 
     def wait_all(self) -> None:
-        return None
+        self.wait_save()
+
+    def finalize_shutdown(self) -> None:
+        """At interpreter exit: wait for this rank's own writes only (no collective), warning if a tag stays
+        incomplete."""
+        global is_interpreter_active
+        is_interpreter_active = False
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        concurrent.futures.wait([pending.writes])
+        logger.warning(
+            "the asynchronous save of %s was not completed (call finalize_checkpoint() before exiting): it stays "
+            "incomplete, the newest complete checkpoint is the one before",
+            pending.root / pending.tag,
+        )
+
+
+g_iostate: CheckpointIOState | None = None
+
+
+def _iostate(async_save: bool) -> CheckpointIOState:
+    """NxD's ``g_iostate``: created by the first save, its exit hook registered then."""
+    global g_iostate
+    if g_iostate is None:
+        g_iostate = CheckpointIOState(async_save)
+        atexit.register(g_iostate.finalize_shutdown)
+    g_iostate.async_save = async_save
+    return g_iostate
+
+
+def _write_all(files: list[tuple[Path, Any]]) -> None:
+    for path, payload in files:
+        _write(path, payload)
+
+
+def _on_host(payload: Any) -> Any:
+    """A copy of ``payload`` with every tensor in host memory (what an asynchronous save writes later)."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), payload)
 
 
 def _layout() -> dict[str, int]:
@@ -140,12 +231,15 @@ def save_checkpoint(
     if not dist.is_initialized():
         raise RuntimeError("save_checkpoint needs torch.distributed (NxD's checkpoints are per rank)")
     dims = get_parallel()
+    iostate = _iostate(async_save)
+    iostate.wait_save()  # a previous asynchronous save completes first
     root, tag = Path(checkpoint_dir_str), str(tag)
     directory = root / tag
     if dist.get_rank() == 0 and (directory / _DONE).exists():
         (directory / _DONE).unlink()  # overwriting a tag: it is incomplete until this save ends
     dist.barrier()
     layout = _layout()
+    files: list[tuple[Path, Any]] = []  # this rank's, written now or (async_save) by the background thread
     if optimizer is not None:
         zero1 = _is_zero1(optimizer, zero1_optimizer)
         state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
@@ -153,14 +247,40 @@ def save_checkpoint(
             _refuse_dcp_with_experts(dims)
             dcp_utils.save_optim_state_dict(str(directory / "optim"), state, _dcp_aux_infos(model, optimizer))
         elif zero1 or _writes_replica_files():
-            _write(directory / _file("optim", zero1), {"layout": layout, "state": _local(state)})
+            files.append((directory / _file("optim", zero1), {"layout": layout, "state": _local(state)}))
     if model is not None and _writes_replica_files():
-        _write(directory / _file("model", False), {"layout": layout, "state": _local(_model_state(model))})
+        files.append((directory / _file("model", False), {"layout": layout, "state": _local(_model_state(model))}))
     if dist.get_rank() == 0:
         if scheduler is not None:
-            _write(directory / "scheduler.pt", scheduler.state_dict())
+            files.append((directory / "scheduler.pt", scheduler.state_dict()))
         if user_content is not None:
-            _write(directory / "user_content.pt", _local(user_content))
+            files.append((directory / "user_content.pt", _local(user_content)))
+    if async_save:
+        iostate.start([(path, _on_host(payload)) for path, payload in files], root, tag, num_kept_ckpts)
+        return
+    try:
+        _write_all(files)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _raise_if_any_rank_failed(error, root / tag)
+    _complete(root, tag, num_kept_ckpts)
+
+
+def _raise_if_any_rank_failed(error: str | None, directory: Path) -> None:
+    """Every rank raises if any rank's writes of ``directory`` failed (they are its own files)."""
+    failed = first_failure_on_any_rank(error)
+    if failed is not None:
+        rank, first = failed
+        raise RuntimeError(
+            f"saving {directory} failed on rank {rank}: {first}; the tag stays incomplete (the newest complete "
+            "checkpoint is unchanged)"
+        )
+
+
+def _complete(root: Path, tag: str, num_kept_ckpts: int | None) -> None:
+    """Once every rank's files of ``root / tag`` are in place: its ``done`` marker, ``newest``, the pruning."""
+    directory = root / tag
     dist.barrier()  # every rank's files are in place
     if dist.get_rank() == 0:
         (directory / _DONE).write_text(tag)
@@ -230,6 +350,8 @@ def load_checkpoint(
     (``None`` if none was saved). A missing tag, part or layout mismatch is refused on every rank."""
     if not dist.is_initialized():
         raise RuntimeError("load_checkpoint needs torch.distributed (NxD's checkpoints are per rank)")
+    if g_iostate is not None:  # a pending asynchronous save completes first (it may be the one asked for)
+        g_iostate.wait_save()
     root = Path(path)
     tags = _complete_tags(root)
     error = None
@@ -301,8 +423,17 @@ def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
 
 
 def finalize_checkpoint() -> None:
-    """Wait for pending asynchronous saves: none here (saves are synchronous)."""
-    return None
+    """Complete a pending asynchronous save (every rank calls it: a collective)."""
+    if g_iostate is not None:
+        g_iostate.wait_all()
 
 
-__all__ = ["CheckpointIOState", "finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointIOState",
+    "finalize_checkpoint",
+    "g_iostate",
+    "has_checkpoint",
+    "is_interpreter_active",
+    "load_checkpoint",
+    "save_checkpoint",
+]
