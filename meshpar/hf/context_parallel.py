@@ -283,10 +283,11 @@ def local_key_padding(inputs: dict[str, Any], mesh: DeviceMesh) -> torch.Tensor:
 _PROBE_CAP = 128  # tokens: a probe longer than any window up to half of this
 
 
-def probe_length(model: nn.Module, cp: int) -> int:
+def probe_length(model: nn.Module, cp: int, sequence_shards: int = 1) -> int:
     """The probe's length: at least ``4 cp`` tokens, and past twice the longest window or chunk the config names (up
     to :data:`_PROBE_CAP` and the model's own position limit), so that a mask cut at a window is exercised by the
-    proof, in ``2 cp`` equal chunks."""
+    proof, in ``2 cp`` equal chunks, each cp rank's part split again into ``sequence_shards`` (sequence
+    parallelism's tp) equal shards."""
     config = text_config(model.config)
     skip = ("layer", "pattern", "feed_forward")  # max_window_layers, sliding_window_pattern, chunk_size_feed_forward
     windows = [
@@ -295,10 +296,11 @@ def probe_length(model: nn.Module, cp: int) -> int:
     ]  # fmt: skip
     positions = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
     limit = min([_PROBE_CAP, *(p for p in positions if type(p) is int and p > 0)])
-    length = -(-max([4 * cp, *(2 * w + 2 for w in windows)]) // (2 * cp)) * 2 * cp
+    unit = 2 * cp * sequence_shards
+    length = -(-max([4 * cp, *(2 * w + 2 for w in windows)]) // unit) * unit
     if length > limit:
-        length = limit // (2 * cp) * 2 * cp
-    return max(4 * cp, length)
+        length = limit // unit * unit
+    return max(-(-4 * cp // unit) * unit, length)
 
 
 def dense_probe_logits(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,7 +108,8 @@ CONTEXT_PARALLEL_TASKS = ("causal_lm", "masked_lm", "token_classification", *POO
 
 def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: ParallelConfig) -> None:
     """The heads context parallelism trains: per-token ones, and pooled or span ones where their whole sequences
-    can be gathered after the layers (no sequence parallelism; pipelines: each stage cuts, the last gathers)."""
+    can be gathered after the layers (pipelines: each stage cuts, the last gathers; under sequence parallelism the
+    probe proves a point whose output is whole over tp again)."""
     name, task = type(model).__name__, plan.task.replace("_", " ")
     if plan.task not in CONTEXT_PARALLEL_TASKS:
         raise ValueError(
@@ -122,8 +123,6 @@ def _check_context_parallel_head(model: nn.Module, plan: HFPlan, config: Paralle
         why = "an encoder-decoder"
     elif is_meta(model):
         why = "a model built on meta (where its whole sequences are gathered is proven on the dense model's probe)"
-    elif plan.sequence_parallel:
-        why = "sequence_parallel (its layers' output is split over tp too)"
     elif not plan.layers:
         why = "a model whose layer container meshpar cannot name"
     elif getattr(text_config(model.config), "output_router_logits", False):
@@ -239,7 +238,9 @@ class ParallelizedModel(nn.Module):
         self._layer_cls = (classes[0] if len(classes) == 1 else classes) if classes else None
         originals = {} if self._from_meta else dict(model.named_parameters(remove_duplicate=False))
         probe = (
-            dense_probe_logits(model, probe_length(model, self.dims.cp))
+            dense_probe_logits(
+                model, probe_length(model, self.dims.cp, self.dims.tp if self.plan.sequence_parallel else 1)
+            )
             if self.dims.cp > 1 and not self._from_meta
             else None
         )

@@ -168,13 +168,6 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
         ("t5", {"context_parallel_size": 2}, S, "T5ForConditionalGeneration is a seq2seq lm model"),
-        # a pooled head reads whole sequences, gathered after the layers: not split over tp again
-        (
-            "bert_cls",
-            {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
-            S,
-            "not supported with sequence_parallel",
-        ),
         ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
         # Llama-4's chunks of 8 tokens: a 16-token row crosses one (the probe of 4 cp tokens once did not, and the
         # chunked mask was silently taken for a causal one)
@@ -198,6 +191,10 @@ def test_the_probe_reaches_past_every_window(family: str, window: int | None, cp
     from meshpar.hf.context_parallel import probe_length
 
     assert probe_length(_dense(family, window), cp) == length
+    # under sequence parallelism each cp rank's part splits over tp too: a multiple of 2 cp tp, past the windows
+    for tp in (2, 8):
+        longer = probe_length(_dense(family, window), cp, tp)
+        assert longer % (2 * cp * tp) == 0 and longer >= length, (tp, longer)
 
 
 def merged_case(directory: str) -> float | None:

@@ -226,6 +226,11 @@ def test_per_example_heads_at_dp2_with_uneven_rows_equal_dense(name: str) -> Non
         pytest.param("bert_choice", {"context_parallel_size": 2}, marks=pytest.mark.slow),  # [rows, choices, seq]
         # BERT's pooler on the whole sequences' first token (gathered after the last layer, not the base model)
         ("bert_sequence", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1}),
+        # with sequence parallelism each cp rank's chunks split over tp again, gathered back before the head
+        ("qwen2_sequence", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1,
+                            "sequence_parallel": True}),
+        pytest.param("bert_qa", {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_size": 1,
+                                 "sequence_parallel": True}, marks=pytest.mark.slow),
         # every stage cuts its inputs, the last gathers: the right-padded classifier's and BERT's pooler's
         ("qwen2_sequence", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2,
                             "data_parallel_size": 1}),
