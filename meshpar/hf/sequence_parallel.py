@@ -125,6 +125,8 @@ def sequence_parallel_styles(
             own[region] = style
             continue
         converted = _as_sequence_parallel(style, in_region)
+        if isinstance(converted, RopeGradSum):  # its output's grad is partial as a whole now: see _unplanned_in_regions
+            converted = ReplicatedGradSum()
         if converted is None:
             refused.append(f"{pattern}: {_describe(style)}")
             continue
@@ -168,6 +170,10 @@ def sequence_parallel_styles(
         out[f"{inside}{norm}"] = SequenceParallelNorm()
     for router in sorted(routers):
         out[f"{inside}{router}"] = ReplicatedGradSum()
+    for module in sorted(
+        _unplanned_in_regions(layer_list, regions, {p[len(inside) :] for p in out if p.startswith(inside)})
+    ):
+        out[f"{inside}{module}"] = ReplicatedGradSum()
     # post-norm layers end in a norm of their own: what follows them (BERT's pooler, heads) runs on the gathered
     # full sequence, as without sequence parallelism
     final_norm_only = len(final) == 1 and _is_per_token(model.get_submodule(final[0]))
@@ -236,6 +242,29 @@ def _post_norm_modules(layer: nn.Module, rows: set[str], planned: set[str]) -> s
         ):
             parts = name.split(".") if name else []
             found |= {".".join(parts[: i + 1]) for i in range(len(parts))}
+    return found
+
+
+def _unplanned_in_regions(layer_list: nn.Module, regions: set[str], planned: set[str]) -> set[str]:
+    """The modules inside a region that hold parameters the plan leaves replicated (DeepSeek's latent attention:
+    ``q_a_proj``, ``q_a_layernorm``, ``kv_a_layernorm``), relative to the layer. Without sequence parallelism they
+    sit before column projections, whose input grad is all-reduced, so their grads are whole; under it the column
+    projections take the region's gathered input and leave the input grad partial over tp (the region's gather
+    reduce-scatters it once), so these modules' grads are partial too and are summed over tp. For the same reason a
+    ``RopeGradSum`` there (the rope slice of ``kv_a_proj_with_mqa``'s output grad all-reduced) becomes this sum of
+    the whole module's grads: all-reducing the slice would count it tp times in the region's reduce-scatter."""
+    found = set()
+    for layer in layer_list:
+        for region in regions:
+            try:
+                block = layer.get_submodule(region)
+            except AttributeError:  # a layer of another structure (hybrid models)
+                continue
+            found |= {
+                f"{region}.{sub}"
+                for sub, module in block.named_modules()
+                if sub and f"{region}.{sub}" not in planned and any(True for _ in module.parameters(recurse=False))
+            }
     return found
 
 
