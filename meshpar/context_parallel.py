@@ -227,11 +227,13 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = mesh.size(), mesh.get_local_rank()
         seq_len, heads = q.shape[2] * cp, q.shape[1]
         q_pos = local_positions(seq_len, cp, rank, q.device)
-        kv = torch.stack([k, v])
+        # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
+        kv, split = torch.cat([k, v], dim=-1), [k.shape[-1], v.shape[-1]]
         blocks, outs, lses = [], [], []
         for step in range(cp):
             allow = mask.allowed(q_pos, local_positions(seq_len, cp, (rank - step) % cp, q.device))
-            out, lse = _attend(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allow, scale, softcap)
+            k_block, v_block = kv.split(split, dim=-1)
+            out, lse = _attend(q, _repeat_kv(k_block, heads), _repeat_kv(v_block, heads), allow, scale, softcap)
             blocks.append(kv)
             outs.append(out)
             lses.append(lse)
@@ -241,15 +243,15 @@ class _RingAttention(torch.autograd.Function):
         total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # a query with no key: output 0
         merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
         ctx.save_for_backward(q, merged, total, torch.stack(blocks))
-        ctx.mesh, ctx.mask, ctx.scale, ctx.softcap = mesh, mask, scale, softcap
+        ctx.mesh, ctx.mask, ctx.scale, ctx.softcap, ctx.split = mesh, mask, scale, softcap, split
         return merged.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, out, lse, blocks = ctx.saved_tensors
         mesh, cp, rank = ctx.mesh, ctx.mesh.size(), ctx.mesh.get_local_rank()
-        batch, heads, local, dim = q.shape
-        kv_heads = blocks.shape[3]  # blocks: [cp, k or v, batch, kv_heads, local, head_dim]
+        batch, heads, local, _ = q.shape
+        kv_heads = blocks.shape[2]  # blocks: [cp, batch, kv_heads, local, k_dim + v_dim]
         q_pos = local_positions(local * cp, cp, rank, q.device)
         qf, d_out = q.float(), grad_out.float()
         delta = (d_out * out).sum(-1, keepdim=True)  # softmax's backward term, per query
@@ -257,7 +259,7 @@ class _RingAttention(torch.autograd.Function):
         block_grads = []
         for step in range(cp):
             allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
-            k, v = (_repeat_kv(t, heads).float() for t in blocks[step])
+            k, v = (_repeat_kv(t, heads).float() for t in blocks[step].split(ctx.split, dim=-1))
             scores, capped = _masked_scores(qf, k, allow, ctx.scale, ctx.softcap)
             probs = torch.exp(scores - lse)  # normalised by the whole sequence's (finite) log-sum-exp
             dv = torch.matmul(probs.transpose(-1, -2), d_out)
@@ -267,11 +269,11 @@ class _RingAttention(torch.autograd.Function):
             dq = dq + torch.matmul(d_scores, k) * ctx.scale
             dk = torch.matmul(d_scores.transpose(-1, -2), qf) * ctx.scale
             # grouped-query heads: each key/value head's grad is the sum over the query heads it served
-            shape = (batch, kv_heads, heads // kv_heads, local, dim)
-            block_grads.append(torch.stack([dk.view(shape).sum(2), dv.view(shape).sum(2)]))
+            per_kv_head = [g.view(batch, kv_heads, heads // kv_heads, local, -1).sum(2) for g in (dk, dv)]
+            block_grads.append(torch.cat(per_kv_head, dim=-1))
         # the block of step s belongs to rank - s; its grad reaches it through the ranks that held it after
         acc = block_grads[-1]
         for step in range(cp - 2, -1, -1):
             acc = block_grads[step] + _shift(acc, mesh, -1)
-        dk, dv = acc.to(blocks.dtype)
+        dk, dv = acc.to(blocks.dtype).split(ctx.split, dim=-1)
         return dq.to(q.dtype), dk, dv, None, None, None, None

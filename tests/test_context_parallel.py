@@ -148,6 +148,37 @@ def test_soft_capped_attention_matches_one_device(implementation: str) -> None:
     run_distributed(softcap_case, 2, implementation)
 
 
+def narrow_values_case(implementation: str) -> None:
+    """Latent attention's values are narrower than its queries and keys (DeepSeek: 16 and 8 features here): both
+    implementations against one device's attention, the ring carrying K and V as one block."""
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    generator = torch.Generator().manual_seed(5)
+    q, k = torch.randn(B, H, S, 2 * D, generator=generator), torch.randn(B, KV, S, 2 * D, generator=generator)
+    v, cotangent = torch.randn(B, KV, S, D, generator=generator), torch.randn(B, H, S, D, generator=generator)
+    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation)
+    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = H // KV
+    want = F.scaled_dot_product_attention(
+        dense[0], dense[1].repeat_interleave(rep, 1), dense[2].repeat_interleave(rep, 1), is_causal=True
+    )
+    (want * cotangent).sum().backward()
+    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
+    torch.testing.assert_close(out, want.detach()[:, :, positions], atol=1e-5, rtol=1e-5)
+    for name, got, full in zip("qkv", (t.grad for t in mine), (t.grad for t in dense), strict=True):
+        torch.testing.assert_close(got, full[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+def test_values_narrower_than_keys_match_one_device(implementation: str) -> None:
+    run_distributed(narrow_values_case, 2, implementation)
+
+
 def saved_case(seq: int) -> list[tuple[int, ...]]:
     import torch.distributed as dist
 

@@ -153,6 +153,18 @@ def test_context_parallel_composes_with_sequence_parallelism(family: str, window
     run_distributed(context_parallel_case, 4, family, 2, 2, implementation, window, "", False, True)
 
 
+@pytest.mark.parametrize(
+    "tp,implementation,sp,pp",
+    [(2, "ring", False, 1), _slow(1, "all_gather", False, 2), _slow(2, "all_gather", True, 1)],
+)
+def test_latent_attention_under_context_parallelism_composes_with_tp_pp_and_sp(
+    tp: int, implementation: str, sp: bool, pp: int
+) -> None:
+    """DeepSeek-V3's latent attention (values narrower than keys, a shared rope key) at cp2 x tp2 with the ring,
+    cp2 x pp2 and cp2 x tp2 with sequence parallelism: loss, every grad, the AdamW step and eval equal dense."""
+    run_distributed(context_parallel_case, 4, "deepseek_v3", 2, tp, implementation, None, "", False, sp, pp)
+
+
 def refusal_case(family: str, config: dict, seq: int = S) -> str:
     try:
         model = meshpar.parallelize(build(family), config)
