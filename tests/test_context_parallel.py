@@ -6,6 +6,7 @@ lengths refused."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -117,30 +118,47 @@ def test_load_balanced_layout() -> None:
     assert sorted(torch.cat([local_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
 
 
-def softcap_case(implementation: str) -> None:
-    """Gemma-2's logit soft-capping through both implementations, against one device's capped attention."""
+def _matches_one_device(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cotangent: torch.Tensor,
+    dense_attention: Callable[..., torch.Tensor],
+    implementation: str,
+    **options: float,
+) -> None:
+    """Causal context-parallel attention of this rank's tokens against ``dense_attention(q, k, v)`` over the whole
+    sequence on one device: the output and the grads of q, k and v."""
     import torch.distributed as dist
 
     from meshpar._compat import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
-    generator = torch.Generator().manual_seed(3)  # 3 rows and one key/value head (batch and heads told apart)
-    q, cotangent = torch.randn(3, H, S, D, generator=generator), torch.randn(3, H, S, D, generator=generator)
-    k, v = torch.randn(3, 1, S, D, generator=generator), torch.randn(3, 1, S, D, generator=generator)
     mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation, softcap=2.0)
+    out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation, **options)
     (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
     dense = [t.clone().requires_grad_() for t in (q, k, v)]
-    rep = H
-    scores = dense[0] @ dense[1].repeat_interleave(rep, 1).transpose(-1, -2) * D**-0.5
-    scores = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~AttentionMask().allowed(torch.arange(S), torch.arange(S)),
-                                                           float("-inf"))  # fmt: skip
-    want = torch.softmax(scores, -1) @ dense[2].repeat_interleave(rep, 1)
+    want = dense_attention(*dense)
     (want * cotangent).sum().backward()
     positions = local_positions(S, mesh.size(), mesh.get_local_rank())
     torch.testing.assert_close(out, want.detach()[:, :, positions], atol=1e-5, rtol=1e-5)
     for name, got, full in zip("qkv", (t.grad for t in mine), (t.grad for t in dense), strict=True):
         torch.testing.assert_close(got, full[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+def softcap_case(implementation: str) -> None:
+    """Gemma-2's logit soft-capping through both implementations, against one device's capped attention."""
+    generator = torch.Generator().manual_seed(3)  # 3 rows and one key/value head (batch and heads told apart)
+    q, cotangent = torch.randn(3, H, S, D, generator=generator), torch.randn(3, H, S, D, generator=generator)
+    k, v = torch.randn(3, 1, S, D, generator=generator), torch.randn(3, 1, S, D, generator=generator)
+
+    def capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.repeat_interleave(H, 1).transpose(-1, -2) * D**-0.5
+        causal = AttentionMask().allowed(torch.arange(S), torch.arange(S))
+        scores = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~causal, float("-inf"))
+        return torch.softmax(scores, -1) @ v.repeat_interleave(H, 1)
+
+    _matches_one_device(q, k, v, cotangent, capped, implementation, softcap=2.0)
 
 
 @pytest.mark.parametrize("implementation", ["all_gather", "ring"])
@@ -151,27 +169,17 @@ def test_soft_capped_attention_matches_one_device(implementation: str) -> None:
 def narrow_values_case(implementation: str) -> None:
     """Latent attention's values are narrower than its queries and keys (DeepSeek: 16 and 8 features here): both
     implementations against one device's attention, the ring carrying K and V as one block."""
-    import torch.distributed as dist
-
-    from meshpar._compat import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     generator = torch.Generator().manual_seed(5)
     q, k = torch.randn(B, H, S, 2 * D, generator=generator), torch.randn(B, KV, S, 2 * D, generator=generator)
     v, cotangent = torch.randn(B, KV, S, D, generator=generator), torch.randn(B, H, S, D, generator=generator)
-    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*mine, mesh, AttentionMask(), implementation=implementation)
-    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
-    dense = [t.clone().requires_grad_() for t in (q, k, v)]
     rep = H // KV
-    want = F.scaled_dot_product_attention(
-        dense[0], dense[1].repeat_interleave(rep, 1), dense[2].repeat_interleave(rep, 1), is_causal=True
-    )
-    (want * cotangent).sum().backward()
-    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
-    torch.testing.assert_close(out, want.detach()[:, :, positions], atol=1e-5, rtol=1e-5)
-    for name, got, full in zip("qkv", (t.grad for t in mine), (t.grad for t in dense), strict=True):
-        torch.testing.assert_close(got, full[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+    def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+        )
+
+    _matches_one_device(q, k, v, cotangent, causal, implementation)
 
 
 @pytest.mark.parametrize("implementation", ["all_gather", "ring"])
