@@ -35,6 +35,7 @@ from torch import nn
 
 from meshpar.hf.hf_plan import dense_probe, expert_count, text_config
 from meshpar.parallel_dims import ParallelDims
+from meshpar.tensor_parallel._collectives import scatter_to_sp
 
 
 def check_router_loss_layout(model: nn.Module, pp: int) -> None:
@@ -144,7 +145,7 @@ class RouterLoss:
         if not self.checked:
             raise RuntimeError(f"{self.family}: the load-balancing loss under sequence parallelism was not proven")
         tp = dims.tp_mesh
-        shard = scored.chunk(tp.size(), 1)[tp.get_local_rank()] if scored is not None else None
+        shard = scatter_to_sp(scored, tp, 1) if scored is not None else None  # the shard the routers saw
         mine = self._share(tuple(router_logits), shard, dims, over_tp=True)
         others = mine.detach().clone()
         dist.all_reduce(others, group=tp.get_group())
