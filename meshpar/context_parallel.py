@@ -20,6 +20,9 @@ Two ways to bring the keys and values together, both exact (the same masks, the 
   Nothing of size ``queries x keys`` is kept for backward (flash attention's way): the forward keeps the K/V blocks
   it received, the merged output and the log-sum-exp of every query, and the backward recomputes each step's
   probabilities from them, one step at a time; each block's K/V grads travel back to their owner around the ring.
+  Each step runs on torch's fused attention kernels (:mod:`meshpar._block_attention`: CPU flash attention, CUDA
+  memory-efficient attention, which take a mask and give the log-sum-exp); soft-capped attention, which they cannot
+  compute, runs the same steps as fp32 matmuls.
 
 Masks are given by what they mean, evaluated on global positions (:class:`AttentionMask`): causal, a sliding window,
 documents packed into one row (a query attends to keys of its own document only), and key padding.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpar._block_attention import block_backward, block_forward, fused_supported
 from meshpar._compat import DeviceMesh
 
 IMPLEMENTATIONS = ("all_gather", "ring")
@@ -208,6 +212,29 @@ def _masked_scores(
     return scores.masked_fill(~allow, float("-inf")), capped
 
 
+def _attend_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    d_out: torch.Tensor,
+    delta: torch.Tensor,
+    lse: torch.Tensor,
+    allow: torch.Tensor,
+    ctx: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's q, k, v grads from its recomputed probabilities, normalised by the merged (finite) log-sum-exp
+    ``lse``; ``delta`` is softmax's backward term per query. The plain path of soft-capped attention, in fp32."""
+    scores, capped = _masked_scores(q, k, allow, ctx.scale, ctx.softcap)
+    probs = torch.exp(scores - lse)
+    dv = torch.matmul(probs.transpose(-1, -2), d_out)
+    d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta)
+    if capped is not None:
+        d_scores = d_scores * (1 - capped * capped)
+    dq = torch.matmul(d_scores, k) * ctx.scale
+    dk = torch.matmul(d_scores.transpose(-1, -2), q) * ctx.scale
+    return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring implementation (see the module docstring): forward keeps the received K/V blocks, the output and the
     log-sum-exp; backward recomputes each step's probabilities and sends each block's K/V grads back to its owner
@@ -229,11 +256,15 @@ class _RingAttention(torch.autograd.Function):
         q_pos = local_positions(seq_len, cp, rank, q.device)
         # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
         kv, split = torch.cat([k, v], dim=-1), [k.shape[-1], v.shape[-1]]
+        fused = fused_supported(q, softcap)
         blocks, outs, lses = [], [], []
         for step in range(cp):
             allow = mask.allowed(q_pos, local_positions(seq_len, cp, (rank - step) % cp, q.device))
-            k_block, v_block = kv.split(split, dim=-1)
-            out, lse = _attend(q, _repeat_kv(k_block, heads), _repeat_kv(v_block, heads), allow, scale, softcap)
+            k_block, v_block = (_repeat_kv(t, heads) for t in kv.split(split, dim=-1))
+            if fused:
+                out, lse = block_forward(q, k_block, v_block, allow, scale)
+            else:
+                out, lse = _attend(q, k_block, v_block, allow, scale, softcap)
             blocks.append(kv)
             outs.append(out)
             lses.append(lse)
@@ -253,23 +284,21 @@ class _RingAttention(torch.autograd.Function):
         batch, heads, local, _ = q.shape
         kv_heads = blocks.shape[2]  # blocks: [cp, batch, kv_heads, local, k_dim + v_dim]
         q_pos = local_positions(local * cp, cp, rank, q.device)
+        fused = fused_supported(q, ctx.softcap)
         qf, d_out = q.float(), grad_out.float()
         delta = (d_out * out).sum(-1, keepdim=True)  # softmax's backward term, per query
         dq = torch.zeros_like(qf)
         block_grads = []
         for step in range(cp):
             allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
-            k, v = (_repeat_kv(t, heads).float() for t in blocks[step].split(ctx.split, dim=-1))
-            scores, capped = _masked_scores(qf, k, allow, ctx.scale, ctx.softcap)
-            probs = torch.exp(scores - lse)  # normalised by the whole sequence's (finite) log-sum-exp
-            dv = torch.matmul(probs.transpose(-1, -2), d_out)
-            d_scores = probs * (torch.matmul(d_out, v.transpose(-1, -2)) - delta)
-            if capped is not None:
-                d_scores = d_scores * (1 - capped * capped)
-            dq = dq + torch.matmul(d_scores, k) * ctx.scale
-            dk = torch.matmul(d_scores.transpose(-1, -2), qf) * ctx.scale
+            k, v = (_repeat_kv(t, heads) for t in blocks[step].split(ctx.split, dim=-1))
+            if fused:
+                dq_step, dk, dv = block_backward(grad_out, q, k, v, out, lse, allow, ctx.scale)
+            else:
+                dq_step, dk, dv = _attend_backward(qf, k.float(), v.float(), d_out, delta, lse, allow, ctx)
+            dq = dq + dq_step
             # grouped-query heads: each key/value head's grad is the sum over the query heads it served
-            per_kv_head = [g.view(batch, kv_heads, heads // kv_heads, local, -1).sum(2) for g in (dk, dv)]
+            per_kv_head = [g.reshape(batch, kv_heads, heads // kv_heads, local, -1).sum(2) for g in (dk, dv)]
             block_grads.append(torch.cat(per_kv_head, dim=-1))
         # the block of step s belongs to rank - s; its grad reaches it through the ranks that held it after
         acc = block_grads[-1]

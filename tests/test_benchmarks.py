@@ -38,6 +38,7 @@ RUNS = {
     "peers": "bench_peers.py --layers 2 --hidden 64 --heads 2 --seq 16 --batch 2 --vocab 128 --rounds 1",
     "ep": "bench_ep.py --layers 1 --hidden 32 --seq 16 --batch 4 --rounds 1",
     "cp": "bench_cp.py --layers 1 --hidden 32 --seq 16 --rounds 1",
+    "ring_step": "bench_ring_step.py --device cpu --heads 2 --kv-heads 1 --seq 32 --head-dim 8 --rounds 1",
     "projection": "bench_projection.py --deepseek-layers 2 --llama-layers 1 --layouts tp8 ep8 cp1 cp8",
 }
 
@@ -199,6 +200,13 @@ def test_bench_cp_prints_every_layout() -> None:
     assert set(rows) == {"cp1", "cp2 all_gather", "cp2 ring"}, out
     assert rows["cp1"][1] == "0" and rows["cp2 all_gather"][1] == rows["cp2 ring"][1] != "0"
     assert rows["cp2 ring"][0] == 2 * rows["cp1"][0]
+
+
+def test_bench_ring_step_times_both_paths() -> None:
+    """One ring step on the fused kernels and on plain matmuls, the ratio against the plain one printed."""
+    out = _run("ring_step")
+    rows = dict(re.findall(r"^(plain \(fp32 matmuls\)|fused kernel)\s+[\d.]+\s+([\d.]+)x", out, re.M))
+    assert set(rows) == {"plain (fp32 matmuls)", "fused kernel"} and rows["plain (fp32 matmuls)"] == "1.00", out
 
 
 def test_bench_projection_shards_at_scale_on_the_fake_process_group() -> None:

@@ -187,7 +187,7 @@ def test_values_narrower_than_keys_match_one_device(implementation: str) -> None
     run_distributed(narrow_values_case, 2, implementation)
 
 
-def saved_case(seq: int) -> list[tuple[int, ...]]:
+def saved_case(seq: int, softcap: float | None) -> list[tuple[int, ...]]:
     import torch.distributed as dist
 
     from meshpar._compat import init_device_mesh
@@ -203,15 +203,16 @@ def saved_case(seq: int) -> list[tuple[int, ...]]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = context_parallel_attention(q, k, v, mesh, AttentionMask(), implementation="ring", softcap=2.0)
+        out = context_parallel_attention(q, k, v, mesh, AttentionMask(), implementation="ring", softcap=softcap)
     out.sum().backward()
     return shapes
 
 
-def test_the_ring_keeps_nothing_of_size_queries_by_keys_for_backward() -> None:
+@pytest.mark.parametrize("softcap", [None, 2.0])  # torch's fused kernels; the plain matmuls of soft-capping
+def test_the_ring_keeps_nothing_of_size_queries_by_keys_for_backward(softcap: float | None) -> None:
     """What the ring saves for backward grows with the sequence, not with its square: no saved tensor ends in a
     (queries, keys) pair of dims, and doubling the sequence doubles the saved elements."""
-    short, long = (run_distributed(saved_case, 2, seq)[0] for seq in (64, 128))
+    short, long = (run_distributed(saved_case, 2, seq, softcap)[0] for seq in (64, 128))
     for shapes, local in ((short, 32), (long, 64)):
         assert shapes and not any(shape[-2:] == (local, local) for shape in shapes), shapes
     assert sum(math.prod(s) for s in long) == 2 * sum(math.prod(s) for s in short)

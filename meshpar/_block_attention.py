@@ -1,0 +1,106 @@
+"""One block of attention with its log-sum-exp, forward and backward, on torch's fused kernels: the step of ring
+attention (:mod:`meshpar.context_parallel`).
+
+A ring step attends this rank's queries to one rank's keys and returns the output and each query's log-sum-exp, which
+the ring merges; its backward is given the *merged* output and log-sum-exp, so each step's probabilities come out
+normalised by the whole sequence (flash attention's backward, run once per block). torch's fused attention kernels
+take exactly these: on CPU ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), on CUDA the
+memory-efficient kernel ``_scaled_dot_product_efficient_attention`` (and its backward), both with an additive mask
+and an explicit log-sum-exp. They keep no ``queries x keys`` matrix in memory, not even inside one step.
+
+What the kernels do not do is handled around them: keys and values of different widths (latent attention) are
+zero-padded to one width (zero features add nothing to a score, and the padded output columns are cut off); a query
+with no permitted key in the block gets output 0 and log-sum-exp -inf (the kernels leave some finite value there,
+which would distort the merge); Gemma-2's soft-capping has no fused kernel and stays on the plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this many queries
+_BIAS_ALIGN = 16  # and needs the additive mask's rows to start on this many elements
+
+
+def fused_supported(q: torch.Tensor, softcap: float | None) -> bool:
+    """Whether a fused kernel computes this block: no soft-capping, a CPU tensor, or a CUDA tensor in a dtype the
+    memory-efficient kernel takes."""
+    if softcap is not None:
+        return False
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return q.device.type == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
+def _bias(allow: torch.Tensor, q: torch.Tensor, keys: int) -> torch.Tensor:
+    """The additive mask ``[batch, heads, queries, keys]`` (0 allowed, -inf not) in ``q``'s dtype; on CUDA a view of
+    rows padded to the kernel's alignment."""
+    batch, heads, queries = q.shape[0], q.shape[1], q.shape[2]
+    padded = keys if q.device.type == "cpu" else -(-keys // _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.zeros(allow.shape[0], allow.shape[1], queries, padded, dtype=q.dtype, device=q.device)
+    bias[..., :keys].masked_fill_(~allow.expand(allow.shape[0], allow.shape[1], queries, keys), float("-inf"))
+    return bias[..., :keys].expand(batch, heads, queries, keys)
+
+
+def _no_key(allow: torch.Tensor, queries: int) -> torch.Tensor:
+    """``[batch or 1, 1, queries, 1]``: True where a query may attend to no key of the block."""
+    return ~allow.expand(allow.shape[0], allow.shape[1], queries, allow.shape[-1]).any(-1, keepdim=True)
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[batch, heads, queries, dk]``, ``k`` / ``v`` ``[batch, heads, keys, dk / dv]`` (heads already repeated
+    for grouped queries), ``allow`` bool broadcastable to ``[batch, heads, queries, keys]``: (output ``[..., dv]`` in
+    fp32, log-sum-exp ``[..., 1]`` in fp32, -inf and output 0 for a query with no permitted key)."""
+    width, dv, queries = max(q.shape[-1], v.shape[-1]), v.shape[-1], q.shape[2]
+    q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
+    bias = _bias(allow, q, k.shape[2])
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+        lse = lse[..., :queries]
+    none = _no_key(allow, queries)
+    lse = lse.float().unsqueeze(-1).masked_fill(none, float("-inf"))
+    return out[..., :dv].float().masked_fill(none, 0.0), lse
+
+
+def block_backward(
+    d_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    allow: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grads of one block's ``q``, ``k``, ``v`` (shapes as :func:`block_forward`'s) given the grad of the merged
+    output ``d_out``, the merged output ``out`` and the merged log-sum-exp ``lse`` ``[..., 1]`` (finite: 0 for a query
+    with no key anywhere, whose output is 0). In fp32."""
+    dk_width, dv, queries = q.shape[-1], v.shape[-1], q.shape[2]
+    width, dtype = max(dk_width, dv), q.dtype
+    q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
+    d_out, out = _widen(d_out.to(dtype), width).contiguous(), _widen(out.to(dtype), width).contiguous()
+    bias = _bias(allow, q, k.shape[2])
+    lse = lse.squeeze(-1).float().contiguous()
+    if q.device.type == "cpu":
+        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
+        )
+    else:
+        if dtype != torch.float32:  # the kernel's half-precision backward gave wrong q / k grads here (an H200, torch
+            q, k, v, d_out, out = (t.float() for t in (q, k, v, d_out, out))  # 2.11): its fp32 backward is exact
+            bias = _bias(allow, q, k.shape[2])
+        lse = F.pad(lse, (0, -(-queries // _LSE_ALIGN) * _LSE_ALIGN - queries)).contiguous()
+        unused = torch.empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout here
+        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            d_out, q, k, v, bias, out, lse, unused, unused, 0.0, [True, True, True, False], False, scale=scale
+        )[:3]
+    return dq[..., :dk_width].float(), dk[..., :dk_width].float(), dv_[..., :dv].float()

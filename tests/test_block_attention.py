@@ -1,0 +1,63 @@
+"""The fused ring step (meshpar._block_attention) against autograd through one device's attention: the keys split
+into blocks, each block's output and log-sum-exp from the fused kernel, merged as the ring merges them, and each
+block's backward given the merged output and log-sum-exp; outputs and q, k, v grads equal the whole attention's.
+Keys wider and narrower than values, grouped heads repeated, queries with no key in a block or none at all; on CPU
+and, where there is one, on CUDA (the memory-efficient kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshpar._block_attention import block_backward, block_forward, fused_supported
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(~allow, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a query with no key: output 0
+    return probs @ v.double()
+
+
+def _allow(batch: int, queries: int, keys: int, device: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    allow = torch.rand(batch, 1, queries, keys, generator=generator) > 0.5
+    allow[0, 0, 2] = False  # no key anywhere
+    allow[1, 0, 3, : keys // 2] = False  # no key in the first block
+    allow[1, 0, 5, keys // 2 :] = False  # no key in the second block
+    return allow.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("dk", "dv"), [(16, 16), (24, 8), (8, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_merged_equal_one_attention(device: str, dk: int, dv: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, queries, keys, scale = 2, 3, 40, 48, 0.3  # lengths the CUDA kernel's alignments do not divide
+    q, d_out = (torch.randn(batch, heads, queries, d, generator=generator) for d in (dk, dv))
+    k, v = (torch.randn(batch, heads, keys, d, generator=generator) for d in (dk, dv))
+    allow = _allow(batch, queries, keys, device)
+    q, k, v, d_out = (t.to(device, dtype) for t in (q, k, v, d_out))
+    assert fused_supported(q, None) and not fused_supported(q, 2.0)
+
+    halves = [slice(0, keys // 2), slice(keys // 2, keys)]
+    parts = [block_forward(q, k[:, :, h], v[:, :, h], allow[..., h], scale) for h in halves]
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    merged = sum(torch.exp(lse - total) * out for out, lse in parts)
+    grads = [block_backward(d_out, q, k[:, :, h], v[:, :, h], merged, total, allow[..., h], scale) for h in halves]
+
+    ref = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    want = _dense(*ref, allow.cpu(), scale)
+    want.backward(d_out.double().cpu())
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(merged.double().cpu(), want.detach(), **tol)
+    got = {
+        "q": sum(g[0] for g in grads),
+        "k": torch.cat([g[1] for g in grads], 2),
+        "v": torch.cat([g[2] for g in grads], 2),
+    }
+    for (name, grad), leaf in zip(got.items(), ref, strict=True):
+        assert grad.dtype == torch.float32 and grad.shape == leaf.shape, name
+        torch.testing.assert_close(grad.double().cpu(), leaf.grad, **tol, msg=f"grad of {name}")
