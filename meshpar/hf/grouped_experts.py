@@ -52,7 +52,7 @@ def grouped_experts_forward(
     out = _projection(self, hidden, self.down_proj, offsets)
     if self.has_bias and getattr(self, "down_proj_bias", None) is not None:
         out = out + self.down_proj_bias[expert_ids]
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # older transformers (5.17) have none
         out = self.post_expert_norm(out)
     routed_weights = top_k_weights.reshape(-1)[order] * held.to(top_k_weights.dtype)
     out = out * routed_weights.unsqueeze(-1).to(out.dtype)

@@ -12,6 +12,11 @@ once: no host sync to learn the group sizes, so the op also runs inside CUDA gra
 column tile ``n``. ``dx`` is the same kernel with each ``w[e]`` read transposed (strides, no copy); ``dw[e]`` is
 ``x_e^T dy_e``, one program per ``(e, k tile, n tile)`` walking its expert's rows (an expert with no rows gets a
 zero grad).
+
+On Hopper GPUs in bf16, where its alignment holds, the ops run torch's own grouped GEMM (``torch._grouped_mm``,
+CUTLASS) instead: on an H200 it ran the forward at 614 TFLOP/s on Mixtral-shaped experts, where these Triton kernels
+reached about a third of that (``benchmarks/README.md``). The Triton kernels serve every other CUDA case (fp32, fp16,
+older GPUs, widths that are not multiples of 8).
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ from meshpar.ops._dispatch import interpreting, run_triton
 from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
 
-_BLOCK_M, _BLOCK_N, _BLOCK_K = 64, 64, 32
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), from a sweep on an H200 (benchmarks/README.md): for 16-bit
+# operands the largest tiles that fit; fp32 operands take twice the shared memory per element, so smaller ones.
+_PRODUCT_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 4, 3)}
+# the weight grad: rows stepped BLOCK_M at a time, a BLOCK_K x BLOCK_N tile of dw per program
+_WEIGHT_GRAD_TILES = {2: (64, 128, 128, 8, 3), 4: (32, 128, 128, 8, 3)}
+
+
+def _tiles(table: dict[int, tuple[int, ...]], t: torch.Tensor) -> dict[str, int]:
+    bm, bn, bk, warps, stages = table[min(t.element_size(), 4)]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 @triton.jit
@@ -96,8 +110,24 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
+def _traced(offs: torch.Tensor) -> bool:
+    """Under a tracer (``torch.compile``, ``make_fx``, fake tensors) the group sizes are unknown: no host sync."""
+    return type(offs) is not torch.Tensor or torch.compiler.is_compiling()
+
+
+def _row_groups(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[S, E]`` bool: row ``r`` belongs to expert ``e`` (rows past the last group to none)."""
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    return (rows >= starts) & (rows < offs)
+
+
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """One matmul per expert in fp32 (the CPU kernel and the test oracle)."""
+    """One matmul per expert in fp32 (the CPU kernel and the test oracle). Traced, every expert's matmul runs on the
+    rows masked to its group (E times the work, no host sync)."""
+    if _traced(offs):
+        groups = _row_groups(x, offs).float()
+        return sum(groups[:, e, None] * (x.float() @ w[e].float()) for e in range(w.shape[0])).to(x.dtype)
     out = x.new_zeros(x.shape[0], w.shape[2])
     for e, (start, end) in enumerate(_group_bounds(offs)):
         out[start:end] = (x[start:end].float() @ w[e].float()).to(x.dtype)
@@ -107,6 +137,12 @@ def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -
 def grouped_mm_bwd_reference(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _traced(offs):
+        groups = _row_groups(x, offs).float()
+        dyf, xf = dy.float(), x.float()
+        dx = sum(groups[:, e, None] * (dyf @ w[e].float().t()) for e in range(w.shape[0]))
+        dw = torch.stack([(xf * groups[:, e, None]).t() @ dyf for e in range(w.shape[0])])
+        return dx.to(x.dtype), dw.to(w.dtype)
     dx, dw = torch.zeros_like(x), torch.zeros_like(w)
     for e, (start, end) in enumerate(_group_bounds(offs)):
         dx[start:end] = (dy[start:end].float() @ w[e].float().t()).to(x.dtype)
@@ -114,14 +150,34 @@ def grouped_mm_bwd_reference(
     return dx, dw
 
 
+def _vendor_kernel_fits(x: torch.Tensor, k: int, n: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: bf16 on a Hopper (or newer) GPU, rows of 16-byte
+    multiples."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and k % 8 == 0
+        and n % 8 == 0
+        and x.shape[0] > 0
+    )
+
+
+def _zero_past_last_group(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` leaves rows past the last group unwritten; ours are zero (without a host sync)."""
+    return y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offs[-1])[:, None], 0)
+
+
 def _launch_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], offs: torch.Tensor,
                        n: int) -> torch.Tensor:  # fmt: skip
     """``x @ w[e]`` per group with ``w[e]`` read as ``[K, n]`` through ``w_strides`` (expert, k, n)."""
     y = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
-    grid = (offs.numel(), triton.cdiv(max(x.shape[0], 1), _BLOCK_M), triton.cdiv(n, _BLOCK_N))
+    tiles = _tiles(_PRODUCT_TILES, x)
+    grid = (offs.numel(), triton.cdiv(max(x.shape[0], 1), tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
     wrap_triton(_grouped_mm_kernel)[grid](
         x, w, offs, y, x.shape[1], n, x.stride(0), x.stride(1), *w_strides, y.stride(0), y.stride(1),
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), **tiles,
     )  # fmt: skip
     return y
 
@@ -130,6 +186,8 @@ def _launch_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, i
 def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if not run_triton(x):
         return grouped_mm_reference(x, w, offs)
+    if _vendor_kernel_fits(x, w.shape[1], w.shape[2]):
+        return _zero_past_last_group(torch._grouped_mm(x, w, offs=offs.to(torch.int32)), offs)
     return _launch_grouped_mm(x, w, (w.stride(0), w.stride(1), w.stride(2)), offs, w.shape[2])
 
 
@@ -140,12 +198,19 @@ def grouped_mm_bwd(
     if not run_triton(x):
         return grouped_mm_bwd_reference(dy, x, w, offs)
     k, n = w.shape[1], w.shape[2]
+    if _vendor_kernel_fits(x, k, n):
+        ends = offs.to(torch.int32)
+        dx = _zero_past_last_group(torch._grouped_mm(dy, w.transpose(1, 2), offs=ends), offs)
+        dw = torch._grouped_mm(x.t(), dy, offs=ends)
+        empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0  # an expert with no rows: a zero grad
+        return dx, dw.masked_fill(empty[:, None, None], 0)
     dx = _launch_grouped_mm(dy, w, (w.stride(0), w.stride(2), w.stride(1)), offs, k)  # dy @ w[e]^T
     dw = torch.empty_like(w)
-    grid = (offs.numel(), triton.cdiv(k, _BLOCK_K), triton.cdiv(n, _BLOCK_N))
+    tiles = _tiles(_WEIGHT_GRAD_TILES, x)
+    grid = (offs.numel(), triton.cdiv(k, tiles["BLOCK_K"]), triton.cdiv(n, tiles["BLOCK_N"]))
     wrap_triton(_grouped_weight_grad_kernel)[grid](
         x, dy, offs, dw, k, n, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *dw.stride(),
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting(), **tiles,
     )  # fmt: skip
     return dx, dw
 

@@ -5,6 +5,7 @@ Without CUDA the kernels run through the Triton interpreter on CPU tensors; with
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -198,7 +199,8 @@ def test_rotary_embedding(interleaved: bool, shape: tuple, seq_dim: int, dtype: 
 
 
 # (rows per expert, K, N): uneven groups, an empty expert, groups and K / N off the 64 / 32 tiles, rows past the last
-GROUPS = [([3], 5, 7), ([0, 70, 1, 0], 40, 33), ([65, 2, 31], 96, 130)]
+# group; the last case's K / N are multiples of 8, where bf16 on a Hopper GPU runs torch's grouped GEMM
+GROUPS = [([3], 5, 7), ([0, 70, 1, 0], 40, 33), ([65, 2, 31], 96, 130), ([9, 0, 40], 64, 48)]
 
 
 @pytest.mark.parametrize(("counts", "k", "n"), GROUPS)
@@ -216,6 +218,30 @@ def test_grouped_mm(counts: list[int], k: int, n: int, dtype: torch.dtype, tail:
         return torch.cat([*parts, x[bounds[-1] :] @ w.new_zeros(k, n)])
 
     _compare(lambda x, w: ops.grouped_mm(x, w, offs), dense, [x, w], _randn(rows, n, dtype=dtype), _tol(dtype, 4))
+
+
+@pytest.mark.slow  # compiles
+def test_grouped_mm_reference_traces_without_a_host_sync() -> None:
+    """The torch reference (CPU without the kernels, and every fallback) must trace: under fake tensors the group
+    sizes are unknown, so it may not read them on the host (torch 2.11's opcheck failed on that under dynamic
+    shapes). Checked under fake tensors, by opcheck with the kernels off, and compiled with dynamic shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshpar.ops import grouped_mm as gm_op
+    from meshpar.ops._dispatch import triton_enabled
+
+    module = importlib.import_module("meshpar.ops.grouped_mm")
+    offs = torch.tensor([2, 2, 4], dtype=torch.int32)
+    x, w, dy = torch.randn(5, 4), torch.randn(3, 4, 6), torch.randn(5, 6)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (x, w, offs, dy)]
+        assert module.grouped_mm_reference(*fakes[:3]).shape == (5, 6)
+        assert [t.shape for t in module.grouped_mm_bwd_reference(fakes[3], *fakes[:3])] == [x.shape, w.shape]
+    with triton_enabled(False):
+        torch.library.opcheck(torch.ops.meshpar.grouped_mm, (x.requires_grad_(), w.requires_grad_(), offs))
+        torch.library.opcheck(torch.ops.meshpar.grouped_mm_bwd, (dy, x.detach(), w.detach(), offs))
+        compiled = torch.compile(lambda a, b: gm_op(a, b, offs), dynamic=True, fullgraph=True)
+        torch.testing.assert_close(compiled(x, w), module.grouped_mm_reference(x.detach(), w.detach(), offs))
 
 
 def test_grouped_mm_refuses_what_does_not_fit() -> None:
