@@ -16,7 +16,8 @@ Two ways to bring the keys and values together, both exact (the same masks, the 
 - ``"all_gather"``: all-gather K and V over cp (backward: reduce-scatter their grads), then one attention of the
   local queries against the whole sequence. One collective each way; K and V of the whole sequence held at once.
 - ``"ring"``: K and V travel around the ring of cp ranks, ``cp - 1`` exchanges forward (and ``cp - 1`` of their
-  grads backward); each step attends to one rank's keys, and the partial results are merged by their log-sum-exp.
+  grads backward), each started before a step's compute and waited for after it, so that the transfer overlaps it;
+  each step attends to one rank's keys, and the partial results are merged by their log-sum-exp.
   Nothing of size ``queries x keys`` is kept for backward (flash attention's way): the forward keeps the K/V blocks
   it received, the merged output and the log-sum-exp of every query, and the backward recomputes each step's
   probabilities from them, one step at a time; each block's K/V grads travel back to their owner around the ring.
@@ -105,15 +106,23 @@ def gather_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor
     return _GatherSequence.apply(x, dim, mesh)
 
 
-def _shift(x: torch.Tensor, mesh: DeviceMesh, step: int) -> torch.Tensor:
-    group, cp, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    to = dist.get_global_rank(group, (rank + step) % cp)
-    source = dist.get_global_rank(group, (rank - step) % cp)
-    received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group), dist.P2POp(dist.irecv, received, source, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+class _Shift:
+    """One ring exchange in flight: ``x`` sent to the rank ``step`` ahead on the ring, the one ``step`` behind's
+    received. Started before the step's attention and waited for after it, so the transfer overlaps the compute
+    (gloo moves it on its own threads, NCCL on its own stream)."""
+
+    def __init__(self, x: torch.Tensor, mesh: DeviceMesh, step: int) -> None:
+        group, cp, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        to = dist.get_global_rank(group, (rank + step) % cp)
+        source = dist.get_global_rank(group, (rank - step) % cp)
+        self._sent, self._received = x.contiguous(), torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, self._sent, to, group), dist.P2POp(dist.irecv, self._received, source, group)]
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self._received
 
 
 @dataclass
@@ -259,6 +268,7 @@ class _RingAttention(torch.autograd.Function):
         fused = fused_supported(q, softcap)
         blocks, outs, lses = [], [], []
         for step in range(cp):
+            incoming = _Shift(kv, mesh, +1) if step < cp - 1 else None  # the next block, while this one computes
             allow = mask.allowed(q_pos, local_positions(seq_len, cp, (rank - step) % cp, q.device))
             k_block, v_block = (_repeat_kv(t, heads) for t in kv.split(split, dim=-1))
             if fused:
@@ -268,8 +278,8 @@ class _RingAttention(torch.autograd.Function):
             blocks.append(kv)
             outs.append(out)
             lses.append(lse)
-            if step < cp - 1:
-                kv = _shift(kv, mesh, +1)
+            if incoming is not None:
+                kv = incoming.wait()
         total = torch.logsumexp(torch.stack(lses), dim=0)
         total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # a query with no key: output 0
         merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
@@ -288,8 +298,11 @@ class _RingAttention(torch.autograd.Function):
         qf, d_out = q.float(), grad_out.float()
         delta = (d_out * out).sum(-1, keepdim=True)  # softmax's backward term, per query
         dq = torch.zeros_like(qf)
-        block_grads = []
-        for step in range(cp):
+        # The block of step s belongs to rank - s. Its grads are summed on their way back: walking the steps from the
+        # last, each rank adds its grads for a block to what arrived for that block and passes the sum on, the
+        # transfer running while the next (earlier) step's grads are computed.
+        in_flight: _Shift | None = None
+        for step in range(cp - 1, -1, -1):
             allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
             k, v = (_repeat_kv(t, heads) for t in blocks[step].split(ctx.split, dim=-1))
             if fused:
@@ -299,10 +312,9 @@ class _RingAttention(torch.autograd.Function):
             dq = dq + dq_step
             # grouped-query heads: each key/value head's grad is the sum over the query heads it served
             per_kv_head = [g.reshape(batch, kv_heads, heads // kv_heads, local, -1).sum(2) for g in (dk, dv)]
-            block_grads.append(torch.cat(per_kv_head, dim=-1))
-        # the block of step s belongs to rank - s; its grad reaches it through the ranks that held it after
-        acc = block_grads[-1]
-        for step in range(cp - 2, -1, -1):
-            acc = block_grads[step] + _shift(acc, mesh, -1)
+            acc = torch.cat(per_kv_head, dim=-1)
+            if in_flight is not None:
+                acc = acc + in_flight.wait()
+            in_flight = _Shift(acc, mesh, -1) if step > 0 else None
         dk, dv = acc.to(blocks.dtype).split(ctx.split, dim=-1)
         return dq.to(q.dtype), dk, dv, None, None, None, None

@@ -106,6 +106,44 @@ def test_collectives_are_pinned() -> None:
     assert all(r == expected for r in gathered), gathered
 
 
+def overlap_case() -> list[str]:
+    import torch.distributed as dist
+
+    from meshpar import context_parallel as module
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    events: list[str] = []
+    shift_init, shift_wait = module._Shift.__init__, module._Shift.wait
+    forward, backward = module.block_forward, module.block_backward
+
+    def logged(name: str, fn: Callable) -> Callable:
+        def call(*args: object, **kwargs: object) -> object:
+            events.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    module._Shift.__init__, module._Shift.wait = logged("send", shift_init), logged("wait", shift_wait)
+    module.block_forward, module.block_backward = logged("attend", forward), logged("grads", backward)
+    try:
+        q, k, v, _ = _inputs()
+        mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+        context_parallel_attention(*mine, mesh, AttentionMask(), implementation="ring").sum().backward()
+    finally:
+        module._Shift.__init__, module._Shift.wait = shift_init, shift_wait
+        module.block_forward, module.block_backward = forward, backward
+    return events
+
+
+def test_the_ring_overlaps_each_transfer_with_a_steps_compute() -> None:
+    """Ring at cp=4: every exchange is started before a step's attention (forward) or grads (backward) and waited
+    for after it, so the transfer runs while the step computes."""
+    per_step = ["send", "attend", "wait"] * 3 + ["attend"]
+    backward = ["grads", "send"] + ["grads", "wait", "send"] * 2 + ["grads", "wait"]
+    assert all(events == per_step + backward for events in run_distributed(overlap_case, 4)), per_step + backward
+
+
 def test_a_length_that_does_not_split_into_2cp_chunks_is_refused() -> None:
     with pytest.raises(ValueError, match="pad the sequences to a multiple of 8"):
         local_positions(20, 4, 0)
