@@ -311,16 +311,48 @@ def _same_tp_pp(saved: dict[str, int] | None) -> bool:
 
 def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
     """This rank's part: ``(None, state)``, or ``(why not, None)``. The dp size may differ from the save's."""
+    error, state, _ = _read_part(directory, relative)
+    return error, state
+
+
+def _read_part(directory: Path, relative: str, *, bare_ok: bool = False, complete: bool = True) -> tuple[Any, ...]:
+    """``(why not or None, state, bare)``. With ``bare_ok`` a file that is a bare state dict (written by NxD itself
+    or by its checkpoint converter, which record no layout) is taken as it is (``bare``); a file meshpar wrote in a
+    tag that never completed is refused (an interrupted save)."""
     file = directory / relative
     if not file.exists():
-        return f"{file} does not exist (saved at another layout, or without this part)", None
+        return f"{file} does not exist (saved at another layout, or without this part)", None, False
     payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
+    if not (isinstance(payload, dict) and "layout" in payload and "state" in payload):
+        if bare_ok:
+            return None, payload, True
+        return f"{file} records no layout (not written by this view's save_checkpoint)", None, False
+    if not complete:
+        return f"{directory} has no done marker: a save that did not finish", None, False
     if not _same_tp_pp(payload.get("layout")):
         return (
-            f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints reshard "
-            "across dp only (meshpar.checkpoint reshards across tp, pp and ep too)"
-        ), None
-    return None, payload["state"]
+            (
+                f"{file} was saved at {payload.get('layout')}, this run is {_layout()}; NxD-format checkpoints reshard "
+                "across dp only (meshpar.checkpoint reshards across tp, pp and ep too)"
+            ),
+            None,
+            False,
+        )
+    return None, payload["state"], False
+
+
+def _unexpected_keys(model: Any, state: dict[str, Any]) -> str | None:
+    """A bare state dict (no recorded layout) must fit the model: every key one it holds, even where ``strict`` is
+    off (a key it lacks means another pp cut or another model, which loading would silently skip)."""
+    if isinstance(model, dict):
+        return None
+    unexpected = sorted(set(state) - set(_model_state(model)))
+    if unexpected:
+        return (
+            f"keys this rank's model does not hold: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} (a "
+            "checkpoint cut for another tp / pp / ep layout, or for another model)"
+        )
+    return None
 
 
 def merged_zero1_state(directory: Path, tp_rank: int, pp_rank: int) -> tuple[str | None, Any]:
@@ -355,12 +387,17 @@ def load_checkpoint(
     root = Path(path)
     tags = _complete_tags(root)
     error = None
+    complete = True
     if tag is None:
         if not tags:
             error = f"no complete checkpoint under {root}"
         tag = tags[-1] if tags else ""
     elif str(tag) not in tags:
-        error = f"{root / str(tag)} is not a complete checkpoint (complete: {tags})"
+        # NxD loads a named tag without a done marker: its converter writes none. Only model files that are bare
+        # state dicts (NxD's, the converter's) are taken from such a tag; meshpar's own files there are refused.
+        complete = False
+        if model is None or optimizer is not None or not (root / str(tag) / "model").is_dir():
+            error = f"{root / str(tag)} is not a complete checkpoint (complete: {tags})"
     _agree(error, "load_checkpoint")
     directory = root / str(tag)
     if optimizer is not None and use_zero1_dcp and _is_zero1(optimizer, True):
@@ -369,7 +406,11 @@ def load_checkpoint(
     elif optimizer is not None:
         _load_optimizer(directory, optimizer)
     if model is not None:
-        error, state = _read(directory, _file("model", False))
+        error, state, bare = _read_part(directory, _file("model", False), bare_ok=True, complete=complete)
+        if error is not None and not complete:
+            error = f"{directory} is not a complete checkpoint (complete: {tags}) nor NxD's bare model files: {error}"
+        if error is None and bare:
+            error = _unexpected_keys(model, state)
         if error is None:
             try:
                 _load_model(model, state, strict)
