@@ -19,6 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshpar._compat import (
+    efficient_attention,
+    efficient_attention_backward,
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
+)
+
 _LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this many queries
 _BIAS_ALIGN = 16  # and needs the additive mask's rows to start on this many elements
 
@@ -62,9 +69,9 @@ def block_forward(
     q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
     bias = _bias(allow, q, k.shape[2])
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+        out, lse = flash_attention_cpu(q, k, v, attn_mask=bias, scale=scale)
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+        out, lse = efficient_attention(q, k, v, bias, True, scale=scale)[:2]
         lse = lse[..., :queries]
     none = _no_key(allow, queries)
     lse = lse.float().unsqueeze(-1).masked_fill(none, float("-inf"))
@@ -91,16 +98,14 @@ def block_backward(
     bias = _bias(allow, q, k.shape[2])
     lse = lse.squeeze(-1).float().contiguous()
     if q.device.type == "cpu":
-        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
-        )
+        dq, dk, dv_ = flash_attention_cpu_backward(d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
     else:
         if dtype != torch.float32:  # the kernel's half-precision backward gave wrong q / k grads here (an H200, torch
             q, k, v, d_out, out = (t.float() for t in (q, k, v, d_out, out))  # 2.11): its fp32 backward is exact
             bias = _bias(allow, q, k.shape[2])
         lse = F.pad(lse, (0, -(-queries // _LSE_ALIGN) * _LSE_ALIGN - queries)).contiguous()
         unused = torch.empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout here
-        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv_ = efficient_attention_backward(
             d_out, q, k, v, bias, out, lse, unused, unused, 0.0, [True, True, True, False], False, scale=scale
         )[:3]
     return dq[..., :dk_width].float(), dk[..., :dk_width].float(), dv_[..., :dv].float()

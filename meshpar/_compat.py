@@ -173,6 +173,17 @@ def grad_needed(ctx: Any, edge: int) -> bool:
         return True
 
 
+# torch's fused attention kernels with an explicit log-sum-exp (meshpar._block_attention: the ring's steps); the
+# memory-efficient kernel's backward takes its dropout seed and offset, unused without dropout
+flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+efficient_attention = torch.ops.aten._scaled_dot_product_efficient_attention
+efficient_attention_backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+# torch's grouped GEMM (CUTLASS on Hopper), where this torch has it (meshpar.ops.grouped_mm)
+vendor_grouped_mm = getattr(torch, "_grouped_mm", None)
+
+
 __all__ = [
     "PP_BACKWARD_INPUT",
     "PP_BACKWARD_WEIGHT",
@@ -197,6 +208,10 @@ __all__ = [
     "all_gather_single",
     "custom_op_body",
     "distribute_tensor",
+    "efficient_attention",
+    "efficient_attention_backward",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "grad_needed",
     "dtensor_like",
     "funcol",
@@ -210,6 +225,7 @@ __all__ = [
     "make_wrapper_subclass",
     "tree_flatten",
     "tree_map_only",
+    "vendor_grouped_mm",
 ]
 
 

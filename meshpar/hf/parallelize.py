@@ -312,11 +312,18 @@ class ParallelizedModel(nn.Module):
             if failed is None:
                 return
         rank, what = failed
+        # a forward that ran and differs computes something the context-parallel attention does not; one that raised
+        # says only that it cannot run this way (its error names why)
+        why = (
+            "its attention computes something meshpar's context-parallel attention does not (sinks, position biases, "
+            "non-standard masks)"
+            if what.startswith("its logits differ")
+            else "the family's forward does not run with its sequence split over cp ranks"
+        )
         raise shared_refusal(
             ValueError(
-                f"{self.model_class.__name__} (rank {rank}): under context parallelism {what}: its attention "
-                "computes something meshpar's context-parallel attention does not (sinks, position biases, "
-                "non-standard masks); use context_parallel_size 1"
+                f"{self.model_class.__name__} (rank {rank}): under context parallelism {what}: {why}; use "
+                "context_parallel_size 1"
             )
         )
 

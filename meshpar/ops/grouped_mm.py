@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
+from meshpar._compat import vendor_grouped_mm
 from meshpar.ops._dispatch import interpreting, run_triton
 from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
@@ -156,7 +157,7 @@ def _vendor_kernel_fits(x: torch.Tensor, k: int, n: int) -> bool:
     return (
         x.device.type == "cuda"
         and x.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
+        and vendor_grouped_mm is not None
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
         and k % 8 == 0
         and n % 8 == 0
@@ -187,7 +188,7 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     if not run_triton(x):
         return grouped_mm_reference(x, w, offs)
     if _vendor_kernel_fits(x, w.shape[1], w.shape[2]):
-        return _zero_past_last_group(torch._grouped_mm(x, w, offs=offs.to(torch.int32)), offs)
+        return _zero_past_last_group(vendor_grouped_mm(x, w, offs=offs.to(torch.int32)), offs)
     return _launch_grouped_mm(x, w, (w.stride(0), w.stride(1), w.stride(2)), offs, w.shape[2])
 
 
@@ -200,8 +201,8 @@ def grouped_mm_bwd(
     k, n = w.shape[1], w.shape[2]
     if _vendor_kernel_fits(x, k, n):
         ends = offs.to(torch.int32)
-        dx = _zero_past_last_group(torch._grouped_mm(dy, w.transpose(1, 2), offs=ends), offs)
-        dw = torch._grouped_mm(x.t(), dy, offs=ends)
+        dx = _zero_past_last_group(vendor_grouped_mm(dy, w.transpose(1, 2), offs=ends), offs)
+        dw = vendor_grouped_mm(x.t(), dy, offs=ends)
         empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0  # an expert with no rows: a zero grad
         return dx, dw.masked_fill(empty[:, None, None], 0)
     dx = _launch_grouped_mm(dy, w, (w.stride(0), w.stride(2), w.stride(1)), offs, k)  # dy @ w[e]^T

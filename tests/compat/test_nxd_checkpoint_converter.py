@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,8 @@ def test_command_line_flags_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="Exactly one"):
         _convert(*required)
     with pytest.raises(NotImplementedError, match="xser"):
+        _convert(*required, "--convert_to_xser")
+    with pytest.raises(ValueError, match="--input_dir must name"):
         _convert(*required, "--convert_from_xser")
     with pytest.raises(NotImplementedError, match="pad_attn_heads"):
         _convert(*required, "--convert_from_full_state", "--pad_attn_heads", "True")
@@ -181,6 +185,57 @@ def test_an_nxdt_yaml_config_gives_the_sizes_the_converter_reads(tmp_path: Path)
         "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 16, "num_key_value_heads": 2,
         "num_local_experts": 8,
     }  # fmt: skip
+
+
+def _rewrite_as_xser(path: Path) -> None:
+    """The plain torch file at ``path`` rewritten as torch_xla writes a split-tensor checkpoint (``use_xser=True``):
+    a pickle naming ``torch_xla.utils.serialization.TensorReference`` in each tensor's place, the tensors in
+    ``<path>.tensors/tensor_<tid>.pt``. A stand-in module plays torch_xla while writing and is gone when reading."""
+
+    class TensorReference:
+        def __init__(self, tid: int) -> None:
+            self.tid = tid
+
+    names = ("torch_xla", "torch_xla.utils", "torch_xla.utils.serialization")
+    stand_in = {name: types.ModuleType(name) for name in names}
+    TensorReference.__module__, TensorReference.__qualname__ = names[-1], "TensorReference"
+    stand_in[names[-1]].TensorReference = TensorReference
+    state = torch.load(path)
+    folder = Path(f"{path}.tensors")
+    folder.mkdir()
+    structure = {}
+    for tid, (name, tensor) in enumerate(state.items()):
+        torch.save(tensor, folder / f"tensor_{tid}.pt")
+        structure[name] = TensorReference(tid)
+    sys.modules.update(stand_in)
+    try:
+        torch.save(structure, path)
+    finally:
+        for name in names:
+            sys.modules.pop(name)
+
+
+def test_split_tensor_files_nxd_wrote_are_read_without_torch_xla(tmp_path: Path) -> None:
+    full, config = _full_checkpoint(tmp_path)
+    options = _options(2, 2, True, 1, "trn2", False)
+    shards = tmp_path / "shards"
+    _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(shards), "--config",
+             str(config), *options)  # fmt: skip
+    plain = {f.name: torch.load(f) for f in (shards / "model").iterdir()}
+    for name in plain:
+        _rewrite_as_xser(shards / "model" / name)
+    assert "torch_xla" not in sys.modules
+    _convert("--convert_from_xser", "--input_dir", str(shards / "model"), "--output_dir", str(tmp_path / "plain"),
+             *options)  # fmt: skip
+    for name, state in plain.items():
+        again = torch.load(tmp_path / "plain" / "model" / name)
+        assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
+    _convert("--convert_to_full_state", "--load_xser", "True", "--input_dir", str(shards / "model"), "--output_dir",
+             str(tmp_path / "merged"), "--config", str(config), *options)  # fmt: skip
+    back, original = torch.load(tmp_path / "merged" / "checkpoint.pt"), torch.load(full)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    with pytest.raises(NotImplementedError, match="writing torch_xla's split-tensor"):
+        _convert("--convert_to_xser", "--output_dir", str(tmp_path / "x"), "--hw_backend", "trn2")
 
 
 # ---------------------------------------------------------------- loaded into a model as NxD's example writes it
@@ -290,13 +345,17 @@ def loaded_case(root: str, multiplier: int, fuse: bool) -> None:
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("tp", "multiplier", "fuse"), [(2, 1, False), (4, 2, True)])
+@pytest.mark.parametrize(("tp", "multiplier", "fuse", "xser"), [(2, 1, False, True), (4, 2, True, False)])
 def test_converted_files_load_into_the_examples_model_and_give_the_hf_loss(
-    tmp_path: Path, tp: int, multiplier: int, fuse: bool
+    tmp_path: Path, tp: int, multiplier: int, fuse: bool, xser: bool
 ) -> None:
+    """Also from torch_xla's split-tensor files (NxD's ``use_xser=True``) at tp2."""
     full, config = _full_checkpoint(tmp_path)
     _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(tmp_path / "pretrained_weight"),
              "--config", str(config), *_options(tp, 1, True, multiplier, "trn2", fuse))  # fmt: skip
+    if xser:
+        for file in list((tmp_path / "pretrained_weight" / "model").iterdir()):
+            _rewrite_as_xser(file)
     run_distributed(loaded_case, tp, str(tmp_path), multiplier, fuse)
 
 

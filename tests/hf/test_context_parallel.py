@@ -165,7 +165,12 @@ def test_latent_attention_under_context_parallelism_composes_with_tp_pp_and_sp(
     run_distributed(context_parallel_case, 4, "deepseek_v3", 2, tp, implementation, None, "", False, sp, pp)
 
 
-def refusal_case(family: str, config: dict, seq: int = S) -> str:
+def refusal_case(family: str, config: dict, seq: int = S, forward_raises: bool = False) -> str:
+    if forward_raises:  # a family whose forward cannot run with its sequence split (the probe's own verdict)
+        import importlib
+
+        module = importlib.import_module("meshpar.hf.parallelize")  # the module (meshpar.hf.parallelize: a function)
+        module.verify_context_parallel = lambda *args, **kwargs: "its forward raises RuntimeError: no split here"
     try:
         model = meshpar.parallelize(build(family), config)
         data = batch(family, rows=4, seq=seq)
@@ -180,7 +185,7 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
         ("t5", {"context_parallel_size": 2}, S, "T5ForConditionalGeneration is a seq2seq lm model"),
-        ("gpt_oss", {"context_parallel_size": 2}, S, "context_parallel_size 1"),  # attention sinks
+        ("gpt_oss", {"context_parallel_size": 2}, S, "does not compute ['s_aux']"),
         # Llama-4's chunks of 8 tokens: a 16-token row crosses one (the probe of 4 cp tokens once did not, and the
         # chunked mask was silently taken for a causal one)
         ("llama4_text", {"context_parallel_size": 2}, S, "chunked local attention (attention_chunk_size)"),
@@ -189,6 +194,14 @@ def refusal_case(family: str, config: dict, seq: int = S) -> str:
 def test_what_context_parallelism_cannot_do_is_refused(family: str, config: dict, seq: int, says: str) -> None:
     messages = run_distributed(refusal_case, 4, family, config, seq)
     assert all(says in m for m in messages), messages
+
+
+def test_a_forward_that_raises_under_the_split_is_refused_as_such() -> None:
+    """The refusal names what happened: a forward that raised is not said to compute something else."""
+    messages = run_distributed(refusal_case, 4, "qwen3", {"context_parallel_size": 2}, S, True)
+    for message in messages:
+        assert "its forward raises RuntimeError: no split here" in message and "sinks" not in message, message
+        assert "does not run with its sequence split over cp ranks; use context_parallel_size 1" in message
 
 
 @pytest.mark.parametrize(

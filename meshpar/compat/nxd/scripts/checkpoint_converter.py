@@ -37,8 +37,8 @@ Where this differs from NxD's converter (each a case NxD's gets wrong or leaves 
 - A fused ``weight_qkv`` is split by the configured q and key / value sizes (NxD's thirds need as many key / value
   heads as query heads); biases of q / k / v convert like their weights (``bias_q`` / ``bias_k`` / ``bias_v``).
 - Boolean flags read "False", "0" and "no" as false (NxD's ``type=bool`` reads any word as true).
-- Not provided, refused by name: torch_xla's split-tensor files (``--load_xser`` / ``--save_xser`` /
-  ``--convert_*_xser``; convert them with NxD's converter on a machine with torch_xla), ``--pad_attn_heads``.
+- torch_xla's split-tensor files (``--load_xser``, ``--convert_from_xser``) are read without torch_xla; writing
+  them (``--save_xser``, ``--convert_to_xser``) is refused by name, as is ``--pad_attn_heads``.
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from meshpar.compat.nxd import _xser
 from meshpar.compat.nxd.pipeline.partition import create_partitions, stage_to_pipeline_parallel_rank
 from meshpar.compat.nxd.scripts.yaml_converter import convert_yaml_to_json
 
 _XSER = (
-    "torch_xla's split-tensor checkpoints (xser) are not read or written here; convert them to plain torch files with "
-    "NxD's converter (--convert_from_xser) where torch_xla is installed"
+    "writing torch_xla's split-tensor checkpoints (xser) is not provided (its files name torch_xla's own class); "
+    "write plain torch files, which NxD loads too"
 )
 
 
@@ -544,7 +545,10 @@ class CheckpointConverterBase:
         return os.path.join(args.output_dir, "model", f"dp_rank_00{ep}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt")
 
     def load_partial_xser(self, args: argparse.Namespace, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:
-        raise NotImplementedError(_XSER)
+        """A rank's file in torch_xla's split-tensor format, read without torch_xla (:mod:`..._xser`)."""
+        state = _xser.load(self.get_input_filename(args, tp_rank, pp_rank, ep_rank, True))
+        self.prune_state(state, ep_rank)
+        return state
 
     def prune_state(self, state: dict, ep_rank: int) -> None:
         """Drop the entries an ep rank's file leaves empty (``None``)."""
@@ -574,7 +578,12 @@ class CheckpointConverterBase:
         torch.save(partial_state, filename)
 
     def convert_from_xser(self, args: argparse.Namespace) -> None:
-        raise NotImplementedError(_XSER)
+        """Every rank's split-tensor file rewritten as a plain torch file (``output_dir/model/...``)."""
+        for tp_rank in range(args.tp_size):
+            for pp_rank in range(args.pp_size):
+                for ep_rank in range(args.ep_size):
+                    state = self.load_partial_xser(args, tp_rank, pp_rank, ep_rank)
+                    self.save_partial_no_xser(args, state, tp_rank, pp_rank, ep_rank)
 
     def convert_to_xser(self, args: argparse.Namespace) -> None:
         raise NotImplementedError(_XSER)
@@ -629,9 +638,9 @@ class CheckpointConverterBase:
         add("--fuse_qkv", type=_flag, default=False, help="GQAQKVColumnParallelLinear's fused weight_qkv")
         add("--i_tp_round_factor", type=int, default=0, help="pad each rank's ffn features to a multiple of this")
         add("--pad_attn_heads", type=_flag, default=False, help="not provided")
-        add("--load_xser", type=_flag, default=False, help="not provided (torch_xla files)")
+        add("--load_xser", type=_flag, default=False, help="read torch_xla's split-tensor files")
         add("--save_xser", type=_flag, default=False, help="not provided (torch_xla files)")
-        add("--convert_from_xser", action="store_true", help="not provided (torch_xla files)")
+        add("--convert_from_xser", action="store_true", help="torch_xla's split-tensor files -> plain torch files")
         add("--convert_to_xser", action="store_true", help="not provided (torch_xla files)")
         add("--convert_from_full_state", action="store_true", help="full state -> per-rank files")
         add("--convert_to_full_state", action="store_true", help="per-rank files -> full state")
@@ -645,8 +654,10 @@ class CheckpointConverterBase:
             raise ValueError("Exactly one '--convert_*' flag must be specified")
         if args.pad_attn_heads:
             raise NotImplementedError("--pad_attn_heads is not provided (NxD's converter leaves trn2's unfinished)")
-        if args.load_xser or args.save_xser:
+        if args.save_xser:
             raise NotImplementedError(_XSER)
+        if (args.convert_to_full_state or args.convert_from_xser) and not args.input_dir:
+            raise ValueError("--input_dir must name the folder of the per-rank files to read")
         if args.hw_backend not in ("trn1", "trn2"):
             raise ValueError(f"--hw_backend must be trn1 or trn2, not {args.hw_backend!r}")
         if args.nxdt_yaml_config:

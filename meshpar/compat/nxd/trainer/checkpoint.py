@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import tree_map_only
+from meshpar.compat.nxd import _xser
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
@@ -316,13 +317,16 @@ def _read(directory: Path, relative: str) -> tuple[str | None, Any]:
 
 
 def _read_part(directory: Path, relative: str, *, bare_ok: bool = False, complete: bool = True) -> tuple[Any, ...]:
-    """``(why not or None, state, bare)``. With ``bare_ok`` a file that is a bare state dict (written by NxD itself
-    or by its checkpoint converter, which record no layout) is taken as it is (``bare``); a file meshpar wrote in a
-    tag that never completed is refused (an interrupted save)."""
+    """``(why not or None, state, bare)``. With ``bare_ok`` a file that is a bare state dict (written by NxD itself,
+    also in torch_xla's split-tensor format, or by its checkpoint converter; they record no layout) is taken as it is
+    (``bare``); a file meshpar wrote in a tag that never completed is refused (an interrupted save)."""
     file = directory / relative
     if not file.exists():
         return f"{file} does not exist (saved at another layout, or without this part)", None, False
-    payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
+    if _xser.is_xser_file(file):  # NxD's use_xser=True: torch_xla's split-tensor files, read without torch_xla
+        payload = _xser.load(file, map_location=get_parallel().device)
+    else:
+        payload = torch.load(file, map_location=get_parallel().device, weights_only=False)
     if not (isinstance(payload, dict) and "layout" in payload and "state" in payload):
         if bare_ok:
             return None, payload, True
