@@ -101,6 +101,36 @@ def test_full_state_cut_into_ranks_and_put_back_is_unchanged(
         assert torch.equal(back[name], tensor), name
 
 
+@pytest.mark.parametrize("backend", ["trn1", "trn2"])
+def test_biases_convert_with_their_layers(tmp_path: Path, backend: str) -> None:
+    """Qwen2's q / k / v biases (cut and replicated as their weights) and row-parallel biases (whole on every rank),
+    cut at tp4 with key / value heads replicated and put back unchanged."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+    ))  # fmt: skip
+    state = model.state_dict()
+    state["model.layers.0.self_attn.o_proj.bias"] = torch.randn(H)  # as a family with row-parallel biases has
+    state["model.layers.0.mlp.down_proj.bias"] = torch.randn(H)
+    full, config = tmp_path / "full.pt", tmp_path / "config.json"
+    torch.save(state, full)
+    config.write_text(json.dumps(model.config.to_dict()))
+    options = _options(4, 1, True, 2, backend, False)
+    _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(tmp_path / "out"), "--config",
+             str(config), *options)  # fmt: skip
+    rank3 = torch.load(tmp_path / "out" / "model" / "dp_rank_00_tp_rank_03_pp_rank_00.pt")
+    k_bias = state["model.layers.0.self_attn.k_proj.bias"].view(KV_HEADS, HEAD)
+    assert torch.equal(rank3["model.layers.0.self_attn.qkv_proj.bias_k"], k_bias[1])  # rank 3: head 1 either way
+    assert torch.equal(rank3["model.layers.0.mlp.down_proj.bias"], state["model.layers.0.mlp.down_proj.bias"])
+    _convert("--convert_to_full_state", "--input_dir", str(tmp_path / "out" / "model"), "--output_dir",
+             str(tmp_path / "back"), "--config", str(config), *options)  # fmt: skip
+    back = torch.load(tmp_path / "back" / "checkpoint.pt")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+
+
 def test_trn2_replicates_each_key_value_head_in_place_and_trn1_the_whole_set(tmp_path: Path) -> None:
     """tp4 with 2 key / value heads replicated twice: on trn2 ranks 0 and 1 hold head 0 (and query heads 0, 1),
     on trn1 ranks 0 and 2 do (query heads 0 and 1 sit on ranks 0 and 2)."""

@@ -380,6 +380,8 @@ class CheckpointConverterBase:
     ) -> dict[str, torch.Tensor]:
         """``{name: part}`` of rank ``rank`` (gate_proj / up_proj come back under ``gate_up_proj``)."""
         tp = args.tp_size
+        if self._row_bias(name):  # a row-parallel layer's bias is added once, after the sum over tp: whole
+            return {name: full}
         qkv = self.is_qkv_weight(name) and not any(w in name for w in ("qkv_proj", "query_key_value"))
         if args.qkv_linear and (qkv or "o_proj" in name):
             if "k_proj" in name or "v_proj" in name:
@@ -444,9 +446,12 @@ class CheckpointConverterBase:
             full.update(self._merged(hf_name, per_tp, args, attn, config))
         return self.post_process_full_state_after_tp_conversion(full, args)
 
+    def _row_bias(self, name: str) -> bool:
+        return name.endswith(".bias") and ("o_proj" in name or "down_proj" in name)
+
     def _is_split(self, name: str, args: argparse.Namespace) -> bool:
         column = ("embed_tokens", "wte", "lm_head", "o_proj", "down_proj", "gate_proj", "up_proj")
-        return self.is_qkv_weight(name) or any(word in name for word in column)
+        return not self._row_bias(name) and (self.is_qkv_weight(name) or any(word in name for word in column))
 
     def _unpadded(self, part: torch.Tensor, dim: int, config: dict, args: argparse.Namespace) -> torch.Tensor:
         if args.i_tp_round_factor <= 0:
@@ -458,6 +463,8 @@ class CheckpointConverterBase:
     ) -> dict[str, torch.Tensor]:
         """``{hf name: full}`` from the tp ranks' parts of ``name`` (``gate_up_proj`` back into gate and up)."""
         qkv = self.is_qkv_weight(name) and not any(w in name for w in ("qkv_proj", "query_key_value"))
+        if self._row_bias(name):
+            return {name: per_tp[0]}
         if args.qkv_linear and (qkv or "o_proj" in name):
             if "k_proj" in name or "v_proj" in name:
                 return {name: self._unreplicated_kv(torch.cat(per_tp, 0), args, attn)}
