@@ -6,7 +6,8 @@ the ring merges; its backward is given the *merged* output and log-sum-exp, so e
 normalised by the whole sequence (flash attention's backward, run once per block). torch's fused attention kernels
 take exactly these: on CPU ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), on CUDA the
 memory-efficient kernel ``_scaled_dot_product_efficient_attention`` (and its backward), both with an additive mask
-and an explicit log-sum-exp. They keep no ``queries x keys`` matrix in memory, not even inside one step.
+and an explicit log-sum-exp. Neither keeps the step's scores or probabilities; the one ``queries x keys`` tensor a
+step holds is its additive mask (in the inputs' dtype, freed when the step ends; nothing of that size is saved).
 
 What the kernels do not do is handled around them: keys and values of different widths (latent attention) are
 zero-padded to one width (zero features add nothing to a score, and the padded output columns are cut off); a query
