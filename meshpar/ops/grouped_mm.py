@@ -14,9 +14,9 @@ column tile ``n``. ``dx`` is the same kernel with each ``w[e]`` read transposed 
 zero grad).
 
 On Hopper GPUs in bf16, where its alignment holds, the ops run torch's own grouped GEMM (``torch._grouped_mm``,
-CUTLASS) instead: on an H200 it ran the forward at 614 TFLOP/s on Mixtral-shaped experts, where these Triton kernels
-reached about a third of that (``benchmarks/README.md``). The Triton kernels serve every other CUDA case (fp32, fp16,
-older GPUs, widths that are not multiples of 8).
+CUTLASS) instead: on an H200 it ran the forward at 591-614 TFLOP/s on Mixtral-shaped experts, where these Triton
+kernels (before their tiles were swept) reached about a third of that (``benchmarks/README.md``). The Triton kernels
+serve every other CUDA case (fp32, fp16, older GPUs, widths that are not multiples of 8).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from meshpar.ops._dispatch import interpreting, run_triton
 from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
 
-# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), from a sweep on an H200 (benchmarks/README.md): for 16-bit
-# operands the largest tiles that fit; fp32 operands take twice the shared memory per element, so smaller ones.
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). 16-bit operands: the best of a bf16 sweep on an H200
+# (benchmarks/README.md). fp32 operands (not swept) take twice the shared memory per element, so smaller ones.
 _PRODUCT_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 4, 3)}
 # the weight grad: rows stepped BLOCK_M at a time, a BLOCK_K x BLOCK_N tile of dw per program
 _WEIGHT_GRAD_TILES = {2: (64, 128, 128, 8, 3), 4: (32, 128, 128, 8, 3)}
