@@ -230,13 +230,20 @@ def _rewrite_as_xser(path: Path) -> None:
     stand_in = {name: types.ModuleType(name) for name in names}
     TensorReference.__module__, TensorReference.__qualname__ = names[-1], "TensorReference"
     stand_in[names[-1]].TensorReference = TensorReference
-    state = torch.load(path)
     folder = Path(f"{path}.tensors")
     folder.mkdir()
-    structure = {}
-    for tid, (name, tensor) in enumerate(state.items()):
-        torch.save(tensor, folder / f"tensor_{tid}.pt")
-        structure[name] = TensorReference(tid)
+    count = iter(range(1 << 30))
+
+    def referenced(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: referenced(v) for k, v in value.items()}
+        if isinstance(value, torch.Tensor):
+            tid = next(count)
+            torch.save(value, folder / f"tensor_{tid}.pt")
+            return TensorReference(tid)
+        return value
+
+    structure = referenced(torch.load(path))
     sys.modules.update(stand_in)
     try:
         torch.save(structure, path)
@@ -417,3 +424,63 @@ def test_files_cut_for_another_layout_or_model_are_refused_on_every_rank(tmp_pat
                 assert "size mismatch" in rank_errors[0] or "does not exist" in rank_errors[0], rank_errors
             else:
                 assert len(rank_errors) == 1 and "keys this rank's model does not hold" in rank_errors[0]
+
+
+# ---------------------------------------------------------------- parallel_layers.save / load with NxD's keywords
+
+
+class Pair(nn.Module):
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        if parallel:
+            from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+            self.up = ColumnParallelLinear(H, FF, bias=True, gather_output=False)
+            self.down = RowParallelLinear(FF, H, bias=True, input_is_parallel=True)
+        else:
+            self.up, self.down = nn.Linear(H, FF), nn.Linear(FF, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def parallel_layers_case(tmp: str) -> None:
+    from meshpar.compat.nxd import parallel_layers
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=torch.distributed.get_world_size())
+    torch.manual_seed(0)
+    dense, x = Pair(False), torch.randn(3, H)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"model": dense.state_dict(), "step": 7}, os.path.join(tmp, "full.pt"))
+    torch.distributed.barrier()
+    # a full (unsharded) checkpoint cut for the model: NxD's sharded=False
+    model = Pair(True)
+    rest = parallel_layers.load(os.path.join(tmp, "full.pt"), model_or_optimizer=model, sharded=False)
+    assert rest == {"step": 7}  # NxD returns the checkpoint without the entry it loaded
+    torch.testing.assert_close(model(x), dense(x))
+    # NxD's positional order: save(checkpoint, dir, save_serially, save_xser, down_cast_bf16, master_dp_only)
+    parallel_layers.save({"model": model.state_dict()}, os.path.join(tmp, "bf16"), True, False, True)
+    again = Pair(True)
+    assert parallel_layers.load(os.path.join(tmp, "bf16"), None, again, "model", False, True, True) == {}
+    assert all(p.dtype == torch.float32 for p in again.parameters())  # loaded into fp32 parameters
+    torch.testing.assert_close(again(x), dense(x), atol=3e-2, rtol=3e-2)  # from bf16 copies
+    # a file NxD wrote itself, in torch_xla's split-tensor format (load_xser), and one with a key the model lacks
+    nxd_dir = os.path.join(tmp, "nxd", f"tp_rank_{torch.distributed.get_rank():02d}_pp_rank_00")
+    os.makedirs(os.path.dirname(nxd_dir), exist_ok=True)
+    torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, nxd_dir)
+    _rewrite_as_xser(Path(nxd_dir))
+    third = Pair(True)
+    parallel_layers.load(os.path.join(tmp, "nxd"), model_or_optimizer=third, load_xser=True)
+    torch.testing.assert_close(third(x), dense(x))
+    with pytest.raises(ValueError, match="holds keys ColumnParallelLinear does not"):
+        bare = os.path.join(tmp, "bare", f"tp_rank_{torch.distributed.get_rank():02d}_pp_rank_00", "checkpoint.pt")
+        os.makedirs(os.path.dirname(bare), exist_ok=True)
+        torch.save({"model": model.state_dict()}, bare)
+        parallel_layers.load(os.path.join(tmp, "bare"), model_or_optimizer=model.up, strict=False)
+
+
+def test_parallel_layers_save_and_load_take_nxds_keywords(tmp_path: Path) -> None:
+    """``load(sharded=False)`` cuts a full checkpoint, ``model_or_optimizer`` / positional order / return value as
+    NxD's, ``save(down_cast_bf16=True)``, NxD's own split-tensor files, keys the model lacks refused."""
+    run_distributed(parallel_layers_case, 2, str(tmp_path))

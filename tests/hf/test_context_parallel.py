@@ -166,10 +166,11 @@ def test_latent_attention_under_context_parallelism_composes_with_tp_pp_and_sp(
 
 
 def refusal_case(family: str, config: dict, seq: int = S, forward_raises: bool = False) -> str:
-    if forward_raises:  # a family whose forward cannot run with its sequence split (the probe's own verdict)
-        import importlib
+    import importlib
 
-        module = importlib.import_module("meshpar.hf.parallelize")  # the module (meshpar.hf.parallelize: a function)
+    module = importlib.import_module("meshpar.hf.parallelize")  # the module (meshpar.hf.parallelize: a function)
+    verify = module.verify_context_parallel
+    if forward_raises:  # a family whose forward cannot run with its sequence split (the probe's own verdict)
         module.verify_context_parallel = lambda *args, **kwargs: "its forward raises RuntimeError: no split here"
     try:
         model = meshpar.parallelize(build(family), config)
@@ -177,6 +178,8 @@ def refusal_case(family: str, config: dict, seq: int = S, forward_raises: bool =
         model.train_step(**data)
     except (ValueError, RuntimeError) as error:
         return str(error)
+    finally:  # the worker processes serve later tests
+        module.verify_context_parallel = verify
     return "accepted"
 
 

@@ -86,13 +86,35 @@ def _local(value: Any) -> Any:
     return value
 
 
-def save(checkpoint: dict[str, Any], output_dir: str | os.PathLike, master_dp_only: bool = True) -> None:
-    """Write this rank's shards (atomically: a temporary file renamed into place), then wait for every rank."""
+def _down_cast(value: Any) -> Any:
+    """Every fp32 tensor in ``value`` as bf16 (NxD's ``down_cast_bf16``)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.to(torch.bfloat16)
+    if isinstance(value, dict):
+        return type(value)((k, _down_cast(v)) for k, v in value.items())
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_down_cast(v) for v in value)
+    return value
+
+
+def save(
+    checkpoint: dict[str, Any],
+    output_dir: str | os.PathLike,
+    save_serially: bool = True,
+    save_xser: bool = False,
+    down_cast_bf16: bool = False,
+    master_dp_only: bool = True,
+) -> None:
+    """Write this rank's shards (atomically: a temporary file renamed into place), then wait for every rank.
+    ``save_serially`` (NxD staggers the ranks' writes) changes nothing; ``save_xser`` writes the plain torch file as
+    well (torch_xla's split-tensor format is not written here; ``load`` reads either); ``down_cast_bf16`` saves fp32
+    tensors as bf16."""
     dims = get_parallel()
     if not master_dp_only or dims.edp_mesh.get_local_rank() == 0:  # dp rank 0 of the ranks holding these experts
         directory = _rank_dir(output_dir, dims, None if master_dp_only else dims.dp_rank)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"layout": _saved_layout(dims), "checkpoint": _local(checkpoint)}
+        local = _local(checkpoint)
+        payload = {"layout": _saved_layout(dims), "checkpoint": _down_cast(local) if down_cast_bf16 else local}
         tmp = directory / f".{_FILE}.tmp"
         torch.save(payload, tmp)
         os.replace(tmp, directory / _FILE)
@@ -120,41 +142,93 @@ def _into_model(model: nn.Module, state: dict[str, torch.Tensor], strict: bool) 
     model.load_state_dict(converted, strict=strict)
 
 
+def _read(file: Path, dims: ParallelDims, weights_only: bool) -> tuple[str | None, Any, bool]:
+    """``(why not, None, _)`` or ``(None, checkpoint, bare)``: a file :func:`save` wrote (its layout must be this
+    run's), or one NxD wrote (``bare``: no layout recorded), plain or in torch_xla's split-tensor format."""
+    from meshpar.compat.nxd import _xser
+
+    if _xser.is_xser_file(file):
+        return None, _xser.load(file, map_location=dims.device), True
+    if not file.is_file():
+        return f"{file} does not exist (saved with another tp / pp / ep, or not an NxD-format checkpoint)", None, False
+    payload = torch.load(file, map_location=dims.device, weights_only=weights_only)
+    if not (isinstance(payload, dict) and "layout" in payload and "checkpoint" in payload):
+        return None, payload, True
+    now = _saved_layout(dims)
+    if payload["layout"] != now:
+        return (
+            (
+                f"{file} was saved at {payload['layout']}, this run is {' '.join(f'{k}={v}' for k, v in now.items())}; "
+                "this format does not reshard (use meshpar.checkpoint for that)"
+            ),
+            None,
+            False,
+        )
+    return None, payload["checkpoint"], False
+
+
+def _rank_file(chkpt_path: str | os.PathLike, dims: ParallelDims, master_dp_only: bool, load_xser: bool) -> Path:
+    """This rank's file: ``tp_rank_XX_pp_rank_YY/checkpoint.pt`` (``..._dp_rank_ZZ`` without ``master_dp_only``;
+    the per-dp-rank naming is tried too), or NxD's split-tensor object file ``tp_rank_XX_pp_rank_YY``."""
+    directory = _rank_dir(chkpt_path, dims, None)
+    candidates = [directory / _FILE, _rank_dir(chkpt_path, dims, dims.dp_rank) / _FILE]
+    if not master_dp_only:
+        candidates.reverse()
+    if load_xser:
+        from meshpar.compat.nxd import _xser
+
+        xser_file = directory if master_dp_only else Path(f"{directory}_dp_rank_{dims.dp_rank:02d}")
+        if _xser.is_xser_file(xser_file):
+            return xser_file
+    return next((file for file in candidates if file.exists()), candidates[0])
+
+
 def load(
     chkpt_path: str | os.PathLike,
     model: nn.Module | None = None,
+    model_or_optimizer: Any = None,
     model_key: str | None = "model",
+    load_xser: bool = False,
+    sharded: bool = True,
     strict: bool = True,
-) -> dict[str, Any]:
-    """Read this rank's file written by :func:`save`; with ``model``, load ``checkpoint[model_key]`` (the whole
-    checkpoint if ``model_key`` is None) into it. Returns the checkpoint dict."""
+    master_dp_only: bool = True,
+    weights_only: bool = False,
+) -> dict[str, Any] | None:
+    """Read this rank's file written by :func:`save` (or by NxD); with a model or optimizer (``model`` is NxD's
+    older name for ``model_or_optimizer``), load ``checkpoint[model_key]`` (the whole checkpoint if ``model_key`` is
+    None) into it. ``sharded=False``: ``chkpt_path`` is one full (unsharded) checkpoint file, cut to this rank's
+    shards for the model. ``load_xser``: NxD's split-tensor files (read either way when found). Returns the
+    checkpoint without the loaded entry, as NxD does (``None`` when the whole checkpoint was loaded)."""
+    target = model_or_optimizer if model_or_optimizer is not None else model
+    if not sharded and target is None:
+        raise ValueError("load(sharded=False) needs model_or_optimizer: a full checkpoint is cut for a model")
     dims = get_parallel()
-    file = _rank_dir(chkpt_path, dims, None) / _FILE
-    if not file.exists():
-        file = _rank_dir(chkpt_path, dims, dims.dp_rank) / _FILE
-    error, checkpoint = None, None
-    if not file.exists():
-        error = f"{file} does not exist (saved with another tp / pp / ep, or not an NxD-format checkpoint)"
-    else:
-        payload = torch.load(file, map_location=dims.device, weights_only=False)
-        saved = payload.get("layout", {}) if isinstance(payload, dict) else {}
-        now = _saved_layout(dims)
-        if saved != now:
-            error = (
-                f"{file} was saved at {saved or 'an unknown layout'}, this run is "
-                f"{' '.join(f'{k}={v}' for k, v in now.items())}; this format does not reshard (use meshpar.checkpoint "
-                "for that)"
-            )
+    file = Path(chkpt_path) if not sharded else _rank_file(chkpt_path, dims, master_dp_only, load_xser)
+    error, checkpoint, bare = _read(file, dims, weights_only)
+    if error is None and target is not None:
+        state = checkpoint if model_key is None else checkpoint.get(model_key)
+        unexpected = (
+            sorted(set(state) - set(target.state_dict()))
+            if bare and sharded and isinstance(state, dict) and isinstance(target, nn.Module)
+            else []
+        )
+        if state is None:
+            error = f"{file} has no key {model_key!r} (keys: {sorted(checkpoint)})"
+        elif unexpected:  # no layout recorded: keys the model lacks mean another cut or model, never skipped
+            error = f"{file} holds keys {type(target).__name__} does not: {unexpected[:5]}"
         else:
-            checkpoint = payload["checkpoint"]
-            if model is not None:
-                state = checkpoint if model_key is None else checkpoint.get(model_key)
-                if state is None:
-                    error = f"{file} has no key {model_key!r} (keys: {sorted(checkpoint)})"
+            try:
+                if isinstance(target, torch.optim.Optimizer):
+                    target.load_state_dict(state)
                 else:
-                    try:
-                        _into_model(model, state, strict)
-                    except (RuntimeError, KeyError, ValueError) as exc:
-                        error = f"loading {model_key!r} into {type(model).__name__}: {exc}"
+                    if not sharded:
+                        state = get_sharded_model_dict(target, dict(state))
+                    _into_model(target, state, strict)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                error = f"loading {model_key!r} into {type(target).__name__}: {exc}"
     _agree(error)
-    return checkpoint
+    if target is None:
+        return checkpoint
+    if model_key is None:
+        return None
+    return {k: v for k, v in checkpoint.items() if k != model_key}
