@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from meshpar._compat import tree_map_only
+
 _XLA_MODULE, _XLA_CLASS = "torch_xla.utils.serialization", "TensorReference"
 
 
@@ -58,18 +60,8 @@ def _tensor(path: str, tid: int, map_location: Any) -> torch.Tensor:
     return torch.load(file, map_location=map_location, weights_only=True)
 
 
-def _resolve(value: Any, path: str, map_location: Any) -> Any:
-    if isinstance(value, TensorReference):
-        return _tensor(path, value.tid, map_location)
-    if isinstance(value, dict):
-        return type(value)((k, _resolve(v, path, map_location)) for k, v in value.items())
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_resolve(v, path, map_location) for v in value)
-    return value
-
-
 def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """The object saved at ``path`` in the split-tensor format, every tensor read back."""
     path = os.fspath(path)
     structure = torch.load(path, map_location=map_location, pickle_module=_PICKLE, weights_only=False)
-    return _resolve(structure, path, map_location)
+    return tree_map_only(TensorReference, lambda ref: _tensor(path, ref.tid, map_location), structure)

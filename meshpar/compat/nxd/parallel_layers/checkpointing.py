@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshpar._compat import DTensor
+from meshpar._compat import DTensor, tree_map_only
 from meshpar.failure import first_failure_on_any_rank
 from meshpar.parallel_dims import ParallelDims, get_parallel
 
@@ -88,13 +88,7 @@ def _local(value: Any) -> Any:
 
 def _down_cast(value: Any) -> Any:
     """Every fp32 tensor in ``value`` as bf16 (NxD's ``down_cast_bf16``)."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-        return value.to(torch.bfloat16)
-    if isinstance(value, dict):
-        return type(value)((k, _down_cast(v)) for k, v in value.items())
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_down_cast(v) for v in value)
-    return value
+    return tree_map_only(torch.Tensor, lambda t: t.to(torch.bfloat16) if t.dtype == torch.float32 else t, value)
 
 
 def save(
