@@ -295,9 +295,10 @@ class _RingAttention(torch.autograd.Function):
         kv_heads = blocks.shape[2]  # blocks: [cp, batch, kv_heads, local, k_dim + v_dim]
         q_pos = local_positions(local * cp, cp, rank, q.device)
         fused = fused_supported(q, ctx.softcap)
-        qf, d_out = q.float(), grad_out.float()
-        delta = (d_out * out).sum(-1, keepdim=True)  # softmax's backward term, per query
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if not fused:  # the matmul path's fp32 operands and softmax's backward term per query (kernels: their own)
+            qf, d_out = q.float(), grad_out.float()
+            delta = (d_out * out).sum(-1, keepdim=True)
         # The block of step s belongs to rank - s. Its grads are summed on their way back: walking the steps from the
         # last, each rank adds its grads for a block to what arrived for that block and passes the sum on, the
         # transfer running while the next (earlier) step's grads are computed.
