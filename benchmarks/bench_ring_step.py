@@ -7,8 +7,9 @@
 
 A step is what each rank computes per ring exchange: its ``seq`` local queries (load-balanced chunks of a causal
 sequence at cp=2, rank 0) against one other rank's ``seq`` keys, with the block's causal mask, then the backward of
-that block given the merged output and log-sum-exp. Peak memory is what one step allocates beyond its inputs
-(CUDA only).
+that block given the merged output and log-sum-exp. "fused, pieces" is the step as the ring runs it: only the
+half of the block that holds permitted pairs, with no mask (``context_parallel._step_pieces``). Peak memory is what
+one step allocates beyond its inputs (CUDA only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meshpar._block_attention import block_backward, block_forward
-from meshpar.context_parallel import AttentionMask, _attend, _attend_backward, _repeat_kv, local_positions
+from meshpar.context_parallel import (
+    AttentionMask,
+    _attend,
+    _attend_backward,
+    _repeat_kv,
+    _RingAttention,
+    _step_backward,
+    _step_forward,
+    local_positions,
+)
 
 
 def _sync(device: str) -> None:
@@ -50,7 +60,8 @@ def main() -> None:
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     q, d_out = (torch.randn(shape, generator=generator).to(device, dtype) for _ in range(2))
     kv_shape = (args.batch, args.kv_heads, args.seq, args.head_dim)
-    k, v = (_repeat_kv(torch.randn(kv_shape, generator=generator).to(device, dtype), args.heads) for _ in range(2))
+    kv_heads = [torch.randn(kv_shape, generator=generator).to(device, dtype) for _ in range(2)]
+    k, v = (_repeat_kv(t, args.heads) for t in kv_heads)
     q_pos = local_positions(2 * args.seq, 2, 0, device)
     allow = AttentionMask().allowed(q_pos, local_positions(2 * args.seq, 2, 1, device))
     scale = args.head_dim**-0.5
@@ -66,7 +77,18 @@ def main() -> None:
         delta = (d_out.float() * out).sum(-1, keepdim=True)
         _attend_backward(q.float(), k.float(), v.float(), d_out.float(), delta, finite, allow, ctx)
 
-    variants = {"plain (fp32 matmuls)": plain, "fused kernel": fused}
+    ring = SimpleNamespace()
+    _RingAttention.keep(ring, q, 2, 0, AttentionMask(), scale, None, [args.head_dim] * 2)
+    kv = torch.cat(kv_heads, dim=-1)
+
+    def pieces() -> None:
+        out = torch.zeros(shape, dtype=torch.float32, device=device)
+        lse = torch.full((*shape[:-1], 1), float("-inf"), device=device)
+        _step_forward(q, kv, out, lse, 1, ring)
+        grads = {"d_out": d_out, "out": out, "lse": lse.nan_to_num(neginf=0.0)}
+        _step_backward(q, kv, grads, torch.zeros(shape, device=device), 1, ring)
+
+    variants = {"plain (fp32 matmuls)": plain, "fused kernel": fused, "fused, pieces": pieces}
     times: dict[str, list[float]] = {key: [] for key in variants}
     peaks: dict[str, float] = {}
     for key, step in variants.items():  # warm-up, and each variant's peak on its own

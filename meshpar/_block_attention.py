@@ -7,7 +7,8 @@ normalised by the whole sequence (flash attention's backward, run once per block
 take exactly these: on CPU ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), on CUDA the
 memory-efficient kernel ``_scaled_dot_product_efficient_attention`` (and its backward), both with an additive mask
 and an explicit log-sum-exp. Neither keeps the step's scores or probabilities; the one ``queries x keys`` tensor a
-step holds is its additive mask (in the inputs' dtype, freed when the step ends; nothing of that size is saved).
+step may hold is its additive mask (in the inputs' dtype, freed when the step ends; nothing of that size is saved),
+and blocks every key of which a query may see, or that are causal on their diagonal, are run with none.
 
 What the kernels do not do is handled around them: keys and values of different widths (latent attention) are
 zero-padded to one width (zero features add nothing to a score, and the padded output columns are cut off); a query
@@ -61,22 +62,32 @@ def _no_key(allow: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allow: torch.Tensor | None,
+    scale: float,
+    *,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[batch, heads, queries, dk]``, ``k`` / ``v`` ``[batch, heads, keys, dk / dv]`` (heads already repeated
     for grouped queries), ``allow`` bool broadcastable to ``[batch, heads, queries, keys]``: (output ``[..., dv]`` in
-    fp32, log-sum-exp ``[..., 1]`` in fp32, -inf and output 0 for a query with no permitted key)."""
+    fp32, log-sum-exp ``[..., 1]`` in fp32, -inf and output 0 for a query with no permitted key). ``allow=None``: every
+    key permitted, or with ``causal`` key ``j`` permitted to query ``i`` where ``j <= i`` (a square block whose keys
+    are its queries' own positions); no mask is built for either, and the kernels skip the causal block's upper half."""
     width, dv, queries = max(q.shape[-1], v.shape[-1]), v.shape[-1], q.shape[2]
     q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
-    bias = _bias(allow, q, k.shape[2])
+    bias = None if allow is None else _bias(allow, q, k.shape[2])
     if q.device.type == "cpu":
-        out, lse = flash_attention_cpu(q, k, v, attn_mask=bias, scale=scale)
+        out, lse = flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     else:
-        out, lse = efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+        out, lse = efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., :queries]
+    out, lse = out[..., :dv].float(), lse.float().unsqueeze(-1)
+    if allow is None:  # every query has a key (its own, when causal)
+        return out, lse
     none = _no_key(allow, queries)
-    lse = lse.float().unsqueeze(-1).masked_fill(none, float("-inf"))
-    return out[..., :dv].float().masked_fill(none, 0.0), lse
+    return out.masked_fill(none, 0.0), lse.masked_fill(none, float("-inf"))
 
 
 def block_backward(
@@ -86,27 +97,31 @@ def block_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    allow: torch.Tensor,
+    allow: torch.Tensor | None,
     scale: float,
+    *,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The grads of one block's ``q``, ``k``, ``v`` (shapes as :func:`block_forward`'s) given the grad of the merged
-    output ``d_out``, the merged output ``out`` and the merged log-sum-exp ``lse`` ``[..., 1]`` (finite: 0 for a query
-    with no key anywhere, whose output is 0). In fp32."""
+    """The grads of one block's ``q``, ``k``, ``v`` (shapes, ``allow`` and ``causal`` as :func:`block_forward`'s)
+    given the grad of the merged output ``d_out``, the merged output ``out`` and the merged log-sum-exp ``lse``
+    ``[..., 1]`` (finite: 0 for a query with no key anywhere, whose output is 0). In fp32."""
     dk_width, dv, queries = q.shape[-1], v.shape[-1], q.shape[2]
     width, dtype = max(dk_width, dv), q.dtype
     q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
     d_out, out = _widen(d_out.to(dtype), width).contiguous(), _widen(out.to(dtype), width).contiguous()
-    bias = _bias(allow, q, k.shape[2])
     lse = lse.squeeze(-1).float().contiguous()
+    if q.device.type == "cuda" and dtype != torch.float32:  # the kernel's half-precision backward gave wrong q / k
+        q, k, v, d_out, out = (
+            t.float() for t in (q, k, v, d_out, out)
+        )  # grads here (an H200, torch 2.11): fp32 is exact
+    bias = None if allow is None else _bias(allow, q, k.shape[2])
     if q.device.type == "cpu":
-        dq, dk, dv_ = flash_attention_cpu_backward(d_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
+        dq, dk, dv_ = flash_attention_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     else:
-        if dtype != torch.float32:  # the kernel's half-precision backward gave wrong q / k grads here (an H200, torch
-            q, k, v, d_out, out = (t.float() for t in (q, k, v, d_out, out))  # 2.11): its fp32 backward is exact
-            bias = _bias(allow, q, k.shape[2])
         lse = F.pad(lse, (0, -(-queries // _LSE_ALIGN) * _LSE_ALIGN - queries)).contiguous()
         unused = torch.empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout here
+        needs = [True, True, True, False]  # no grad of the mask
         dq, dk, dv_ = efficient_attention_backward(
-            d_out, q, k, v, bias, out, lse, unused, unused, 0.0, [True, True, True, False], False, scale=scale
+            d_out, q, k, v, bias, out, lse, unused, unused, 0.0, needs, causal, scale=scale
         )[:3]
     return dq[..., :dk_width].float(), dk[..., :dk_width].float(), dv_[..., :dv].float()

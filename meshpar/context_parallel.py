@@ -244,10 +244,113 @@ def _attend_backward(
     return dq, dk, dv
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A rectangle of one ring step's (query, key) block that has permitted pairs: local query ``rows``, the block's
+    key ``cols``, and ``kind``: ``"full"`` (every pair permitted: no mask), ``"causal"`` (keys at the queries' own
+    positions, key <= query: the kernels' causal flag, no mask) or ``"masked"`` (a mask from :class:`AttentionMask`)."""
+
+    rows: slice
+    cols: slice
+    kind: str
+
+
+def _sub_block_kind(mask: AttentionMask, query_chunk: int, key_chunk: int, chunk: int) -> str | None:
+    """What the structure of ``mask`` (causal, sliding window) says of the pairs of two chunks of ``chunk``
+    positions: ``None`` where none is permitted, else the :class:`_Piece` kind. Decided from the chunks' ranges of
+    query - key distances, never from tensors: documents and padding only forbid more, so a block they touch is
+    ``"masked"`` (evaluated in full), and only a block the structure forbids whole is skipped."""
+    offset = (query_chunk - key_chunk) * chunk
+    nearest, farthest = offset - (chunk - 1), offset + (chunk - 1)  # the distances of the block's pairs
+    low = 0 if mask.causal else -float("inf")
+    high = mask.sliding_window - 1 if mask.sliding_window is not None else float("inf")
+    if max(nearest, low) > min(farthest, high):
+        return None
+    data_masked = mask.document_ids is not None or mask.key_padding is not None
+    if not data_masked and nearest >= low and farthest <= high:
+        return "full"
+    if not data_masked and query_chunk == key_chunk and mask.causal and farthest <= high:
+        return "causal"
+    return "masked"
+
+
+def _step_pieces(mask: AttentionMask, cp: int, rank: int, source: int, chunk: int) -> list[_Piece]:
+    """The rectangles rank ``rank``'s queries compute against rank ``source``'s keys. Each holds two chunks (load
+    balancing), so a step is four sub-blocks; those no pair of which is permitted are skipped (under causal
+    attention half of every other rank's block: Megatron-Core's halving), neighbours of one kind joined."""
+    chunks = {"q": (rank, 2 * cp - 1 - rank), "k": (source, 2 * cp - 1 - source)}
+    halves = (slice(0, chunk), slice(chunk, 2 * chunk))
+    both = slice(0, 2 * chunk)
+    per_row = []
+    for query_chunk in chunks["q"]:
+        kinds = [_sub_block_kind(mask, query_chunk, key_chunk, chunk) for key_chunk in chunks["k"]]
+        if kinds[0] == kinds[1] and kinds[0] in ("full", "masked"):
+            per_row.append([(both, kinds[0])])
+        else:
+            per_row.append([(cols, kind) for cols, kind in zip(halves, kinds, strict=True) if kind is not None])
+    if per_row[0] == per_row[1]:
+        return [_Piece(both, cols, kind) for cols, kind in per_row[0]]
+    return [_Piece(rows, cols, kind) for rows, row in zip(halves, per_row, strict=True) for cols, kind in row]
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one piece's output and log-sum-exp into the running ones of its rows (flash attention's online softmax);
+    rows with no key so far keep output 0 and log-sum-exp -inf."""
+    old = acc_lse[:, :, rows]
+    new = torch.logaddexp(old, lse)
+    finite = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    acc[:, :, rows] = acc[:, :, rows] * torch.exp(old - finite) + out * torch.exp(lse - finite)
+    acc_lse[:, :, rows] = new
+
+
+def _step_forward(
+    q: torch.Tensor, kv: torch.Tensor, acc: torch.Tensor, acc_lse: torch.Tensor, source: int, ctx: Any
+) -> None:
+    """One ring step: this rank's queries against the block ``kv`` of rank ``source``, merged into ``acc`` /
+    ``acc_lse``."""
+    k_block, v_block = (_repeat_kv(t, q.shape[1]) for t in kv.split(ctx.split, dim=-1))
+    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk):
+        qp, k, v = q[:, :, piece.rows], k_block[:, :, piece.cols], v_block[:, :, piece.cols]
+        if ctx.fused:
+            allow = ctx.allowed(piece, source) if piece.kind == "masked" else None
+            out, lse = block_forward(qp, k, v, allow, ctx.scale, causal=piece.kind == "causal")
+        else:
+            out, lse = _attend(qp, k, v, ctx.allowed(piece, source), ctx.scale, ctx.softcap)
+        _merge(acc, acc_lse, piece.rows, out, lse)
+
+
+def _step_backward(
+    q: torch.Tensor, kv: torch.Tensor, grads: dict[str, torch.Tensor], dq: torch.Tensor, source: int, ctx: Any
+) -> torch.Tensor:
+    """One ring step's grads: adds the queries' into ``dq`` and returns the block's K/V grads (per query head,
+    ``[batch, heads, local, dk + dv]``, fp32). ``grads``: the merged output's grad, output and log-sum-exp (and, on
+    the matmul path, their fp32 forms and softmax's backward term)."""
+    k_block, v_block = (_repeat_kv(t, q.shape[1]) for t in kv.split(ctx.split, dim=-1))
+    d_kv = torch.zeros(*k_block.shape[:-1], sum(ctx.split), dtype=torch.float32, device=q.device)
+    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk):
+        rows, cols = piece.rows, piece.cols
+        k, v = k_block[:, :, cols], v_block[:, :, cols]
+        if ctx.fused:
+            allow = ctx.allowed(piece, source) if piece.kind == "masked" else None
+            d_out, out, lse = (grads[name][:, :, rows] for name in ("d_out", "out", "lse"))
+            dq_p, dk, dv = block_backward(
+                d_out, q[:, :, rows], k, v, out, lse, allow, ctx.scale, causal=piece.kind == "causal"
+            )
+        else:
+            d_out, delta, lse, qf = (grads[name][:, :, rows] for name in ("d_out_fp32", "delta", "lse", "q_fp32"))
+            dq_p, dk, dv = _attend_backward(
+                qf, k.float(), v.float(), d_out, delta, lse, ctx.allowed(piece, source), ctx
+            )
+        dq[:, :, rows] += dq_p
+        d_kv[:, :, cols] += torch.cat([dk, dv], dim=-1)
+    return d_kv
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring implementation (see the module docstring): forward keeps the received K/V blocks, the output and the
     log-sum-exp; backward recomputes each step's probabilities and sends each block's K/V grads back to its owner
-    (``cp - 1`` exchanges, accumulated on the way: the grads for one owner's block meet on the ranks that held it)."""
+    (``cp - 1`` exchanges, accumulated on the way: the grads for one owner's block meet on the ranks that held it).
+    Each step computes only the rectangles of its block that hold permitted pairs (:func:`_step_pieces`)."""
 
     @staticmethod
     def forward(
@@ -261,59 +364,67 @@ class _RingAttention(torch.autograd.Function):
         softcap: float | None,
     ) -> torch.Tensor:
         cp, rank = mesh.size(), mesh.get_local_rank()
-        seq_len, heads = q.shape[2] * cp, q.shape[1]
-        q_pos = local_positions(seq_len, cp, rank, q.device)
+        batch, heads, local, _ = q.shape
+        ctx.mesh = mesh
+        _RingAttention.keep(ctx, q, cp, rank, mask, scale, softcap, [k.shape[-1], v.shape[-1]])
         # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
-        kv, split = torch.cat([k, v], dim=-1), [k.shape[-1], v.shape[-1]]
-        fused = fused_supported(q, softcap)
-        blocks, outs, lses = [], [], []
+        kv = torch.cat([k, v], dim=-1)
+        acc = torch.zeros(batch, heads, local, v.shape[-1], dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((batch, heads, local, 1), float("-inf"), dtype=torch.float32, device=q.device)
+        blocks = []
         for step in range(cp):
             incoming = _Shift(kv, mesh, +1) if step < cp - 1 else None  # the next block, while this one computes
-            allow = mask.allowed(q_pos, local_positions(seq_len, cp, (rank - step) % cp, q.device))
-            k_block, v_block = (_repeat_kv(t, heads) for t in kv.split(split, dim=-1))
-            if fused:
-                out, lse = block_forward(q, k_block, v_block, allow, scale)
-            else:
-                out, lse = _attend(q, k_block, v_block, allow, scale, softcap)
+            _step_forward(q, kv, acc, acc_lse, (rank - step) % cp, ctx)
             blocks.append(kv)
-            outs.append(out)
-            lses.append(lse)
             if incoming is not None:
                 kv = incoming.wait()
-        total = torch.logsumexp(torch.stack(lses), dim=0)
-        total = torch.where(torch.isinf(total), torch.zeros_like(total), total)  # a query with no key: output 0
-        merged = sum(torch.exp(lse - total) * out for lse, out in zip(lses, outs, strict=True))
-        ctx.save_for_backward(q, merged, total, torch.stack(blocks))
-        ctx.mesh, ctx.mask, ctx.scale, ctx.softcap, ctx.split = mesh, mask, scale, softcap, split
-        return merged.to(q.dtype)
+        total = torch.where(torch.isinf(acc_lse), torch.zeros_like(acc_lse), acc_lse)  # a query with no key: 0
+        ctx.save_for_backward(q, acc, total, torch.stack(blocks))
+        return acc.to(q.dtype)
+
+    @staticmethod
+    def keep(
+        ctx: Any,
+        q: torch.Tensor,
+        cp: int,
+        rank: int,
+        mask: AttentionMask,
+        scale: float,
+        softcap: float | None,
+        split: list[int],
+    ) -> None:
+        """Record on ``ctx`` what the steps of both passes read (:func:`_step_forward`, :func:`_step_backward`): the
+        layout, the mask and how to evaluate it on a piece, which path computes."""
+        seq_len = q.shape[2] * cp
+        ctx.cp, ctx.rank, ctx.mask, ctx.scale, ctx.softcap, ctx.split = cp, rank, mask, scale, softcap, split
+        ctx.chunk, ctx.fused = q.shape[2] // 2, fused_supported(q, softcap)
+        q_pos = local_positions(seq_len, cp, rank, q.device)
+
+        def allowed(piece: _Piece, source: int) -> torch.Tensor:
+            k_pos = local_positions(seq_len, cp, source, q.device)
+            return mask.allowed(q_pos[piece.rows], k_pos[piece.cols])
+
+        ctx.allowed = allowed
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, out, lse, blocks = ctx.saved_tensors
-        mesh, cp, rank = ctx.mesh, ctx.mesh.size(), ctx.mesh.get_local_rank()
+        mesh, cp, rank = ctx.mesh, ctx.cp, ctx.rank
         batch, heads, local, _ = q.shape
         kv_heads = blocks.shape[2]  # blocks: [cp, batch, kv_heads, local, k_dim + v_dim]
-        q_pos = local_positions(local * cp, cp, rank, q.device)
-        fused = fused_supported(q, ctx.softcap)
+        grads = {"d_out": grad_out, "out": out, "lse": lse}
+        if not ctx.fused:  # the matmul path's fp32 operands and softmax's backward term per query (kernels: their own)
+            grads["q_fp32"], grads["d_out_fp32"] = q.float(), grad_out.float()
+            grads["delta"] = (grads["d_out_fp32"] * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        if not fused:  # the matmul path's fp32 operands and softmax's backward term per query (kernels: their own)
-            qf, d_out = q.float(), grad_out.float()
-            delta = (d_out * out).sum(-1, keepdim=True)
         # The block of step s belongs to rank - s. Its grads are summed on their way back: walking the steps from the
         # last, each rank adds its grads for a block to what arrived for that block and passes the sum on, the
         # transfer running while the next (earlier) step's grads are computed.
         in_flight: _Shift | None = None
         for step in range(cp - 1, -1, -1):
-            allow = ctx.mask.allowed(q_pos, local_positions(local * cp, cp, (rank - step) % cp, q.device))
-            k, v = (_repeat_kv(t, heads) for t in blocks[step].split(ctx.split, dim=-1))
-            if fused:
-                dq_step, dk, dv = block_backward(grad_out, q, k, v, out, lse, allow, ctx.scale)
-            else:
-                dq_step, dk, dv = _attend_backward(qf, k.float(), v.float(), d_out, delta, lse, allow, ctx)
-            dq = dq + dq_step
+            d_kv = _step_backward(q, blocks[step], grads, dq, (rank - step) % cp, ctx)
             # grouped-query heads: each key/value head's grad is the sum over the query heads it served
-            per_kv_head = [g.reshape(batch, kv_heads, heads // kv_heads, local, -1).sum(2) for g in (dk, dv)]
-            acc = torch.cat(per_kv_head, dim=-1)
+            acc = d_kv.reshape(batch, kv_heads, heads // kv_heads, local, -1).sum(2)
             if in_flight is not None:
                 acc = acc + in_flight.wait()
             in_flight = _Shift(acc, mesh, -1) if step > 0 else None

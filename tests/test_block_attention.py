@@ -61,3 +61,36 @@ def test_blocks_merged_equal_one_attention(device: str, dk: int, dv: int, dtype:
     for (name, grad), leaf in zip(got.items(), ref, strict=True):
         assert grad.dtype == torch.float32 and grad.shape == leaf.shape, name
         torch.testing.assert_close(grad.double().cpu(), leaf.grad, **tol, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_without_a_mask_and_causal_on_the_diagonal(device: str, dtype: torch.dtype) -> None:
+    """The maskless forms the ring uses where a block's structure is known: a block whose every key is permitted
+    (``allow=None``) and a square block on the diagonal (``causal=True``), merged with a masked one, against causal
+    attention over all the keys: keys 0..7 before the queries, keys 8..15 at the queries' own positions."""
+    generator = torch.Generator().manual_seed(2)
+    batch, heads, queries, dk, dv, scale = 2, 3, 8, 16, 8, 0.4
+    q, d_out = (torch.randn(batch, heads, queries, d, generator=generator) for d in (dk, dv))
+    k = torch.randn(batch, heads, 2 * queries, dk, generator=generator)
+    v = torch.randn(batch, heads, 2 * queries, dv, generator=generator)
+    q, k, v, d_out = (t.to(device, dtype) for t in (q, k, v, d_out))
+    before, own = slice(0, queries), slice(queries, 2 * queries)
+    parts = [block_forward(q, k[:, :, before], v[:, :, before], None, scale)]
+    parts.append(block_forward(q, k[:, :, own], v[:, :, own], None, scale, causal=True))
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+    merged = sum(torch.exp(lse - total) * out for out, lse in parts)
+    grads = [
+        block_backward(d_out, q, k[:, :, before], v[:, :, before], merged, total, None, scale),
+        block_backward(d_out, q, k[:, :, own], v[:, :, own], merged, total, None, scale, causal=True),
+    ]
+
+    allow = torch.ones(queries, 2 * queries, dtype=torch.bool).tril(queries)
+    ref = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    want = _dense(*ref, allow, scale)
+    want.backward(d_out.double().cpu())
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(merged.double().cpu(), want.detach(), **tol)
+    got = [sum(g[0] for g in grads), torch.cat([g[1] for g in grads], 2), torch.cat([g[2] for g in grads], 2)]
+    for name, grad, leaf in zip("qkv", got, ref, strict=True):
+        torch.testing.assert_close(grad.double().cpu(), leaf.grad, **tol, msg=f"grad of {name}")

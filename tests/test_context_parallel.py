@@ -33,6 +33,8 @@ def _mask(kind: str) -> AttentionMask:
         return AttentionMask()
     if kind == "sliding":
         return AttentionMask(sliding_window=5)
+    if kind == "short_window":  # narrower than a chunk at cp 4: the ring skips whole steps
+        return AttentionMask(sliding_window=2)
     if kind == "documents":  # three documents packed per row, boundaries not on chunk edges
         ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 3 + [1] * 3 + [2] * 10])
         return AttentionMask(document_ids=ids)
@@ -74,7 +76,7 @@ def cp_case(kind: str, implementation: str) -> None:
 
 
 @pytest.mark.parametrize("implementation", ["all_gather", "ring"])
-@pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "padding", "bidirectional"])
+@pytest.mark.parametrize("kind", ["causal", "sliding", "short_window", "documents", "padding", "bidirectional"])
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_attention_matches_one_device(cp: int, kind: str, implementation: str) -> None:
     run_distributed(cp_case, cp, kind, implementation)
@@ -115,7 +117,7 @@ def overlap_case() -> list[str]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     events: list[str] = []
     shift_init, shift_wait = module._Shift.__init__, module._Shift.wait
-    forward, backward = module.block_forward, module.block_backward
+    forward, backward = module._step_forward, module._step_backward
 
     def logged(name: str, fn: Callable) -> Callable:
         def call(*args: object, **kwargs: object) -> object:
@@ -125,14 +127,14 @@ def overlap_case() -> list[str]:
         return call
 
     module._Shift.__init__, module._Shift.wait = logged("send", shift_init), logged("wait", shift_wait)
-    module.block_forward, module.block_backward = logged("attend", forward), logged("grads", backward)
+    module._step_forward, module._step_backward = logged("attend", forward), logged("grads", backward)
     try:
         q, k, v, _ = _inputs()
         mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
         context_parallel_attention(*mine, mesh, AttentionMask(), implementation="ring").sum().backward()
     finally:
         module._Shift.__init__, module._Shift.wait = shift_init, shift_wait
-        module.block_forward, module.block_backward = forward, backward
+        module._step_forward, module._step_backward = forward, backward
     return events
 
 
@@ -147,6 +149,53 @@ def test_the_ring_overlaps_each_transfer_with_a_steps_compute() -> None:
 def test_a_length_that_does_not_split_into_2cp_chunks_is_refused() -> None:
     with pytest.raises(ValueError, match="pad the sequences to a multiple of 8"):
         local_positions(20, 4, 0)
+
+
+def _structural_masks() -> list[AttentionMask]:
+    ids = torch.tensor([[0] * 9 + [1] * 15, [0] * 20 + [1] * 4])  # 24 positions: documents and padding, two rows
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1, 17:] = False
+    masks = [AttentionMask(causal=causal, sliding_window=w) for causal in (True, False) for w in (None, 1, 2, 3, 5, 9)]
+    return [*masks, AttentionMask(document_ids=ids), AttentionMask(sliding_window=4, key_padding=padding)]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int) -> None:
+    """Every ring step's pieces against the mask evaluated in full: they do not overlap, they cover every permitted
+    pair, a piece run without a mask permits all its pairs ("full") or exactly key <= query ("causal")."""
+    from meshpar.context_parallel import _step_pieces
+
+    seq_len = 24
+    chunk = seq_len // (2 * cp)
+    for mask in _structural_masks():
+        for rank in range(cp):
+            for source in range(cp):
+                allow = mask.allowed(local_positions(seq_len, cp, rank), local_positions(seq_len, cp, source))
+                covered = torch.zeros(2 * chunk, 2 * chunk, dtype=torch.int64)
+                for piece in _step_pieces(mask, cp, rank, source, chunk):
+                    covered[piece.rows, piece.cols] += 1
+                    block = allow[..., piece.rows, piece.cols]
+                    if piece.kind == "full":
+                        assert block.all(), (mask, rank, source, piece)
+                    elif piece.kind == "causal":
+                        assert block.shape[-1] == block.shape[-2], piece
+                        assert torch.equal(block, torch.ones_like(block).tril()), (mask, rank, source, piece)
+                assert covered.max() <= 1, (mask, rank, source)
+                assert not (allow & (covered == 0)).any(), (mask, rank, source)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_causal_ring_steps_compute_half_of_each_other_ranks_block(cp: int) -> None:
+    """Under causal attention (load-balanced chunks) a step against another rank's block computes half of it, and the
+    step against its own block three quarters, with no mask at all: (2 cp + 1) chunk^2 pairs per rank, of 4 cp."""
+    from meshpar.context_parallel import _step_pieces
+
+    chunk = 3
+    for rank in range(cp):
+        pieces = [p for source in range(cp) for p in _step_pieces(AttentionMask(), cp, rank, source, chunk)]
+        area = sum((p.rows.stop - p.rows.start) * (p.cols.stop - p.cols.start) for p in pieces)
+        assert area == (2 * cp + 1) * chunk**2
+        assert {p.kind for p in pieces} == {"full", "causal"}
 
 
 def test_load_balanced_layout() -> None:
