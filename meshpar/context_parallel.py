@@ -13,8 +13,9 @@ has the same number of (query, key) pairs to compute::
 
 Two ways to bring the keys and values together, both exact (the same masks, the same softmax as one device):
 
-- ``"all_gather"``: all-gather K and V over cp (backward: reduce-scatter their grads), then one attention of the
-  local queries against the whole sequence. One collective each way; K and V of the whole sequence held at once.
+- ``"all_gather"``: all-gather K and V over cp (backward: reduce-scatter their grads), then the attention of each
+  local query chunk against the span of the sequence it may see (under causal masks, the keys up to its own chunk).
+  One collective each way; K and V of the whole sequence held at once.
 - ``"ring"``: K and V travel around the ring of cp ranks, ``cp - 1`` exchanges forward (and ``cp - 1`` of their
   grads backward), each started before a step's compute and waited for after it, so that the transfer overlaps it;
   each step attends to one rank's keys, and the partial results are merged by their log-sum-exp.
@@ -197,14 +198,23 @@ def context_parallel_attention(
     heads = q.shape[1]
     if implementation == "all_gather":
         k_all, v_all = gather_sequence(k, 2, mesh), gather_sequence(v, 2, mesh)
-        k_pos = torch.arange(seq_len, device=q.device)
-        allow = mask.allowed(q_pos, k_pos)
         k_all, v_all = _repeat_kv(k_all, heads), _repeat_kv(v_all, heads)
-        if softcap is None:  # torch's fused attention: no [queries, keys] scores kept for backward
-            out = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allow, scale=scale)
-            return torch.nan_to_num(out, nan=0.0)  # a query with no permitted key: 0, as the ring gives
-        out, _ = _attend(q, k_all, v_all, allow, scale, softcap)
-        return out.to(q.dtype)
+        k_pos = torch.arange(seq_len, device=q.device)
+        parts = []
+        for piece in _gathered_pieces(mask, cp, rank, q.shape[2] // 2):
+            qp, kp, vp = q[:, :, piece.rows], k_all[:, :, piece.cols], v_all[:, :, piece.cols]
+            if piece.kind == "none":  # a query with no permitted key: 0, as the ring gives
+                parts.append(q.new_zeros(*qp.shape[:-1], v.shape[-1]))
+                continue
+            allow = mask.allowed(q_pos[piece.rows], k_pos[piece.cols])
+            if softcap is not None:
+                parts.append(_attend(qp, kp, vp, allow, scale, softcap)[0].to(q.dtype))
+            elif piece.kind == "full":  # torch's fused attention: no [queries, keys] scores kept for backward
+                parts.append(torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, scale=scale))
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=allow, scale=scale)
+                parts.append(torch.nan_to_num(out, nan=0.0))  # a query with no permitted key: 0
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap)
 
 
@@ -246,9 +256,10 @@ def _attend_backward(
 
 @dataclass(frozen=True)
 class _Piece:
-    """A rectangle of one ring step's (query, key) block that has permitted pairs: local query ``rows``, the block's
-    key ``cols``, and ``kind``: ``"full"`` (every pair permitted: no mask), ``"causal"`` (keys at the queries' own
-    positions, key <= query: the kernels' causal flag, no mask) or ``"masked"`` (a mask from :class:`AttentionMask`)."""
+    """A rectangle of (query, key) pairs attention computes: local query ``rows``, key ``cols`` (of a ring step's
+    block, or of the gathered sequence), and ``kind``: ``"full"`` (every pair permitted: no mask), ``"causal"`` (keys
+    at the queries' own positions, key <= query: the kernels' causal flag, no mask), ``"masked"`` (a mask from
+    :class:`AttentionMask`) or, among the all-gather's, ``"none"`` (rows with no permitted key: output 0)."""
 
     rows: slice
     cols: slice
@@ -291,6 +302,27 @@ def _step_pieces(mask: AttentionMask, cp: int, rank: int, source: int, chunk: in
     if per_row[0] == per_row[1]:
         return [_Piece(both, cols, kind) for cols, kind in per_row[0]]
     return [_Piece(rows, cols, kind) for rows, row in zip(halves, per_row, strict=True) for cols, kind in row]
+
+
+def _gathered_pieces(mask: AttentionMask, cp: int, rank: int, chunk: int) -> list[_Piece]:
+    """What the all-gather computes: each of this rank's two query chunks against the span of the whole sequence's
+    keys from its first to its last chunk holding a permitted pair (under causal masks the keys up to its own chunk,
+    about half of the sequence on average), ``"full"`` where the structure permits every pair of the span (no mask),
+    ``"none"`` for a chunk with no key at all; both chunks as one piece where their spans and kinds agree."""
+    halves = (slice(0, chunk), slice(chunk, 2 * chunk))
+    pieces = []
+    for rows, query_chunk in zip(halves, (rank, 2 * cp - 1 - rank), strict=True):
+        kinds = [_sub_block_kind(mask, query_chunk, key_chunk, chunk) for key_chunk in range(2 * cp)]
+        live = [i for i, kind in enumerate(kinds) if kind is not None]
+        if not live:
+            pieces.append(_Piece(rows, slice(0, 0), "none"))
+            continue
+        span = kinds[live[0] : live[-1] + 1]
+        kind = "full" if all(k == "full" for k in span) else "masked"
+        pieces.append(_Piece(rows, slice(live[0] * chunk, (live[-1] + 1) * chunk), kind))
+    if (pieces[0].cols, pieces[0].kind) == (pieces[1].cols, pieces[1].kind):
+        return [_Piece(slice(0, 2 * chunk), pieces[0].cols, pieces[0].kind)]
+    return pieces
 
 
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:

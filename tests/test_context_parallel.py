@@ -184,11 +184,37 @@ def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int)
                 assert not (allow & (covered == 0)).any(), (mask, rank, source)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_the_all_gather_computes_each_query_chunk_over_the_span_it_may_see(cp: int) -> None:
+    """The all-gather's pieces against the mask evaluated in full: one per query row, covering every permitted pair,
+    "full" ones (no mask) permitting every pair, "none" rows permitted no key."""
+    from meshpar.context_parallel import _gathered_pieces
+
+    seq_len = 24
+    chunk = seq_len // (2 * cp)
+    for mask in _structural_masks():
+        for rank in range(cp):
+            allow = mask.allowed(local_positions(seq_len, cp, rank), torch.arange(seq_len))
+            covered = torch.zeros(2 * chunk, seq_len, dtype=torch.int64)
+            rows = torch.zeros(2 * chunk, dtype=torch.int64)
+            for piece in _gathered_pieces(mask, cp, rank, chunk):
+                rows[piece.rows] += 1
+                if piece.kind == "none":
+                    assert not allow[..., piece.rows, :].any(), (mask, rank, piece)
+                    continue
+                covered[piece.rows, piece.cols] += 1
+                if piece.kind == "full":
+                    assert allow[..., piece.rows, piece.cols].all(), (mask, rank, piece)
+            assert torch.equal(rows, torch.ones_like(rows)), (mask, rank)
+            assert not (allow & (covered == 0)).any(), (mask, rank)
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_causal_ring_steps_compute_half_of_each_other_ranks_block(cp: int) -> None:
-    """Under causal attention (load-balanced chunks) a step against another rank's block computes half of it, and the
-    step against its own block three quarters, with no mask at all: (2 cp + 1) chunk^2 pairs per rank, of 4 cp."""
-    from meshpar.context_parallel import _step_pieces
+def test_causal_attention_computes_about_half_of_the_pairs(cp: int) -> None:
+    """Under causal attention (load-balanced chunks) a ring step against another rank's block computes half of it,
+    and the step against its own block three quarters, with no mask at all: (2 cp + 1) chunk^2 pairs per rank, of
+    4 cp; the all-gather computes as many."""
+    from meshpar.context_parallel import _gathered_pieces, _step_pieces
 
     chunk = 3
     for rank in range(cp):
@@ -196,6 +222,9 @@ def test_causal_ring_steps_compute_half_of_each_other_ranks_block(cp: int) -> No
         area = sum((p.rows.stop - p.rows.start) * (p.cols.stop - p.cols.start) for p in pieces)
         assert area == (2 * cp + 1) * chunk**2
         assert {p.kind for p in pieces} == {"full", "causal"}
+        # the all-gather: each query chunk against the keys up to its own chunk, the same (2 cp + 1) chunk^2 pairs
+        gathered = _gathered_pieces(AttentionMask(), cp, rank, chunk)
+        assert sum((p.rows.stop - p.rows.start) * (p.cols.stop - p.cols.start) for p in gathered) == area
 
 
 def test_load_balanced_layout() -> None:
