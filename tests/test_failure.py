@@ -189,3 +189,26 @@ def test_a_rank_crash_runs_once_more_in_fresh_processes_with_a_warning(tmp_path:
         assert run_distributed(abort_once_case, 2, str(tmp_path / "crashed")) == [0, 1]
     with pytest.raises(RankCrashedError, match="killed by SIGABRT"), pytest.warns(RuntimeWarning):
         run_distributed(native_abort_case, 2)
+
+
+def leaky_patch_case() -> None:
+    """A stub put in and not taken out: a function of a module and a method of a class."""
+    from meshpar import context_parallel
+
+    context_parallel.local_positions = lambda *args: None
+    context_parallel._Shift.wait = lambda self: None
+
+
+def unpatched_case() -> tuple[str, str]:
+    from meshpar import context_parallel
+
+    return context_parallel.local_positions.__name__, context_parallel._Shift.wait.__qualname__
+
+
+def test_a_case_that_leaves_a_stub_in_a_worker_fails_and_the_worker_puts_it_back() -> None:
+    """Workers serve many tests: a case that leaves meshpar code replaced fails on every rank, naming what it left,
+    and the next case in the same workers sees the originals."""
+    left = r"left \['meshpar.context_parallel.local_positions', 'meshpar.context_parallel._Shift.wait'\] replaced"
+    with pytest.raises(AssertionError, match=left):
+        run_distributed(leaky_patch_case, 2)
+    assert run_distributed(unpatched_case, 2) == [("local_positions", "_Shift.wait")] * 2

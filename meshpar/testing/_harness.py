@@ -6,6 +6,10 @@ starts at once); every call sends a picklable (module-level) function to all ran
 A failure on any rank raises with every rank's traceback; a rank that does not answer within the timeout is treated
 as a hang, and one whose process died is reported with its exit code: either way the pool is killed (and rebuilt by
 the next call) instead of blocking the test session.
+
+A worker serves many tests, so a case that replaces a meshpar function, class or method (a test's stub) and does
+not put it back would change every later case in that worker: the worker puts back whatever a case left replaced and
+fails that case, naming what it left.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import traceback
+import types
 import warnings
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -76,6 +82,51 @@ class _InheritedState:
         os.environ.update(self.environment)
 
 
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type, staticmethod, classmethod, property)
+
+
+def _bound_code() -> list[tuple[object, str, object]]:
+    """Every function, class, method and module bound in a meshpar module or on a class one defines: what a test
+    case's stub would replace."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "meshpar" or name.startswith("meshpar.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("__"):  # the interpreter's and torch.compile's own (``__compiled_fn_*``) come and go
+                continue
+            if isinstance(value, _CODE):
+                found.append((module, attr, value))
+            if isinstance(value, type) and value.__module__ == name:
+                found.extend((value, key, item) for key, item in list(vars(value).items()) if isinstance(item, _CODE))
+    return found
+
+
+def _wraps(now: object, original: object) -> bool:
+    """Whether ``now`` wraps ``original`` (``functools.wraps``' ``__wrapped__`` chain): what libraries do for good,
+    as torch's optimizers to their class's ``step`` (profiling hooks), not a test's stub."""
+    for _ in range(16):
+        now = getattr(now, "__wrapped__", None)
+        if now is None:
+            return False
+        if now is original:
+            return True
+    return False
+
+
+def _put_back(bound: list[tuple[object, str, object]]) -> list[str]:
+    """Rebind whatever a case replaced (or deleted) of ``bound``; the names it left changed."""
+    missing = object()
+    changed = []
+    for owner, attr, value in bound:
+        now = vars(owner).get(attr, missing)
+        if now is not value and not _wraps(now, value):
+            setattr(owner, attr, value)
+            module = isinstance(owner, types.ModuleType)
+            changed.append(f"{owner.__name__ if module else f'{owner.__module__}.{owner.__qualname__}'}.{attr}")
+    return changed
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent: _InheritedState) -> None:
     parent.install()
     os.environ.update(
@@ -100,16 +151,22 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
         if message is None:
             break
         fn, args, kwargs = message
+        bound = _bound_code()
         try:
             result = fn(*args, **kwargs)
             # fn caught an error after meshpar.failure aborted the process groups: the pool must be rebuilt
-            conn.send(("ok" if dist.is_initialized() else "ok, process groups aborted", result))
+            reply = ("ok" if dist.is_initialized() else "ok, process groups aborted", result)
         except BaseException:
             # meshpar.failure aborts the process groups when a collective phase fails: the pool must be rebuilt
             aborted = "" if dist.is_initialized() else "\n[process groups aborted]"
-            conn.send(("error", traceback.format_exc() + aborted))
+            reply = ("error", traceback.format_exc() + aborted)
         finally:
             destroy_parallel()
+        left = _put_back(bound)
+        if left and reply[0] != "error":
+            reply = ("error", f"{fn.__qualname__} left {left} replaced in the worker, which serves later tests: put "
+                     "them back in a finally (the worker has)")  # fmt: skip
+        conn.send(reply)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -275,6 +275,33 @@ def test_split_tensor_files_nxd_wrote_are_read_without_torch_xla(tmp_path: Path)
         _convert("--convert_to_xser", "--output_dir", str(tmp_path / "x"), "--hw_backend", "trn2")
 
 
+def test_an_ep_ranks_split_tensor_file_reads_the_shared_tensors_from_ep_rank_0(tmp_path: Path) -> None:
+    """Under expert parallelism NxD's trainer writes every ep rank's object file whole, but the tensors that are not
+    experts' only into ep rank 0's folder (same tids on every ep rank: the same model in the same order): ep rank
+    1's file reads its experts from its own folder and the rest from rank 0's; a tensor in neither is named."""
+    from meshpar.compat.nxd import _xser
+
+    generator = torch.Generator().manual_seed(4)
+    shared = {"embed.weight": torch.randn(4, 3, generator=generator)}
+    shared["norm.weight"] = torch.randn(3, generator=generator)
+    experts = [{"experts.gate_up.weight": torch.randn(2, 3, 4, generator=generator)} for _ in range(2)]
+    files = []
+    for ep in range(2):
+        file = tmp_path / f"dp_rank_00_ep_rank_{ep:02d}_tp_rank_00_pp_rank_00.pt"
+        torch.save({"model": {**shared, **experts[ep]}, "epoch": 3}, file)
+        _rewrite_as_xser(file)
+        files.append(file)
+    for tid in (0, 1):  # the shared tensors' files, written by ep rank 0 only
+        (tmp_path / f"{files[1].name}.tensors" / f"tensor_{tid}.pt").unlink()
+    for ep in range(2):
+        loaded = _xser.load(files[ep])
+        assert loaded["epoch"] == 3 and loaded["model"].keys() == {**shared, **experts[ep]}.keys()
+        assert all(torch.equal(loaded["model"][k], v) for k, v in {**shared, **experts[ep]}.items())
+    (tmp_path / f"{files[0].name}.tensors" / "tensor_1.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="tensor 1 is in neither"):
+        _xser.load(files[1])
+
+
 # ---------------------------------------------------------------- loaded into a model as NxD's example writes it
 
 
