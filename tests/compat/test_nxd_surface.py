@@ -46,7 +46,6 @@ NOT_PROVIDED: dict[str, str] = {
             "ascending_ring_PG_group",
             "create_pg_with_ranks",
             "destroy_token_shuffle_group",
-            "get_context_model_parallel_src_tgt_pairs",
             "get_logic_chosen",
             "get_next_rank_group",
             "get_pipeline_model_parallel_sr_group",

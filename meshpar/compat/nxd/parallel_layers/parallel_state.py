@@ -259,6 +259,15 @@ def get_context_model_parallel_replica_groups() -> list[list[int]]:
     return _singletons()
 
 
+def get_context_model_parallel_src_tgt_pairs() -> list[list[int]]:
+    """The ring of this rank's context-parallel group as ``[source, target]`` global-rank pairs, what NxD hands to
+    its ring attention (``kernels.ring_attention_kernel.nki_ring_attn_func``, which checks it); at context-parallel
+    size 1 the ring of this rank alone."""
+    get_parallel()  # refused before initialize_model_parallel, as NxD's
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return [[rank, rank]]
+
+
 def get_expert_model_parallel_group(as_list: bool = False) -> Any:
     dims = get_parallel()
     if as_list:
@@ -369,6 +378,7 @@ __all__ = [
     "get_aot_mode",
     "get_context_model_parallel_group",
     "get_context_model_parallel_replica_groups",
+    "get_context_model_parallel_src_tgt_pairs",
     "get_expert_data_parallel_replica_groups",
     "get_expert_model_parallel_group",
     "get_expert_model_parallel_replica_groups",
