@@ -94,3 +94,20 @@ def test_blocks_without_a_mask_and_causal_on_the_diagonal(device: str, dtype: to
     got = [sum(g[0] for g in grads), torch.cat([g[1] for g in grads], 2), torch.cat([g[2] for g in grads], 2)]
     for name, grad, leaf in zip("qkv", got, ref, strict=True):
         torch.testing.assert_close(grad.double().cpu(), leaf.grad, **tol, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["masked", "no mask", "causal"])
+def test_the_cuda_kernels_calls_are_well_formed_on_meta_tensors(dtype: torch.dtype, form: str) -> None:
+    """Meta tensors take the CUDA branch (the memory-efficient kernel's forward and backward, whose meta functions
+    check their arguments): every form of block the ring runs gets outputs, log-sum-exps and grads of the right
+    shapes in fp32 on machines without a GPU too (the numbers are checked on CUDA above, where there is one)."""
+    batch, heads, queries, keys, dk, dv = 2, 3, 40, 40, 16, 8  # lengths the kernel's alignments do not divide
+    q, k = (torch.empty(batch, heads, n, dk, device="meta", dtype=dtype) for n in (queries, keys))
+    v, d_out = (torch.empty(batch, heads, n, dv, device="meta", dtype=dtype) for n in (keys, queries))
+    allow = torch.empty(batch, 1, queries, keys, device="meta", dtype=torch.bool) if form == "masked" else None
+    out, lse = block_forward(q, k, v, allow, 0.3, causal=form == "causal")
+    grads = block_backward(d_out, q, k, v, out, lse, allow, 0.3, causal=form == "causal")
+    assert (out.shape, lse.shape) == ((batch, heads, queries, dv), (batch, heads, queries, 1))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert {t.dtype for t in (out, lse, *grads)} == {torch.float32}
