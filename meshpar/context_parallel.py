@@ -206,12 +206,13 @@ def context_parallel_attention(
             if piece.kind == "none":  # a query with no permitted key: 0, as the ring gives
                 parts.append(q.new_zeros(*qp.shape[:-1], v.shape[-1]))
                 continue
+            if softcap is None and piece.kind == "full":  # torch's fused attention, no mask to build
+                parts.append(torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, scale=scale))
+                continue
             allow = mask.allowed(q_pos[piece.rows], k_pos[piece.cols])
             if softcap is not None:
                 parts.append(_attend(qp, kp, vp, allow, scale, softcap)[0].to(q.dtype))
-            elif piece.kind == "full":  # torch's fused attention: no [queries, keys] scores kept for backward
-                parts.append(torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, scale=scale))
-            else:
+            else:  # torch's fused attention: no [queries, keys] scores kept for backward
                 out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=allow, scale=scale)
                 parts.append(torch.nan_to_num(out, nan=0.0))  # a query with no permitted key: 0
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
