@@ -26,6 +26,10 @@ Two ways to bring the keys and values together, both exact (the same masks, the 
   memory-efficient attention, which take a mask and give the log-sum-exp); soft-capped attention, which they cannot
   compute, runs the same steps as fp32 matmuls.
 
+NxD cuts the sequence into ``cp`` contiguous pieces instead (rank ``r`` holds tokens ``r S / cp`` to
+``(r + 1) S / cp``, so late ranks compute more); ``layout="contiguous"`` runs both implementations on that layout:
+it is the same ``2 cp`` chunks, rank ``r`` holding chunks ``2 r`` and ``2 r + 1``.
+
 Masks are given by what they mean, evaluated on global positions (:class:`AttentionMask`): causal, a sliding window,
 documents packed into one row (a query attends to keys of its own document only), and key padding.
 """
@@ -42,10 +46,11 @@ from meshpar._block_attention import block_backward, block_forward, fused_suppor
 from meshpar._compat import DeviceMesh
 
 IMPLEMENTATIONS = ("all_gather", "ring")
+LAYOUTS = ("balanced", "contiguous")  # which two of the 2 cp chunks a rank holds: see the module docstring
 
 
 def check_sequence_length(seq_len: int, cp: int) -> None:
-    """The load-balanced layout needs ``2 cp`` equal chunks: refused otherwise, with the remedy."""
+    """Both layouts cut the sequence into ``2 cp`` equal chunks: refused otherwise, with the remedy."""
     if seq_len % (2 * cp):
         raise ValueError(
             f"sequence length {seq_len} cannot be split into 2 x cp = {2 * cp} equal chunks for context parallelism; "
@@ -53,26 +58,36 @@ def check_sequence_length(seq_len: int, cp: int) -> None:
         )
 
 
-def local_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The global positions of the tokens rank ``rank`` holds, in its local order: chunk ``rank`` then chunk
-    ``2 cp - 1 - rank``."""
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; one of {LAYOUTS}")
+
+
+def rank_chunks(cp: int, rank: int, layout: str = "balanced") -> tuple[int, int]:
+    """The two of the ``2 cp`` chunks rank ``rank`` holds, in its local order."""
+    check_layout(layout)
+    return (rank, 2 * cp - 1 - rank) if layout == "balanced" else (2 * rank, 2 * rank + 1)
+
+
+def local_positions(
+    seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu", layout: str = "balanced"
+) -> torch.Tensor:
+    """The global positions of the tokens rank ``rank`` holds, in its local order (:func:`rank_chunks`)."""
     check_sequence_length(seq_len, cp)
     chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in rank_chunks(cp, rank, layout)])
 
 
-def shard_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
-    """This cp rank's tokens of ``x`` along ``dim`` (a whole sequence on every rank in, the load-balanced local
-    tokens out). A plain index: the grad of the local tokens lands in their global places."""
-    positions = local_positions(x.shape[dim], mesh.size(), mesh.get_local_rank(), x.device)
+def shard_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh, layout: str = "balanced") -> torch.Tensor:
+    """This cp rank's tokens of ``x`` along ``dim`` (a whole sequence on every rank in, the local tokens out). A
+    plain index: the grad of the local tokens lands in their global places."""
+    positions = local_positions(x.shape[dim], mesh.size(), mesh.get_local_rank(), x.device, layout)
     return x.index_select(dim, positions)
 
 
-def _global_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+def _global_order(seq_len: int, cp: int, device: torch.device, layout: str) -> torch.Tensor:
     """Where each position sits in the concatenation of every rank's local tokens (rank order)."""
-    gathered = torch.cat([local_positions(seq_len, cp, r, device) for r in range(cp)])
+    gathered = torch.cat([local_positions(seq_len, cp, r, device, layout) for r in range(cp)])
     return torch.argsort(gathered)
 
 
@@ -82,29 +97,30 @@ class _GatherSequence(torch.autograd.Function):
     queries use."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:  # noqa: ANN001
-        ctx.dim, ctx.mesh = dim, mesh
+    def forward(ctx, x: torch.Tensor, dim: int, mesh: DeviceMesh, layout: str) -> torch.Tensor:  # noqa: ANN001
+        ctx.dim, ctx.mesh, ctx.layout = dim, mesh, layout
         cp = mesh.size()
         parts = [torch.empty_like(x) for _ in range(cp)]
         dist.all_gather(parts, x.contiguous(), group=mesh.get_group())
         whole = torch.cat(parts, dim)
-        return whole.index_select(dim, _global_order(whole.shape[dim], cp, x.device))
+        return whole.index_select(dim, _global_order(whole.shape[dim], cp, x.device, layout))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
         cp, dim = ctx.mesh.size(), ctx.dim
         seq_len = grad.shape[dim]
-        by_rank = grad.index_select(dim, torch.cat([local_positions(seq_len, cp, r, grad.device) for r in range(cp)]))
+        order = torch.cat([local_positions(seq_len, cp, r, grad.device, ctx.layout) for r in range(cp)])
+        by_rank = grad.index_select(dim, order)
         parts = [p.contiguous() for p in by_rank.chunk(cp, dim)]
         mine = torch.empty_like(parts[0])
         dist.reduce_scatter(mine, parts, group=ctx.mesh.get_group())
-        return mine, None, None
+        return mine, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, dim: int, mesh: DeviceMesh, layout: str = "balanced") -> torch.Tensor:
     """Every cp rank's tokens of ``x`` along ``dim`` in global order (grads summed over cp and returned to their
     owners in backward)."""
-    return _GatherSequence.apply(x, dim, mesh)
+    return _GatherSequence.apply(x, dim, mesh, layout)
 
 
 class _Shift:
@@ -183,25 +199,27 @@ def context_parallel_attention(
     scale: float | None = None,
     implementation: str = "all_gather",
     softcap: float | None = None,
+    layout: str = "balanced",
 ) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole sequence's keys and values.
 
     ``q`` ``[batch, heads, local, head_dim]``, ``k`` / ``v`` ``[batch, kv_heads, local, head_dim]``: this rank's
-    load-balanced tokens (:func:`local_positions`). Returns ``[batch, heads, local, head_dim]`` in ``q``'s dtype,
+    tokens in ``layout`` (:func:`local_positions`). Returns ``[batch, heads, local, head_dim]`` in ``q``'s dtype,
     equal to the rows of one device's attention over the whole sequence for these queries (computed in fp32)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown context-parallel attention {implementation!r}; one of {IMPLEMENTATIONS}")
+    check_layout(layout)
     cp, rank = mesh.size(), mesh.get_local_rank()
     seq_len = q.shape[2] * cp
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = local_positions(seq_len, cp, rank, q.device)
+    q_pos = local_positions(seq_len, cp, rank, q.device, layout)
     heads = q.shape[1]
     if implementation == "all_gather":
-        k_all, v_all = gather_sequence(k, 2, mesh), gather_sequence(v, 2, mesh)
+        k_all, v_all = gather_sequence(k, 2, mesh, layout), gather_sequence(v, 2, mesh, layout)
         k_all, v_all = _repeat_kv(k_all, heads), _repeat_kv(v_all, heads)
         k_pos = torch.arange(seq_len, device=q.device)
         parts = []
-        for piece in _gathered_pieces(mask, cp, rank, q.shape[2] // 2):
+        for piece in _gathered_pieces(mask, cp, rank, q.shape[2] // 2, layout):
             qp, kp, vp = q[:, :, piece.rows], k_all[:, :, piece.cols], v_all[:, :, piece.cols]
             if piece.kind == "none":  # a query with no permitted key: 0, as the ring gives
                 parts.append(q.new_zeros(*qp.shape[:-1], v.shape[-1]))
@@ -216,7 +234,7 @@ def context_parallel_attention(
                 out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=allow, scale=scale)
                 parts.append(torch.nan_to_num(out, nan=0.0))  # a query with no permitted key: 0
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-    return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap)
+    return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap, layout)
 
 
 def _masked_scores(
@@ -286,11 +304,14 @@ def _sub_block_kind(mask: AttentionMask, query_chunk: int, key_chunk: int, chunk
     return "masked"
 
 
-def _step_pieces(mask: AttentionMask, cp: int, rank: int, source: int, chunk: int) -> list[_Piece]:
-    """The rectangles rank ``rank``'s queries compute against rank ``source``'s keys. Each holds two chunks (load
-    balancing), so a step is four sub-blocks; those no pair of which is permitted are skipped (under causal
-    attention half of every other rank's block: Megatron-Core's halving), neighbours of one kind joined."""
-    chunks = {"q": (rank, 2 * cp - 1 - rank), "k": (source, 2 * cp - 1 - source)}
+def _step_pieces(
+    mask: AttentionMask, cp: int, rank: int, source: int, chunk: int, layout: str = "balanced"
+) -> list[_Piece]:
+    """The rectangles rank ``rank``'s queries compute against rank ``source``'s keys. Each holds two chunks, so a
+    step is four sub-blocks; those no pair of which is permitted are skipped (under causal attention in the balanced
+    layout half of every other rank's block: Megatron-Core's halving; in the contiguous one the whole block of every
+    later rank), neighbours of one kind joined."""
+    chunks = {"q": rank_chunks(cp, rank, layout), "k": rank_chunks(cp, source, layout)}
     halves = (slice(0, chunk), slice(chunk, 2 * chunk))
     both = slice(0, 2 * chunk)
     per_row = []
@@ -305,14 +326,14 @@ def _step_pieces(mask: AttentionMask, cp: int, rank: int, source: int, chunk: in
     return [_Piece(rows, cols, kind) for rows, row in zip(halves, per_row, strict=True) for cols, kind in row]
 
 
-def _gathered_pieces(mask: AttentionMask, cp: int, rank: int, chunk: int) -> list[_Piece]:
+def _gathered_pieces(mask: AttentionMask, cp: int, rank: int, chunk: int, layout: str = "balanced") -> list[_Piece]:
     """What the all-gather computes: each of this rank's two query chunks against the span of the whole sequence's
     keys from its first to its last chunk holding a permitted pair (under causal masks the keys up to its own chunk,
     about half of the sequence on average), ``"full"`` where the structure permits every pair of the span (no mask),
     ``"none"`` for a chunk with no key at all; both chunks as one piece where their spans and kinds agree."""
     halves = (slice(0, chunk), slice(chunk, 2 * chunk))
     pieces = []
-    for rows, query_chunk in zip(halves, (rank, 2 * cp - 1 - rank), strict=True):
+    for rows, query_chunk in zip(halves, rank_chunks(cp, rank, layout), strict=True):
         kinds = [_sub_block_kind(mask, query_chunk, key_chunk, chunk) for key_chunk in range(2 * cp)]
         live = [i for i, kind in enumerate(kinds) if kind is not None]
         if not live:
@@ -342,7 +363,7 @@ def _step_forward(
     """One ring step: this rank's queries against the block ``kv`` of rank ``source``, merged into ``acc`` /
     ``acc_lse``."""
     k_block, v_block = (_repeat_kv(t, q.shape[1]) for t in kv.split(ctx.split, dim=-1))
-    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk):
+    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk, ctx.layout):
         qp, k, v = q[:, :, piece.rows], k_block[:, :, piece.cols], v_block[:, :, piece.cols]
         if ctx.fused:
             allow = ctx.allowed(piece, source) if piece.kind == "masked" else None
@@ -360,7 +381,7 @@ def _step_backward(
     the matmul path, their fp32 forms and softmax's backward term)."""
     k_block, v_block = (_repeat_kv(t, q.shape[1]) for t in kv.split(ctx.split, dim=-1))
     d_kv = torch.zeros(*k_block.shape[:-1], sum(ctx.split), dtype=torch.float32, device=q.device)
-    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk):
+    for piece in _step_pieces(ctx.mask, ctx.cp, ctx.rank, source, ctx.chunk, ctx.layout):
         rows, cols = piece.rows, piece.cols
         k, v = k_block[:, :, cols], v_block[:, :, cols]
         if ctx.fused:
@@ -395,11 +416,12 @@ class _RingAttention(torch.autograd.Function):
         mask: AttentionMask,
         scale: float,
         softcap: float | None,
+        layout: str,
     ) -> torch.Tensor:
         cp, rank = mesh.size(), mesh.get_local_rank()
         batch, heads, local, _ = q.shape
         ctx.mesh = mesh
-        _RingAttention.keep(ctx, q, cp, rank, mask, scale, softcap, [k.shape[-1], v.shape[-1]])
+        _RingAttention.keep(ctx, q, cp, rank, mask, scale, softcap, [k.shape[-1], v.shape[-1]], layout)
         # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
         kv = torch.cat([k, v], dim=-1)
         acc = torch.zeros(batch, heads, local, v.shape[-1], dtype=torch.float32, device=q.device)
@@ -425,16 +447,17 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         softcap: float | None,
         split: list[int],
+        layout: str = "balanced",
     ) -> None:
         """Record on ``ctx`` what the steps of both passes read (:func:`_step_forward`, :func:`_step_backward`): the
         layout, the mask and how to evaluate it on a piece, which path computes."""
         seq_len = q.shape[2] * cp
         ctx.cp, ctx.rank, ctx.mask, ctx.scale, ctx.softcap, ctx.split = cp, rank, mask, scale, softcap, split
-        ctx.chunk, ctx.fused = q.shape[2] // 2, fused_supported(q, softcap)
-        q_pos = local_positions(seq_len, cp, rank, q.device)
+        ctx.chunk, ctx.fused, ctx.layout = q.shape[2] // 2, fused_supported(q, softcap), layout
+        q_pos = local_positions(seq_len, cp, rank, q.device, layout)
 
         def allowed(piece: _Piece, source: int) -> torch.Tensor:
-            k_pos = local_positions(seq_len, cp, source, q.device)
+            k_pos = local_positions(seq_len, cp, source, q.device, layout)
             return mask.allowed(q_pos[piece.rows], k_pos[piece.cols])
 
         ctx.allowed = allowed
@@ -462,4 +485,4 @@ class _RingAttention(torch.autograd.Function):
                 acc = acc + in_flight.wait()
             in_flight = _Shift(acc, mesh, -1) if step > 0 else None
         dk, dv = acc.to(blocks.dtype).split(ctx.split, dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None

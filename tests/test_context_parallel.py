@@ -1,5 +1,6 @@
 """Context-parallel attention (meshpar.context_parallel) against one device's attention over the whole sequence:
-outputs and the grads of q, k and v for the load-balanced local tokens, at cp 2 and 4, both implementations, with
+outputs and the grads of q, k and v for the local tokens (load-balanced, and NxD's contiguous layout), at cp 2 and 4,
+both implementations, with
 causal, sliding-window, packed-document and key-padding masks and grouped-query heads; the collectives pinned; bad
 lengths refused."""
 
@@ -58,17 +59,17 @@ def _dense(kind: str) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def cp_case(kind: str, implementation: str) -> None:
+def cp_case(kind: str, implementation: str, layout: str = "balanced") -> None:
     import torch.distributed as dist
 
     from meshpar._compat import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     q, k, v, cotangent = _inputs()
-    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*mine, mesh, _mask(kind), implementation=implementation)
-    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
-    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
+    mine = [shard_sequence(t, 2, mesh, layout).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*mine, mesh, _mask(kind), implementation=implementation, layout=layout)
+    (out * shard_sequence(cotangent, 2, mesh, layout)).sum().backward()
+    positions = local_positions(S, mesh.size(), mesh.get_local_rank(), layout=layout)
     want = _dense(kind)
     torch.testing.assert_close(out, want[0][:, :, positions], atol=1e-5, rtol=1e-5)
     for name, got, dense_grad in zip("qkv", (t.grad for t in mine), want[1:], strict=True):
@@ -80,6 +81,15 @@ def cp_case(kind: str, implementation: str) -> None:
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_attention_matches_one_device(cp: int, kind: str, implementation: str) -> None:
     run_distributed(cp_case, cp, kind, implementation)
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+@pytest.mark.parametrize("kind", ["causal", "short_window", "documents", "bidirectional"])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_the_contiguous_layout_matches_one_device(cp: int, kind: str, implementation: str) -> None:
+    """NxD's layout (rank r holds the r-th contiguous 1 / cp of the sequence): under causal masks the ring's steps
+    against later ranks compute nothing."""
+    run_distributed(cp_case, cp, kind, implementation, "contiguous")
 
 
 def collectives_case(implementation: str) -> dict[str, int]:
@@ -149,6 +159,10 @@ def test_the_ring_overlaps_each_transfer_with_a_steps_compute() -> None:
 def test_a_length_that_does_not_split_into_2cp_chunks_is_refused() -> None:
     with pytest.raises(ValueError, match="pad the sequences to a multiple of 8"):
         local_positions(20, 4, 0)
+    with pytest.raises(ValueError, match="pad the sequences to a multiple of 8"):
+        local_positions(20, 4, 0, layout="contiguous")
+    with pytest.raises(ValueError, match="unknown context-parallel layout 'striped'"):
+        local_positions(16, 4, 0, layout="striped")
 
 
 def _structural_masks() -> list[AttentionMask]:
@@ -159,8 +173,9 @@ def _structural_masks() -> list[AttentionMask]:
     return [*masks, AttentionMask(document_ids=ids), AttentionMask(sliding_window=4, key_padding=padding)]
 
 
+@pytest.mark.parametrize("layout", ["balanced", "contiguous"])
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int) -> None:
+def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int, layout: str) -> None:
     """Every ring step's pieces against the mask evaluated in full: they do not overlap, they cover every permitted
     pair, a piece run without a mask permits all its pairs ("full") or exactly key <= query ("causal")."""
     from meshpar.context_parallel import _step_pieces
@@ -170,9 +185,10 @@ def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int)
     for mask in _structural_masks():
         for rank in range(cp):
             for source in range(cp):
-                allow = mask.allowed(local_positions(seq_len, cp, rank), local_positions(seq_len, cp, source))
+                q_pos, k_pos = (local_positions(seq_len, cp, r, layout=layout) for r in (rank, source))
+                allow = mask.allowed(q_pos, k_pos)
                 covered = torch.zeros(2 * chunk, 2 * chunk, dtype=torch.int64)
-                for piece in _step_pieces(mask, cp, rank, source, chunk):
+                for piece in _step_pieces(mask, cp, rank, source, chunk, layout):
                     covered[piece.rows, piece.cols] += 1
                     block = allow[..., piece.rows, piece.cols]
                     if piece.kind == "full":
@@ -184,8 +200,9 @@ def test_the_ring_computes_exactly_the_pieces_that_hold_permitted_pairs(cp: int)
                 assert not (allow & (covered == 0)).any(), (mask, rank, source)
 
 
+@pytest.mark.parametrize("layout", ["balanced", "contiguous"])
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_the_all_gather_computes_each_query_chunk_over_the_span_it_may_see(cp: int) -> None:
+def test_the_all_gather_computes_each_query_chunk_over_the_span_it_may_see(cp: int, layout: str) -> None:
     """The all-gather's pieces against the mask evaluated in full: one per query row, covering every permitted pair,
     "full" ones (no mask) permitting every pair, "none" rows permitted no key."""
     from meshpar.context_parallel import _gathered_pieces
@@ -194,10 +211,10 @@ def test_the_all_gather_computes_each_query_chunk_over_the_span_it_may_see(cp: i
     chunk = seq_len // (2 * cp)
     for mask in _structural_masks():
         for rank in range(cp):
-            allow = mask.allowed(local_positions(seq_len, cp, rank), torch.arange(seq_len))
+            allow = mask.allowed(local_positions(seq_len, cp, rank, layout=layout), torch.arange(seq_len))
             covered = torch.zeros(2 * chunk, seq_len, dtype=torch.int64)
             rows = torch.zeros(2 * chunk, dtype=torch.int64)
-            for piece in _gathered_pieces(mask, cp, rank, chunk):
+            for piece in _gathered_pieces(mask, cp, rank, chunk, layout):
                 rows[piece.rows] += 1
                 if piece.kind == "none":
                     assert not allow[..., piece.rows, :].any(), (mask, rank, piece)
@@ -232,6 +249,21 @@ def test_load_balanced_layout() -> None:
     assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([local_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+def test_contiguous_layout() -> None:
+    """Rank r holds the r-th contiguous 1 / cp of the sequence (NxD's): under causal masks rank r's ring steps
+    compute the whole blocks of the ranks before it, three quarters of its own, nothing of the ranks after it."""
+    from meshpar.context_parallel import _step_pieces
+
+    assert local_positions(8, 2, 0, layout="contiguous").tolist() == [0, 1, 2, 3]
+    assert local_positions(8, 2, 1, layout="contiguous").tolist() == [4, 5, 6, 7]
+    chunk, cp = 3, 4
+    for rank in range(cp):
+        for source in range(cp):
+            pieces = _step_pieces(AttentionMask(), cp, rank, source, chunk, "contiguous")
+            area = sum((p.rows.stop - p.rows.start) * (p.cols.stop - p.cols.start) for p in pieces)
+            assert area == (0 if source > rank else 3 * chunk**2 if source == rank else 4 * chunk**2)
 
 
 def _matches_one_device(
