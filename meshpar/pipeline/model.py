@@ -85,7 +85,10 @@ class PipelineModel(nn.Module):
 
     ``dp_mode`` says how grads are averaged over dp (:class:`meshpar.data_parallel.DataParallelGrads`); with
     ``average_grads_over_dp=False`` its :meth:`~meshpar.data_parallel.DataParallelGrads.finish` is left to the
-    caller. ``broadcast_loss``: every pipeline rank gets the last stage's mean loss, averaged over dp."""
+    caller. ``broadcast_loss``: every pipeline rank gets the last stage's mean loss, averaged over dp.
+    ``grads_over_cp``: whether the dense grads are summed over dp x cp (meshpar's context parallelism: each cp rank
+    computed a part of one replica's grads); ``False`` leaves cp to the caller (NxD averages them over cp in its
+    optimizer step) and reduces over dp alone."""
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class PipelineModel(nn.Module):
         average_grads_over_dp: bool = True,
         broadcast_loss: bool = False,
         deallocate_pipeline_outputs: bool = False,
+        grads_over_cp: bool = True,
     ) -> None:
         super().__init__()
         if num_microbatches < dims.pp and len(chunks) > 1:
@@ -117,7 +121,7 @@ class PipelineModel(nn.Module):
         self.average_grads_over_dp = average_grads_over_dp
         self.data_parallel = DataParallelGrads(
             dp_mode,
-            dims.grad_mesh,
+            dims.grad_mesh if grads_over_cp else dims.dp_mesh,
             [chunk.stage for chunk in self.chunks],
             expert_dp_mesh=dims.expert_dp_mesh,
             divisor=dims.dp,

@@ -44,7 +44,9 @@ def state_case() -> dict:
     from meshpar.compat.nxd.parallel_layers import parallel_state
 
     refused = []
-    for kwargs in ({"context_parallel_size": 2}, {"expert_model_parallel_size": 4}, {"lnc_size": 2}):
+    refusals = ({"context_parallel_size": 2, "expert_model_parallel_size": 2}, {"expert_model_parallel_size": 4},
+                {"lnc_size": 2})  # fmt: skip
+    for kwargs in refusals:
         try:
             parallel_state.initialize_model_parallel(2, 1, **kwargs)
         except (NotImplementedError, ValueError) as error:  # ep 4 does not divide dp 2
@@ -66,11 +68,13 @@ def state_case() -> dict:
 def test_nxd_parallel_state_signature_and_getters() -> None:
     results = run_distributed(state_case, 4)
     for rank, result in enumerate(results):
-        assert len(result["refused"]) == 3 and "context parallelism" in result["refused"][0], result["refused"]
+        assert len(result["refused"]) == 3 and "context and expert parallelism" in result["refused"][0], result[
+            "refused"
+        ]
         assert (
             "expert parallel size 4 does not divide" in result["refused"][1] and "lnc_size" in result["refused"][2]
         ), result["refused"]
-        assert "meshpar.parallelize(model" in result["refused"][0]  # where context parallelism runs
+        assert "parallelize(model" in result["refused"][0]  # where both run together
         assert result["tp"] == [[0, 1], [2, 3]] and result["dp"] == [[0, 2], [1, 3]]
         assert result["cp"] == (1, 0) and result["ep"] == (1, 2)
         assert result["message"].endswith(" hello") and f"rank_{rank}" in result["message"]

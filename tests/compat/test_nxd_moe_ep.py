@@ -213,8 +213,8 @@ def groups_and_regions_case() -> None:
     with pytest.raises(ValueError, match="does not divide over the 2 expert-parallel ranks"):
         mappings.enter_expert_parallel_region(torch.zeros(3, 2, 5), scatter_gather=False)
     ps.destroy_model_parallel()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ps.initialize_model_parallel(context_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="context and expert parallelism together"):
+        ps.initialize_model_parallel(context_parallel_size=2, expert_model_parallel_size=2)
 
 
 def test_nxd_expert_parallel_groups_and_regions() -> None:

@@ -128,7 +128,7 @@ def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup
         return None, xrt_world_size()
     if is_initialized():
         dims = get_parallel()
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "cp"):
             if sorted(map(sorted, groups)) == sorted(map(sorted, dims.group_ranks(name))):
                 mesh = getattr(dims, f"{name}_mesh")
                 return mesh.get_group(), mesh.size()

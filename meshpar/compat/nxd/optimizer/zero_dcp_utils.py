@@ -16,6 +16,7 @@ write results (``MAX_RETRY``) is DCP's collective here.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +77,25 @@ def _key(name: str, entry: str, tp_sharded: bool, dedup: bool) -> str:
     return key
 
 
-def _flat(state: dict[str, Any], aux_infos: dict[str, Any], dedup: bool) -> dict[str, torch.Tensor]:
-    """``state["state"]`` (keyed ``param_<i>``) as DCP keys -> this rank's tensors (the tensors themselves, so a
-    load fills them in place)."""
+def _entries(state: dict[str, Any], aux_infos: dict[str, Any], dedup: bool) -> Iterator[tuple[str, dict, str]]:
+    """Each entry of ``state["state"]`` (keyed ``param_<i>``): its DCP key, the dict holding it and its name."""
     params, names = aux_infos["optim_pid_to_params"], aux_infos["optim_pid_to_pnames"]
-    flat = {}
     for pid_name, entries in state["state"].items():
         pid = int(pid_name.removeprefix("param_"))
         if pid not in names:
             raise ValueError(f"optimizer state entry {pid_name!r} has no parameter in aux_infos (another optimizer?)")
-        for entry, value in entries.items():
-            if torch.is_tensor(value):
-                flat[_key(names[pid], entry, _tp_sharded(params[pid]), dedup)] = local_tensor(value)
-    return flat
+        for entry in entries:
+            yield _key(names[pid], entry, _tp_sharded(params[pid]), dedup), entries, entry
+
+
+def _flat(state: dict[str, Any], aux_infos: dict[str, Any], dedup: bool) -> dict[str, Any]:
+    """``state["state"]`` as DCP keys -> this rank's tensors (the tensors themselves, so a load fills them in place)
+    and its other values (an optimizer's step count kept as a Python number, as NxD's ``AdamW_FP32OptimParams``
+    keeps it: DCP stores those as objects, and a load returns them in the dict it is given)."""
+    return {
+        key: local_tensor(entries[entry]) if torch.is_tensor(entries[entry]) else entries[entry]
+        for key, entries, entry in _entries(state, aux_infos, dedup)
+    }
 
 
 def save_optim_state_dict(
@@ -126,7 +133,7 @@ def _problem(path: str, requested: dict[str, torch.Tensor], groups_now: list[dic
     if missing:
         return f"{path} lacks optimizer state {missing[:10]} (another model, or saved with another dedup)"
     wrong = [f"{k}: saved {tuple(saved[k].size)} vs {tuple(t.shape)}" for k, t in requested.items()
-             if tuple(saved[k].size) != tuple(t.shape)]  # fmt: skip
+             if torch.is_tensor(t) and tuple(getattr(saved[k], "size", ())) != tuple(t.shape)]  # fmt: skip
     if wrong:
         return f"{path} does not fit this optimizer: {wrong[:10]}"
     groups = {k.split(".")[1] for k in saved if k.startswith(f"{_GROUPS}.")}  # DCP flattens the groups' options
@@ -148,6 +155,9 @@ def load_optim_state_dict(path: str, optimizer: Any, aux_infos: dict[str, Any], 
         raise shared_refusal(CheckpointError(f"load_optim_state_dict failed on rank {rank}: {problem}"))
     state = {**flat, _GROUPS: template[_GROUPS]}
     _run_dcp(dcp.load, state, Path(path))  # fills flat's tensors, the template's own, in place
+    for key, entries, entry in _entries(template, aux_infos, dedup):
+        if not torch.is_tensor(entries[entry]):  # objects (step counts) come back in the dict, not in place
+            entries[entry] = state[key]
     zero.load_state_dict({"state": template["state"], _GROUPS: state[_GROUPS]})
 
 

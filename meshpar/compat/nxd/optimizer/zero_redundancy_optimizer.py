@@ -7,7 +7,10 @@ replicas and pipeline stages counted once each; ``grad_norm`` keeps the norm), s
 updated parameters. Parameter groups keep their own options. Options that tune torch_xla's buckets or its
 compiler (``pin_layout``, ``coalesce_cc``, ``bucket_cap_mb_*``, ``use_grad_acc_hook``, ``lazy_init``) change nothing
 here; ``optimizer_dtype`` / ``higher_cc_precision`` keep fp32 master copies of low-precision parameters and reduce
-in fp32. ``sharding_groups`` must be the data-parallel groups (the default). Under expert parallelism the
+in fp32. ``sharding_groups`` must be the data-parallel groups (the default), or at context-parallel size > 1 NxD's
+dp x cp groups (``parallel_state.get_zero1_sharding_groups()``, which NxD's trainer passes): the reduce-scatter then
+sums the cp ranks' grads too, so ``grads.allreduce_context_parallel_gradients`` only divides them by cp (NxD
+all-reduces them over cp first; the numbers are the same, one collective fewer). Under expert parallelism the
 parameters marked ``expert_model_parallel`` are owned within the expert-data-parallel groups instead (the dp ranks
 holding the same experts), as :class:`NeuronEPZero1Optimizer` does in NxD.
 """
@@ -30,7 +33,14 @@ from meshpar.parallel_dims import get_parallel
 
 def _layout() -> dict[str, int]:
     dims = get_parallel()
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep}
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep, **({"cp": dims.cp} if dims.cp > 1 else {})}
+
+
+def zero1_rank() -> int:
+    """This rank's place in its ZeRO-1 sharding group, which names its share's files: its dp rank, and under
+    context parallelism its place among the dp x cp ranks (the group NxD shards over at cp > 1,
+    ``parallel_state.get_zero1_sharding_groups``)."""
+    return get_parallel().grad_mesh.get_local_rank()
 
 
 def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -41,6 +51,9 @@ def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 class NeuronZero1Optimizer(torch.optim.Optimizer):
+    # its reduce-scatter sums the grads over dp x cp (see the module docstring; read by the cp grad average)
+    reduces_over_context_parallel = True
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -62,11 +75,12 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             raise RuntimeError("initialize_model_parallel need to be called before creating NeuronZero1Optimizer")
         dims = get_parallel()
         if sharding_groups is not None and sorted(map(sorted, sharding_groups)) != sorted(
-            map(sorted, dims.group_ranks("dp"))
+            map(sorted, parallel_state.get_zero1_sharding_groups())
         ):
             raise NotImplementedError(
                 "NeuronZero1Optimizer(sharding_groups=...): meshpar shards optimizer state over the data-parallel "
-                "groups only; leave sharding_groups unset"
+                "groups (with the context-parallel ranks at cp > 1: parallel_state.get_zero1_sharding_groups()) "
+                "only; leave sharding_groups unset"
             )
         groups = _groups(params)
         named = [(f"param_{i}", p) for i, p in enumerate(p for group in groups for p in group["params"])]
@@ -138,7 +152,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
 
     def _shard_file(self, output_dir: str) -> Path:
         dims = get_parallel()
-        name = f"zero1_dp_rank_{dims.dp_rank:02d}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
+        name = f"zero1_dp_rank_{zero1_rank():02d}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
         return Path(output_dir) / name
 
     def save_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:

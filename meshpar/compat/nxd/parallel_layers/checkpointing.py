@@ -104,7 +104,8 @@ def save(
     well (torch_xla's split-tensor format is not written here; ``load`` reads either); ``down_cast_bf16`` saves fp32
     tensors as bf16."""
     dims = get_parallel()
-    if not master_dp_only or dims.edp_mesh.get_local_rank() == 0:  # dp rank 0 of the ranks holding these experts
+    # cp rank 0 of dp rank 0 of the ranks holding these experts (the cp ranks of a dp rank hold the same state)
+    if dims.cp_rank == 0 and (not master_dp_only or dims.edp_mesh.get_local_rank() == 0):
         directory = _rank_dir(output_dir, dims, None if master_dp_only else dims.dp_rank)
         directory.mkdir(parents=True, exist_ok=True)
         local = _local(checkpoint)

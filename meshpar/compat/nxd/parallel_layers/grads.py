@@ -154,8 +154,26 @@ def allreduce_sequence_parallel_gradients(optimizer: Any) -> None:
 
 
 def allreduce_context_parallel_gradients(optimizer: Any) -> None:
-    """Sum the grads over the context-parallel group: one rank while the NxD view has no context parallelism."""
-    return None
+    """Average the grads of every parameter of ``optimizer`` (``main_grad`` where a parameter has no ``grad``) over
+    the context-parallel group, as NxD does: each cp rank computed them from its piece of every sequence with the
+    loss averaged over that piece, so their mean is the grad of the mean of the pieces' losses. Nothing at cp 1.
+    For a ZeRO-1 optimizer (also inside NxD's trainer wrapper), whose own reduce-scatter sums over dp x cp, the grads
+    are only divided by cp here: the same mean, one collective fewer."""
+    dims = get_parallel()
+    if dims.cp == 1:
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # the trainer's NxDOptimizer wraps the one that steps
+    sums_over_cp = getattr(inner, "reduces_over_context_parallel", False)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in _optimizer_params(optimizer):
+        grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        if sums_over_cp:
+            torch._foreach_div_(grads, dims.cp)
+        else:
+            _reduce_bucket(grads, dims.cp_mesh.get_group(), dims.cp)
 
 
 __all__ = [

@@ -53,7 +53,7 @@ def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
     dims = get_parallel()
     if process_group is None or process_group == dims.tp_mesh.get_group():
         return dims.tp_mesh
-    for name in ("pp", "dp", "ep"):
+    for name in ("pp", "dp", "cp", "ep"):
         mesh = getattr(dims, f"{name}_mesh")
         if mesh is not None and process_group == mesh.get_group():
             return mesh
@@ -91,9 +91,9 @@ def reduce_from_tensor_model_parallel_region(
 def reduce_from_context_model_parallel_region(
     input_: torch.Tensor, process_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Summed over the context-parallel group (one rank while the NxD view has no context parallelism: the input), or
-    over ``process_group`` when given."""
-    return input_ if process_group is None else reduce_from_tp(input_, group_mesh(process_group))
+    """Forward: summed over ``process_group`` (NxD's callers pass the context-parallel group; without one NxD's
+    default is the tensor-parallel group, and so it is here); backward: identity."""
+    return reduce_from_tp(input_, group_mesh(process_group))
 
 
 @traced_as_call

@@ -4,12 +4,15 @@ context / expert sizes and rank messages).
 
 Expert parallelism is NxD's: ``expert_model_parallel_size`` ep splits each data-parallel group into expert-data-
 parallel groups of dp / ep ranks, ep fastest (the ranks of an ep group are neighbouring dp ranks at the same tp and pp
-coordinates; NxD's ``[PP, DP_exp, EP, TP]``, meshpar's own expert mesh). The view does not run context parallelism
-(meshpar's own does, on HF models: ``parallelize(model, {"context_parallel_size": ...})``): ``context_parallel_size``
-is accepted at 1 (NxD's examples pass it) and refused above it, as are NxD's Neuron-only options (``lnc_size`` > 1,
-``mesh_only``). Rank layout: meshpar's mesh is Megatron's (tp fastest, then pp, then dp); NxD orders dp before pp, so
-which global ranks share a dp, ep or pp group differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups
-and results do not).
+coordinates; NxD's ``[PP, DP_exp, EP, TP]``, meshpar's own expert mesh). Context parallelism is NxD's too: ``cp``
+ranks of one (dp, pp, tp) position split each sequence into contiguous pieces (``utils.batch_utils.
+get_batch_on_this_context_parallel_rank``), the data-parallel groups exclude them, and attention meets over the ring
+of :func:`get_context_model_parallel_src_tgt_pairs` (``kernels.ring_attention_kernel``). Context and expert
+parallelism together are refused: NxD averages every grad over cp, experts' too, which is wrong where an ep group
+spans cp ranks. NxD's Neuron-only options (``lnc_size`` > 1, ``mesh_only``) are refused. Rank layout: meshpar's
+mesh is Megatron's (tp fastest, then cp, then pp, then dp); NxD orders dp before pp (``[PP, DP, CP, TP]``), so which
+global ranks share a dp, ep or pp group differs from NxD's for pp > 1 and dp > 1 (sizes, ranks within groups and
+results do not).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ def initialize_model_parallel(
     mesh_only: bool = False,
 ) -> None:
     """NxD's entry point: data parallelism takes the rest of the world, expert parallelism is carved out of it."""
-    if context_parallel_size != 1:
+    if context_parallel_size > 1 and expert_model_parallel_size > 1:
         raise NotImplementedError(
-            f"initialize_model_parallel(context_parallel_size={context_parallel_size}): the NxD view's layers and "
-            f"trainer do not run context parallelism; use 1, or meshpar's own on an HF model: "
-            f"meshpar.parallelize(model, {{'context_parallel_size': {context_parallel_size}}})"
+            f"initialize_model_parallel(context_parallel_size={context_parallel_size}, expert_model_parallel_size="
+            f"{expert_model_parallel_size}): the NxD view does not run context and expert parallelism together "
+            "(NxD's trainer averages every grad over cp, experts' too, which is wrong where an ep group spans cp "
+            "ranks); use one of them, or meshpar's own on an HF model: parallelize(model, {'context_parallel_size': "
+            "..., 'expert_parallel_size': ...})"
         )
     if lnc_size != 1 or mesh_only or skip_collective_init:
         raise NotImplementedError(
@@ -46,7 +51,10 @@ def initialize_model_parallel(
             "meshpar does not have (use their defaults)"
         )
     _initialize_mesh(
-        tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size=expert_model_parallel_size
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
 
 
@@ -90,11 +98,11 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 
 def get_context_model_parallel_size() -> int:
-    return 1
+    return get_parallel().cp
 
 
 def get_context_model_parallel_rank() -> int:
-    return 0
+    return get_parallel().cp_rank
 
 
 def get_expert_model_parallel_size() -> int:
@@ -252,20 +260,25 @@ _SINGLE: list[Any] = []
 
 
 def get_context_model_parallel_group(as_list: bool = False) -> Any:
-    return _singletons() if as_list else _own_group()
+    dims = get_parallel()
+    if as_list:
+        return dims.group_ranks("cp")
+    return dims.cp_mesh.get_group() if dims.cp > 1 else _own_group()
 
 
 def get_context_model_parallel_replica_groups() -> list[list[int]]:
-    return _singletons()
+    return get_parallel().group_ranks("cp")
 
 
 def get_context_model_parallel_src_tgt_pairs() -> list[list[int]]:
-    """The ring of this rank's context-parallel group as ``[source, target]`` global-rank pairs, what NxD hands to
-    its ring attention (``kernels.ring_attention_kernel.nki_ring_attn_func``, which checks it); at context-parallel
-    size 1 the ring of this rank alone."""
-    get_parallel()  # refused before initialize_model_parallel, as NxD's
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return [[rank, rank]]
+    """The ring of this rank's context-parallel group as ``[source, target]`` global-rank pairs, each rank sending
+    to the next (what NxD hands to its ring attention, ``kernels.ring_attention_kernel.nki_ring_attn_func``, which
+    checks it); at context-parallel size 1 the ring of this rank alone."""
+    dims = get_parallel()  # refused before initialize_model_parallel, as NxD's
+    if dims.cp == 1:
+        return [[dist.get_rank() if dist.is_initialized() else 0] * 2]
+    ring = dist.get_process_group_ranks(dims.cp_mesh.get_group())
+    return [[source, ring[(i + 1) % len(ring)]] for i, source in enumerate(ring)]
 
 
 def get_expert_model_parallel_group(as_list: bool = False) -> Any:
@@ -284,9 +297,14 @@ def get_expert_data_parallel_replica_groups() -> list[list[int]]:
 
 
 def get_zero1_sharding_groups() -> list[list[int]]:
-    """The groups ZeRO-1 shards the dense parameters' optimizer state over: the data-parallel groups (with
-    context-parallel size 1; expert weights' state is sharded over the expert-data-parallel groups)."""
-    return get_data_parallel_replica_groups()
+    """The groups ZeRO-1 shards the dense parameters' optimizer state over: the data-parallel groups, which exclude
+    the context-parallel ranks (their grads are averaged over cp first); expert weights' state is sharded over the
+    expert-data-parallel groups."""
+    dims = get_parallel()
+    if dims.cp == 1:
+        return get_data_parallel_replica_groups()
+    # the mesh is (dp, pp, cp, tp): one group per (pp, tp) position, over its dp x cp ranks
+    return [sorted(ranks) for ranks in dims.mesh.mesh.permute(1, 3, 0, 2).reshape(dims.pp * dims.tp, -1).tolist()]
 
 
 def get_expert_parallel_rank_from_global_rank(rank: int, expert_parallel_group: Any = None) -> int:

@@ -265,6 +265,7 @@ class NxDPPModel(PipelineModel):
             average_grads_over_dp=not optimizer_reduces,
             broadcast_loss=broadcast_and_average_loss,
             deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+            grads_over_cp=False,  # NxD averages grads over cp itself (grads.allreduce_context_parallel_gradients)
         )
         self.original_torch_module = original
         self.transformer_layer_cls = transformer_layer_cls

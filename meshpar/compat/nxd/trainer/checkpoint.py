@@ -52,6 +52,7 @@ from meshpar.compat.nxd import _xser
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
+from meshpar.compat.nxd.optimizer.zero_redundancy_optimizer import zero1_rank
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
 from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
@@ -155,18 +156,20 @@ def _layout() -> dict[str, int]:
 
 
 def _file(kind: str, per_dp_rank: bool) -> str:
-    """This rank's file of ``kind``: its dp rank's (ZeRO-1 state), else its replica set's, which under expert
+    """This rank's file of ``kind``: its own (ZeRO-1 state; named by its place in the sharding group, its dp rank at
+    context-parallel size 1), else its replica set's, which under expert
     parallelism is one per ep rank (``_ep_rank_ZZ``, NxD's name: the dp ranks of an ep group hold different experts)."""
     dims = get_parallel()
-    dp_rank = dims.dp_rank if per_dp_rank else 0
+    dp_rank = zero1_rank() if per_dp_rank else 0
     ep = f"_ep_rank_{dims.ep_rank:02d}" if dims.ep > 1 and not per_dp_rank else ""
     return f"{kind}/dp_rank_{dp_rank:02d}{ep}_tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}.pt"
 
 
 def _writes_replica_files() -> bool:
     """Whether this rank writes its replica set's files: dp rank 0 of the ranks holding its experts (all of dp
-    without expert parallelism)."""
-    return get_parallel().edp_mesh.get_local_rank() == 0
+    without expert parallelism), context-parallel rank 0 (the cp ranks of a dp rank hold the same state)."""
+    dims = get_parallel()
+    return dims.edp_mesh.get_local_rank() == 0 and dims.cp_rank == 0
 
 
 def _write(path: Path, payload: Any) -> None:

@@ -20,8 +20,9 @@ def shift_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def get_batch_on_this_context_parallel_rank(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This context-parallel rank's contiguous slice of the sequence (dim 1) of every input, labels shifted first;
-    the batch itself at context-parallel size 1 (always in the NxD view, which runs no context parallelism)."""
+    """This context-parallel rank's contiguous slice of the sequence (dim 1) of every input, labels shifted first
+    (the last label of the whole sequence -100: its next token is not in the batch); the batch itself at
+    context-parallel size 1."""
     cp, cp_rank = parallel_state.get_context_model_parallel_size(), parallel_state.get_context_model_parallel_rank()
     if cp == 1:
         return batch
