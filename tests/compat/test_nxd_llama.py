@@ -4,7 +4,8 @@ vocab-parallel head with ``parallel_cross_entropy``, the loss computed inside ``
 trainer API as the example drives it (``neuronx_distributed_config`` with a ``pipeline_config``, the model traced
 and cut at pp > 1, ``AdamW_FP32OptimParams``, ZeRO-1 at dp > 1) at tp2, pp2 and tp2 x pp2, against the same model
 built from plain torch layers in one process: the loss of every step and every parameter after every step. With
-context parallelism (cp2 x tp2, cp2 x dp2 with ZeRO-1, cp2 x pp2, cp4) as the example runs it: the batch cut by
+context parallelism (cp2 x tp2 with and without sequence parallelism, cp2 x dp2 with ZeRO-1, cp2 x pp2, cp4) as the
+example runs it: the batch cut by
 ``get_batch_on_this_context_parallel_rank``, rotary positions offset by the cp rank, ``nki_ring_attn_func`` over
 ``get_context_model_parallel_src_tgt_pairs()``, the loss of each rank's piece averaged over its labelled tokens.
 
@@ -50,8 +51,11 @@ def _rotary(seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, parallel: bool) -> None:
+    """``sequence_parallel``: NxD's layout, ``[seq / tp, batch, hidden]`` in and out (q, k, v gathered over tp)."""
+
+    def __init__(self, parallel: bool, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sp = sequence_parallel
         if parallel:
             from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
             from meshpar.compat.nxd.parallel_layers import RowParallelLinear, parallel_state
@@ -59,9 +63,10 @@ class Attention(nn.Module):
             tp = parallel_state.get_tensor_model_parallel_size()
             self.qkv_proj = GQAQKVColumnParallelLinear(
                 H, [HEADS * HEAD, KV_HEADS * HEAD], bias=False, gather_output=False, fuse_qkv=False,
-                init_method=lambda w: nn.init.normal_(w, std=0.2),
+                init_method=lambda w: nn.init.normal_(w, std=0.2), sequence_parallel_enabled=sequence_parallel,
             )  # fmt: skip
-            self.o_proj = RowParallelLinear(HEADS * HEAD, H, bias=False, input_is_parallel=True)
+            self.o_proj = RowParallelLinear(HEADS * HEAD, H, bias=False, input_is_parallel=True,
+                                            sequence_parallel_enabled=sequence_parallel)  # fmt: skip
         else:
             tp = 1
             self.qkv_proj = DenseQKV()
@@ -79,11 +84,13 @@ class Attention(nn.Module):
                 parallel_state.get_context_model_parallel_size(),
                 parallel_state.get_context_model_parallel_rank(),
             )
-        b, s, _ = x.shape
         q, k, v = self.qkv_proj(x)
-        q = q.view(b, s, self.heads, HEAD).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, HEAD).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, HEAD).transpose(1, 2)
+        if self.sp:  # [seq, batch, features], the whole sequence
+            s, b, _ = q.shape
+            q, k, v = (t.view(s, b, -1, HEAD).permute(1, 2, 0, 3) for t in (q, k, v))
+        else:
+            b, s, _ = q.shape
+            q, k, v = (t.view(b, s, -1, HEAD).transpose(1, 2) for t in (q, k, v))
         cos, sin = _rotary(s * cp, x.device)  # this rank's piece starts at cp_rank * s (the example's offset)
         positions = (cp_rank * s + torch.arange(s, device=x.device)).unsqueeze(0).expand(b, s)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, positions, flash_attn=False)
@@ -94,6 +101,8 @@ class Attention(nn.Module):
 
             ring = parallel_state.get_context_model_parallel_src_tgt_pairs()
             attn = nki_ring_attn_func(q, k, v, torch.distributed.get_rank(), ring)
+            if self.sp:
+                return self.o_proj(attn.permute(2, 0, 1, 3).reshape(s, b, self.heads * HEAD))
             return self.o_proj(attn.transpose(1, 2).reshape(b, s, self.heads * HEAD))
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(HEAD)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
@@ -102,17 +111,20 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, parallel: bool) -> None:
+    def __init__(self, parallel: bool, sequence_parallel: bool = False) -> None:
         super().__init__()
         from meshpar.compat.nxd.modules.rms_norm import RMSNorm
 
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(H, eps=1e-5), RMSNorm(H, eps=1e-5)
-        self.self_attn = Attention(parallel)
+        self.input_layernorm, self.post_attention_layernorm = (
+            RMSNorm(H, eps=1e-5, sequence_parallel_enabled=sequence_parallel) for _ in range(2)
+        )
+        self.self_attn = Attention(parallel, sequence_parallel)
         if parallel:
             from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
-            self.gate_up = ColumnParallelLinear(H, FF, bias=False, gather_output=False)
-            self.down = RowParallelLinear(FF, H, bias=False, input_is_parallel=True)
+            sp = {"sequence_parallel_enabled": sequence_parallel}
+            self.gate_up = ColumnParallelLinear(H, FF, bias=False, gather_output=False, **sp)
+            self.down = RowParallelLinear(FF, H, bias=False, input_is_parallel=True, **sp)
         else:
             self.gate_up, self.down = nn.Linear(H, FF, bias=False), nn.Linear(FF, H, bias=False)
 
@@ -125,11 +137,17 @@ class Llama(nn.Module):
     """``layer(parallel)`` builds each decoder layer (this file's ``DecoderLayer`` by default; the Mixtral test passes
     its MoE layer)."""
 
-    def __init__(self, parallel: bool, layer: type[nn.Module] | None = None, layers: int = LAYERS) -> None:
+    def __init__(
+        self,
+        parallel: bool,
+        layer: type[nn.Module] | None = None,
+        layers: int = LAYERS,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         from meshpar.compat.nxd.modules.rms_norm import RMSNorm
 
-        self.parallel = parallel
+        self.parallel, self.sp = parallel, sequence_parallel
         if parallel:
             from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, ParallelEmbedding
 
@@ -137,14 +155,24 @@ class Llama(nn.Module):
             self.lm_head = ColumnParallelLinear(H, V, bias=False, gather_output=False)
         else:
             self.embed_tokens, self.lm_head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
-        self.layers = nn.ModuleList((layer or DecoderLayer)(parallel) for _ in range(layers))
-        self.norm = RMSNorm(H, eps=1e-5)
+        if sequence_parallel:
+            self.layers = nn.ModuleList(DecoderLayer(parallel, sequence_parallel=True) for _ in range(layers))
+        else:
+            self.layers = nn.ModuleList((layer or DecoderLayer)(parallel) for _ in range(layers))
+        self.norm = RMSNorm(H, eps=1e-5, sequence_parallel_enabled=sequence_parallel)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.sp:  # NxD's example: [seq, batch, hidden], the sequence split over tp
+            from meshpar.compat.nxd.parallel_layers import mappings
+
+            h = mappings.scatter_to_sequence_parallel_region(h.transpose(0, 1).contiguous())
         for layer in self.layers:
             h = layer(h)
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if self.sp:
+            h = mappings.gather_from_sequence_parallel_region(h, to_model_parallel=False).transpose(0, 1)
+        return self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.logits(input_ids)
@@ -226,7 +254,7 @@ def test_nxd_llama_example_model_trains_like_dense(tp: int, pp: int) -> None:
     run_distributed(llama_case, 4, tp, pp)
 
 
-def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1) -> None:
+def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1, sp: bool = False) -> None:
     """NxD's example at context-parallel size ``cp`` (dp takes the rest of 4 ranks, ZeRO-1 where dp > 1): each step
     the batch of every dp rank is cut by ``get_batch_on_this_context_parallel_rank`` (labels shifted first, the last
     one -100). NxD's loss is the mean over the cp pieces of each piece's mean over its labelled tokens (the pieces'
@@ -243,7 +271,7 @@ def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1) -> None:
                        "input_names": ["input_ids", "labels"], "auto_partition": True,
                        "leaf_module_cls": ["RMSNorm"], "broadcast_and_average_loss": True}  # fmt: skip
     config = nxd.neuronx_distributed_config(
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=cp, sequence_parallel=sp,
         pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": dp > 1, "grad_clipping": True, "max_grad_norm": 1.0},
     )  # fmt: skip
@@ -253,7 +281,7 @@ def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1) -> None:
 
     def build() -> nn.Module:
         torch.manual_seed(1)
-        module = Llama(parallel=True)
+        module = Llama(parallel=True, sequence_parallel=sp)
         copy_dense_into(module, dict(dense.named_parameters()))
         return module
 
@@ -264,7 +292,7 @@ def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1) -> None:
     for step in range(3):
         if step == 2:
             nxd.save_checkpoint(tmp, "step2", model=model, optimizer=optimizer, use_zero1_dcp=dcp)
-            model = nxd.initialize_parallel_model(config, lambda: Llama(parallel=True))
+            model = nxd.initialize_parallel_model(config, lambda: Llama(parallel=True, sequence_parallel=sp))
             optimizer = nxd.initialize_parallel_optimizer(config, AdamW_FP32OptimParams, model.parameters(), lr=3e-3)
             nxd.load_checkpoint(tmp, model=model, optimizer=optimizer, use_zero1_dcp=dcp)
             assert_params_match(model, dict(dense.named_parameters()), atol=3e-5)
@@ -294,8 +322,10 @@ def llama_cp_case(tp: int, cp: int, tmp: str, dcp: bool, pp: int = 1) -> None:
 
 
 @pytest.mark.parametrize(
-    "tp,cp,dcp,pp", [(2, 2, False, 1), (1, 2, False, 1), (1, 2, True, 1), (1, 4, False, 1), (1, 2, False, 2)]
-)
+    "tp,cp,dcp,pp,sp",
+    [(2, 2, False, 1, False), (2, 2, False, 1, True), (1, 2, False, 1, False), (1, 2, True, 1, False),
+     (1, 4, False, 1, False), (1, 2, False, 2, False)],
+)  # fmt: skip
 def test_nxd_llama_example_model_with_context_parallelism_trains_like_dense(tp: int, cp: int, dcp: bool, pp: int,
-                                                                            tmp_path) -> None:  # fmt: skip
-    run_distributed(llama_cp_case, 4, tp, cp, str(tmp_path), dcp, pp)
+                                                                            sp: bool, tmp_path) -> None:  # fmt: skip
+    run_distributed(llama_cp_case, 4, tp, cp, str(tmp_path), dcp, pp, sp)
