@@ -122,6 +122,7 @@ def ring_cp_case(tp: int, causal: bool) -> list[list[int]]:
     for name, got in (("cp", cp_sum), ("tp", tp_sum)):
         (group,) = [g for g in groups[name] if dist.get_rank() in g]
         assert got.item() == sum(group), (name, got, group)
+    assert parallel_state.rmsg("hello").endswith(f"_cp{cp_rank}] hello")
     return pairs
 
 

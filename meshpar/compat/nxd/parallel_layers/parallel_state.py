@@ -230,7 +230,7 @@ def rmsg(msg: str) -> str:
     pp = tp = dp = cp = -1
     if model_parallel_is_initialized():
         dims = get_parallel()
-        pp, tp, dp, cp = dims.pp_rank, dims.tp_rank, dims.dp_rank, 0
+        pp, tp, dp, cp = dims.pp_rank, dims.tp_rank, dims.dp_rank, dims.cp_rank
     rank = dist.get_rank() if dist.is_initialized() else 0
     return f"[rank_{rank}_pp{pp}_tp{tp}_dp{dp}_cp{cp}] {msg}"
 
@@ -240,7 +240,7 @@ def rmsg_ep(msg: str) -> str:
     return f"[pp{dims.pp_rank}|ep{dims.ep_rank}|tp{dims.tp_rank}|dp{dims.dp_rank}] {msg}"
 
 
-# -- the context-parallel group (one rank each) and the expert-parallel groups -------------------------------------
+# -- one-rank groups (context and expert parallelism at size 1), the context- and expert-parallel groups -----------
 def _singletons() -> list[list[int]]:
     return [[rank] for rank in range(dist.get_world_size())]
 
