@@ -171,7 +171,8 @@ def allreduce_context_parallel_gradients(optimizer: Any) -> None:
             by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         if sums_over_cp:
-            torch._foreach_div_(grads, dims.cp)
+            for grad in grads:
+                grad.div_(dims.cp)
         else:
             _reduce_bucket(grads, dims.cp_mesh.get_group(), dims.cp)
 
