@@ -61,6 +61,15 @@ def _no_key(allow: torch.Tensor, queries: int) -> torch.Tensor:
     return ~allow.expand(allow.shape[0], allow.shape[1], queries, allow.shape[-1]).any(-1, keepdim=True)
 
 
+def _as_kernel_output(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[batch, heads, queries, width]`` laid out in memory as the memory-efficient kernel's forward returns
+    its output, ``[batch, queries, heads, width]``. Its half-precision backward reads a given output in that layout
+    whatever the strides say: handed a contiguous ``[batch, heads, ...]`` output it returned q and k grads that were
+    wrong or NaN (v's were right) on an H200 with torch 2.11, where the same call with the output in the forward's
+    layout matched torch's own autograd through the kernel. Its fp32 backward reads either."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,17 +117,15 @@ def block_backward(
     dk_width, dv, queries = q.shape[-1], v.shape[-1], q.shape[2]
     width, dtype = max(dk_width, dv), q.dtype
     q, k, v = _widen(q, width), _widen(k, width), _widen(v, width)
-    d_out, out = _widen(d_out.to(dtype), width).contiguous(), _widen(out.to(dtype), width).contiguous()
+    d_out, out = _widen(d_out.to(dtype), width).contiguous(), _widen(out.to(dtype), width)
     lse = lse.squeeze(-1).float().contiguous()
-    if q.device.type == "cuda" and dtype != torch.float32:  # the kernel's half-precision backward gave wrong q / k
-        q, k, v, d_out, out = (
-            t.float() for t in (q, k, v, d_out, out)
-        )  # grads here (an H200, torch 2.11): fp32 is exact
     bias = None if allow is None else _bias(allow, q, k.shape[2])
     if q.device.type == "cpu":
+        out = out.contiguous()
         dq, dk, dv_ = flash_attention_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     else:
         lse = F.pad(lse, (0, -(-queries // _LSE_ALIGN) * _LSE_ALIGN - queries)).contiguous()
+        out = _as_kernel_output(out)
         unused = torch.empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout here
         needs = [True, True, True, False]  # no grad of the mask
         dq, dk, dv_ = efficient_attention_backward(
