@@ -29,9 +29,9 @@ from meshpar.ops._dispatch import interpreting, run_triton
 from meshpar.ops._eager import call, register_autograd
 from meshpar.ops._triton import tl, triton
 
-# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). 16-bit operands: the best of a bf16 sweep on an H200
-# (benchmarks/README.md). fp32 operands (not swept) take twice the shared memory per element, so smaller ones.
-_PRODUCT_TILES = {2: (128, 256, 64, 8, 3), 4: (128, 128, 32, 4, 3)}
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of a sweep on an H200 for each operand size
+# (benchmarks/README.md); fp32's are smaller (twice the shared memory per element, exact dots on the CUDA cores).
+_PRODUCT_TILES = {2: (128, 256, 64, 8, 3), 4: (64, 128, 32, 4, 4)}
 # the weight grad: rows stepped BLOCK_M at a time, a BLOCK_K x BLOCK_N tile of dw per program
 _WEIGHT_GRAD_TILES = {2: (64, 128, 128, 8, 3), 4: (32, 128, 128, 8, 3)}
 
@@ -183,6 +183,17 @@ def _launch_grouped_mm(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, i
     return y
 
 
+def _input_grad(dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``dy @ w[e]^T`` per group on the forward kernel. 16-bit ``w`` is read through transposed strides; fp32 ``w``
+    is copied transposed first, as its strided loads are slow: on an H200 (Mixtral-shaped experts) the copy made
+    fp32's forward + backward 68.6 ms where the strided read took 86.5 (cuBLAS's per-expert loop 72.9), while for
+    fp16 it cost time (9.5 ms, strided 6.4). The copy holds one more weight-sized buffer while it runs."""
+    if w.element_size() < 4:
+        return _launch_grouped_mm(dy, w, (w.stride(0), w.stride(2), w.stride(1)), offs, w.shape[1])
+    wt = w.transpose(1, 2).contiguous()
+    return _launch_grouped_mm(dy, wt, (wt.stride(0), wt.stride(1), wt.stride(2)), offs, w.shape[1])
+
+
 @triton_op("meshpar::grouped_mm", mutates_args=())
 def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if not run_triton(x):
@@ -205,7 +216,7 @@ def grouped_mm_bwd(
         dw = vendor_grouped_mm(x.t(), dy, offs=ends)
         empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0  # an expert with no rows: a zero grad
         return dx, dw.masked_fill(empty[:, None, None], 0)
-    dx = _launch_grouped_mm(dy, w, (w.stride(0), w.stride(2), w.stride(1)), offs, k)  # dy @ w[e]^T
+    dx = _input_grad(dy, w, offs)
     dw = torch.empty_like(w)
     tiles = _tiles(_WEIGHT_GRAD_TILES, x)
     grid = (offs.numel(), triton.cdiv(k, tiles["BLOCK_K"]), triton.cdiv(n, tiles["BLOCK_N"]))
