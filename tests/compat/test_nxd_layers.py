@@ -384,3 +384,27 @@ def conv_case(partition_pad: bool) -> None:
 @pytest.mark.parametrize("partition_pad", [False, True])
 def test_nxd_parallel_convs_equal_dense(partition_pad: bool) -> None:
     run_distributed(conv_case, 4, partition_pad)
+
+
+def device_init_case() -> None:
+    """NxD's device-side weight init (``_initialize_affine_weight_neuron``, the path for weights off the CPU, which
+    NxD's unit tests patch by name) leaves this rank's part of the full parameter in the weight, strided blocks
+    included, so that the layer starts equal to the dense one as on the CPU path."""
+    from meshpar.compat.nxd.parallel_layers import layers, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for dim, stride in ((0, 1), (1, 1), (0, 2)):
+        shape = [8, 4]
+        shape[dim] //= 2
+        weight = torch.empty(shape)
+        torch.manual_seed(7)
+        layers._initialize_affine_weight_neuron(weight, nn.init.normal_, dim, 2, stride)
+        torch.manual_seed(7)
+        full = nn.init.normal_(torch.empty(8, 4))
+        torch.testing.assert_close(weight, _shard(full, dim, 2, rank, stride), rtol=0, atol=0)
+        assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, dim, stride)
+
+
+def test_nxd_device_weight_init_gives_each_rank_its_part() -> None:
+    run_distributed(device_init_case, 2)

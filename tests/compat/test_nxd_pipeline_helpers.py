@@ -30,3 +30,30 @@ def test_create_partitions_refuses_more_stages_than_layers() -> None:
 
 def test_virtual_stages_go_round_the_ranks() -> None:
     assert [stage_to_pipeline_parallel_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_too_few_layers_is_both_nxds_assertion_and_a_value_error() -> None:
+    """NxD asserts (its tests expect ``AssertionError``); meshpar's callers catch ``ValueError``."""
+    from torch import nn
+
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    layers = [nn.Linear(2, 2) for _ in range(3)]
+    for error in (AssertionError, ValueError):
+        with pytest.raises(error, match="3 layers cannot fill 4 pipeline stages"):
+            create_partitions(4, NAMES[:3])
+        with pytest.raises(error, match="3 layers cannot fill 4 pipeline stages"):
+            PipelineStageModule._partition_evenly(layers, 4)
+
+
+def test_weight_sharing_stages_by_nxds_keyword() -> None:
+    from torch import nn
+
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    layers = [nn.Linear(2, 2) for _ in range(4)]
+    PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[3], "weight")], "tied")
+    mapping = {layer: stage for stage, layer in enumerate(layers)}
+    gather = PipelineStageModule._gather_pp_stage_idxs_for_weight_sharing
+    assert gather(stage_idx_mapping=mapping, current_stage_idx=3) == {"tied": [[0, 3], [layers[3], "weight"]]}
+    assert gather(mapping, current_stage_idx=1) == {}

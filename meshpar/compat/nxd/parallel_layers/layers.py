@@ -42,6 +42,12 @@ from meshpar.compat.nxd.parallel_layers.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+
+# NxD's layers module holds these two getters (its unit tests patch them here); the layers read the tp mesh
+from meshpar.compat.nxd.parallel_layers.parallel_state import (  # noqa: F401
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_size,
+)
 from meshpar.compat.nxd.parallel_layers.utils import (
     EmbeddingUtility,
     cast_if_autocast_enabled,
@@ -95,6 +101,21 @@ def _initialize_parameter_cpu(
     master = master.to(param_dtype)
     create_local_weight(master.to(param.device), partition_dim, param.shape[partition_dim], stride, out_weight=param)
     return master if return_master_param else None
+
+
+def _initialize_affine_weight_neuron(
+    weight: torch.Tensor,
+    init_method: InitMethod,
+    partition_dim: int,
+    num_partitions: int,
+    stride: int = 1,
+) -> None:
+    """Initialise this rank's part of ``weight`` on its own device (NxD's path for weights not on the CPU). NxD runs
+    ``init_method`` on the local part under its per-rank RNG; here the full parameter is initialised and this rank's
+    part copied in (:func:`_initialize_parameter_cpu`), so a tp-sharded layer starts equal to the dense one."""
+    _initialize_parameter_cpu(
+        weight, partition_dim, num_partitions, init_method, param_dtype=weight.dtype, stride=stride
+    )
 
 
 class BaseParallelLayer(nn.Module):
@@ -351,8 +372,10 @@ class BaseParallelLinear(BaseParallelLayer):
             set_tensor_model_parallel_attributes(
                 self.weight, True, self.weight_partition_dim, self.stride, tp, self.rank_ordering
             )
-        else:
+        elif self.device.type == "cpu" or self.keep_master_weight or self.rank_ordering is not None:
             self.init_weight_cpu()
+        else:  # NxD's device path (its unit tests patch both by name)
+            _initialize_affine_weight_neuron(self.weight, self._init_weight, self.weight_partition_dim, tp, self.stride)
 
     def init_weight_cpu(self) -> None:
         self.master_weight = _initialize_parameter_cpu(

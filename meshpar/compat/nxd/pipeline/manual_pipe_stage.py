@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshpar.compat.nxd.pipeline.partition import TooFewLayersError
+
 WEIGHT_SHARING_ATTR_NAME = "weight_sharing"
 
 
@@ -47,7 +49,7 @@ class PipelineStageModule(nn.Module):
         """``len(layers) // num_stages`` layers per stage, the remainder on the last."""
         size = len(layers) // num_stages
         if size == 0:
-            raise ValueError(f"{len(layers)} layers cannot fill {num_stages} pipeline stages")
+            raise TooFewLayersError(f"{len(layers)} layers cannot fill {num_stages} pipeline stages")
         return {layer: min(i // size, num_stages - 1) for i, layer in enumerate(layers)}
 
     @staticmethod
@@ -64,12 +66,14 @@ class PipelineStageModule(nn.Module):
         return mine, PipelineStageModule._gather_pp_stage_idxs_for_weight_sharing(mapping, stage_idx)
 
     @staticmethod
-    def _gather_pp_stage_idxs_for_weight_sharing(mapping: dict[Any, int], current_stage_idx: int) -> dict[str, list]:
+    def _gather_pp_stage_idxs_for_weight_sharing(
+        stage_idx_mapping: dict[Any, int], current_stage_idx: int
+    ) -> dict[str, list]:
         """For each sharing group with a layer on ``current_stage_idx``: ``[sorted stages holding it, [layer,
         weight path]]``."""
         stages: dict[str, set[int]] = {}
         local: dict[str, list] = {}
-        for layer, stage in mapping.items():
+        for layer, stage in stage_idx_mapping.items():
             for group, path in getattr(layer, WEIGHT_SHARING_ATTR_NAME, {}).items():
                 stages.setdefault(group, set()).add(stage)
                 if stage == current_stage_idx:

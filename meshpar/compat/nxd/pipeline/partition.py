@@ -17,12 +17,17 @@ from meshpar.compat.nxd.parallel_layers.parallel_state import get_pipeline_model
 __all__ = ["create_partitions", "stage_to_pipeline_parallel_rank"]
 
 
+class TooFewLayersError(ValueError, AssertionError):
+    """Fewer layers than pipeline stages. NxD asserts this (``AssertionError``, what its tests expect); meshpar
+    raises ``ValueError`` for bad sizes: this is both."""
+
+
 def create_partitions(pipeline_parallel_size: int, model_layer_names: Sequence[str]) -> list[str]:
     """The names of the layers each stage but the last ends with (NxD's ``pipeline_cuts``): ``len // stages`` layers
     per stage, one more on each of the last ``len % stages`` stages."""
     layers = len(model_layer_names)
     if pipeline_parallel_size < 1 or layers < pipeline_parallel_size:
-        raise ValueError(
+        raise TooFewLayersError(
             f"create_partitions: {layers} layers cannot fill {pipeline_parallel_size} pipeline stages (each needs one)"
         )
     base, extra = divmod(layers, pipeline_parallel_size)
