@@ -221,6 +221,12 @@ def nxd_case(pp: int, v: int, m: int, broadcast: bool) -> None:
         broadcast_and_average_loss=broadcast,
         loss_fn=lambda logits, ids, labels: lm_loss(logits, labels),
     )
+    stages = pp * v  # NxD's placement: 5 layers evenly, the remainder on the last stages
+    sizes = [5 // stages + (1 if s >= stages - 5 % stages else 0) for s in range(stages)]
+    for chunk in model.chunks:
+        held = {n.split(".")[1] for n, _ in chunk.stage.named_parameters() if n.startswith("layers.")}
+        first = sum(sizes[: chunk.stage_index])
+        assert held == {str(i) for i in range(first, first + sizes[chunk.stage_index])}, (chunk.stage_index, held)
     loss = model.run_train(**batch)
     if broadcast or model.is_last_stage_rank:
         torch.testing.assert_close(loss, torch.stack(expected).mean(), atol=1e-5, rtol=1e-5)

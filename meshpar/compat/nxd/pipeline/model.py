@@ -9,7 +9,8 @@ own usage: the loss is computed inside ``forward`` and picked with ``output_loss
 tracing arguments is given (``leaf_module_cls``, ``autowrap_functions``, ``autowrap_modules``, ``tracer_cls``), the
 forward is traced with torch.fx and cut after layers (:mod:`meshpar.pipeline.trace`).
 Every stage receives the microbatch's keyword inputs; the first stage calls the module with the ``input_names``
-inputs, later stages with the received activation.
+inputs, later stages with the received activation. Without ``pipeline_cuts`` (``auto_partition`` or not) the layers
+are placed as NxD places them: evenly, the remainder on the last stages.
 """
 
 from __future__ import annotations
@@ -80,6 +81,32 @@ def _leaf_classes(module: nn.Module | None, leaf_module_cls: Sequence[Any] | Non
         else:
             classes.append(entry)
     return classes
+
+
+def get_model_layers(module: nn.Module, target_module_type: type | tuple[type, ...]) -> list[str]:
+    """The FQNs of ``module``'s ``target_module_type`` layers in order (not looking inside one), as NxD lists them."""
+    found = []
+    for name, child in module.named_children():
+        if isinstance(child, target_module_type):
+            found.append(name)
+        else:
+            found.extend(f"{name}.{inner}" for inner in get_model_layers(child, target_module_type))
+    return found
+
+
+def _nxd_cuts(module: nn.Module, layer_cls: type | tuple[type, ...] | None, stages: int) -> list[str] | None:
+    """NxD's own placement when no ``pipeline_cuts`` are given (``auto_partition`` or not): its transformer layers
+    dealt out evenly, the remainder to the last stages (``partition.create_partitions``). meshpar's even split
+    gives it to the first ones; NxD's is kept so that each pp rank holds the layers it holds under NxD (its
+    per-pp-rank checkpoint files then load here)."""
+    if layer_cls is None or stages == 1:
+        return None
+    from meshpar.compat.nxd.pipeline.partition import create_partitions
+
+    names = get_model_layers(module, layer_cls)
+    if not names:
+        raise ValueError(f"NxDPPModel: the model has no {layer_cls} layers (transformer_layer_cls) to place on stages")
+    return create_partitions(stages, names)
 
 
 class _ManualStages(nn.Module):
@@ -220,6 +247,9 @@ class NxDPPModel(PipelineModel):
             )
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
         check_pipeline_schedule(schedule, virtual_pipeline_size)
+        if pipeline_cuts is None and not manual_pp_partition:
+            pipeline_cuts = _nxd_cuts(module, transformer_layer_cls, dims.pp * virtual_pipeline_size)
+            auto_partition = auto_partition and pipeline_cuts is None
         # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule;
         # tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
         make_replicas_equal(module, dims, over=("pp", "dp"))
@@ -275,6 +305,10 @@ class NxDPPModel(PipelineModel):
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
         self.timeline = PPTimeline(trace_file_path, dims.pp_rank)  # NxD's trace file: a timeline of the steps
+
+    def get_model_layers(self, module: nn.Module, target_module_type: type | tuple[type, ...]) -> list[str]:
+        """The FQNs of ``module``'s layers of ``target_module_type``, in order (NxD's method)."""
+        return get_model_layers(module, target_module_type)
 
     @property
     def local_stage_modules(self) -> list[nn.Module]:
