@@ -134,3 +134,42 @@ def pipeline_checkpoint_case(tmp: str) -> None:
 
 def test_nxd_checkpoint_of_a_pipeline_model(tmp_path) -> None:
     run_distributed(pipeline_checkpoint_case, 4, str(tmp_path))
+
+
+def nxd_files_case(root: str) -> None:
+    """Per-pp-rank model files as NxD writes them for a 5-layer model at pp2 (layers 0-1 with the embeddings on pp
+    rank 0, layers 2-4 with the final norm and head on pp rank 1: NxD's placement, the remainder on the last stage),
+    bare state dicts with no layout, loaded into ``NxDPPModel`` built without ``pipeline_cuts``."""
+    from pathlib import Path
+
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from tests._models import Block, PipeGPT, lm_loss
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    saved = PipeGPT(layers=5)
+    on_rank = {
+        0: ("tok.", "pos.", "layers.0.", "layers.1."),
+        1: ("layers.2.", "layers.3.", "layers.4.", "ln_f.", "head."),
+    }
+    if torch.distributed.get_rank() == 0:
+        (Path(root) / "from_nxd" / "model").mkdir(parents=True)
+        for pp_rank, prefixes in on_rank.items():
+            state = {k: v for k, v in saved.state_dict().items() if k.startswith(prefixes)}
+            torch.save(state, Path(root) / "from_nxd" / "model" / f"dp_rank_00_tp_rank_00_pp_rank_{pp_rank:02d}.pt")
+    torch.distributed.barrier()
+    torch.manual_seed(1)  # other values, replaced by the load
+    model = NxDPPModel(PipeGPT(layers=5), transformer_layer_cls=Block, num_microbatches=2, input_names=["ids"],
+                       loss_fn=lambda logits, ids, labels: lm_loss(logits, labels))  # fmt: skip
+    nxd.load_checkpoint(root, tag="from_nxd", model=model)
+    names = [name for name, _ in model.local_named_parameters()]
+    assert names and all(name.startswith(on_rank[parallel_state.get_pipeline_model_parallel_rank()]) for name in names)
+    expected = dict(saved.named_parameters())
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
+
+
+def test_nxds_per_pp_rank_files_load_at_an_uneven_layer_count(tmp_path) -> None:
+    run_distributed(nxd_files_case, 2, str(tmp_path))
