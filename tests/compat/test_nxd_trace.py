@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from meshpar.compat.nxd.pipeline import trace as nxd_trace
+from meshpar.testing import run_distributed
 
 
 class Inner(nn.Module):
@@ -81,19 +82,27 @@ def test_leaves_by_part_of_the_class_name_qualified_name_or_class(leaf: object) 
     assert _calls(traced) == [("call_module", "block"), ("call_module", "head")]
 
 
-def test_nxds_parallel_layers_are_always_leaves() -> None:
-    from meshpar.compat.nxd.parallel_layers.layers import ColumnParallelLinear
+class WithParallelLayer(nn.Module):
+    def __init__(self) -> None:
+        from meshpar.compat.nxd.parallel_layers.layers import ColumnParallelLinear
 
-    class WithParallelLayer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.column = ColumnParallelLinear(3, 3)  # tp 1: no process group needed
+        super().__init__()
+        self.column = ColumnParallelLinear(3, 3)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.column(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.column(x)
 
+
+def parallel_leaf_case() -> None:
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     traced = nxd_trace.trace_model(WithParallelLayer(), input_names=["x"])
     assert _calls(traced) == [("call_module", "column")]
+
+
+def test_nxds_parallel_layers_are_always_leaves() -> None:
+    run_distributed(parallel_leaf_case, 1)  # a parallel layer needs a parallel state: in a process of its own
 
 
 def test_patching_object_methods_is_refused_and_nothing_else_is() -> None:
