@@ -33,8 +33,9 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     num_microbatches: int | None = None  # None: 1, or pipeline_parallel_size under pp (OSLO's configs omit it)
     auto_partition: bool = False  # pp: balance stages by parameter count, embedding and head included
-    # pp: "1f1b" (interleaved when virtual_pipeline_size > 1) or "zero_bubble" (ZB-H1: a third of 1F1B's bubble,
-    # 1F1B's activation memory; one chunk per rank, no FSDP)
+    # pp: "1f1b" (interleaved when virtual_pipeline_size > 1), "zero_bubble" (ZB-H1: a third of 1F1B's bubble,
+    # 1F1B's activation memory; one chunk per rank, no FSDP) or "gpipe" (all forwards, then all backwards: every
+    # microbatch's activations at once; needed by the routers' load-balancing loss under pp)
     pipeline_schedule: str = "1f1b"
     sequence_parallel: bool = False
     compile: bool = False

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, causal_labels_shifted
 from meshpar.hf.loss import TASKS as LOSS_TASKS
 from meshpar.hf.plans import HFPlan, plan_for, plan_summary
 from meshpar.hf.router_loss import (
+    PipelineRouterLoss,
     RouterLoss,
     check_router_loss_layout,
     recorded_router_logits,
@@ -213,17 +215,21 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(model, self.dims.pp)
+        check_router_loss_layout(
+            model, self.dims.pp, config.pipeline_schedule, self.dims.cp, self.plan.sequence_parallel
+        )
         self._router_loss = RouterLoss(model)
-        # under sequence parallelism the model's own load-balancing loss cannot run on the routers' shards: meshpar's
-        # is computed from the recorded logits instead, its formula proven on the dense model here
+        self._pipeline_router_loss: PipelineRouterLoss | None = None  # pp > 1: see _split
+        # under sequence parallelism the model's own load-balancing loss cannot run on the routers' shards, nor on a
+        # pipeline's stages: meshpar's is computed from the recorded logits instead, its formula proven on the dense
+        # model here
         self._router_loss_over_shards = self.plan.sequence_parallel and router_loss_asked(model)
         self._no_router_loss = {"output_router_logits": False} if self._router_loss_over_shards else {}
-        if self._router_loss_over_shards:
+        if self._router_loss_over_shards or (self.dims.pp > 1 and router_loss_asked(model)):
             if self._from_meta:
                 raise ValueError(
-                    f"{type(model).__name__}: the routers' load-balancing loss under sequence_parallel is proven on "
-                    "the dense model first, and one built on meta has no values; build it on CPU, or set "
+                    f"{type(model).__name__}: the routers' load-balancing loss under sequence or pipeline parallelism "
+                    "is proven on the dense model first, and one built on meta has no values; build it on CPU, or set "
                     "output_router_logits=False"
                 )
             self._router_loss.prove(model)
@@ -540,6 +546,13 @@ class ParallelizedModel(nn.Module):
             StageChunk(self._shard(install_decoder_stage(stage, layout, shards)), index, ["input_ids"], calls)
             for index, stage in stages
         ]
+        # the routers' load-balancing loss: every stage's routing counted between the forwards and the backwards
+        self._pipeline_router_loss = (
+            PipelineRouterLoss(model, self._router_loss, self.dims) if router_loss_asked(model) else None
+        )
+        if self._pipeline_router_loss is not None:
+            for chunk in chunks:
+                self._pipeline_router_loss.attach(chunk)
         return PipelineModel(
             chunks,
             plan,
@@ -550,6 +563,9 @@ class ParallelizedModel(nn.Module):
             dp_mode=self.dp_mode,
             average_grads_over_dp=False,  # train_step finishes the averaging (after the tied-embedding sync)
             broadcast_loss=True,
+            between_forwards_and_backwards=(
+                self._pipeline_router_loss.sum_counts if self._pipeline_router_loss is not None else None
+            ),
         )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -761,13 +777,24 @@ class ParallelizedModel(nn.Module):
             loss = loss.detach()
         else:
             labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
-            loss = self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
+            loss = self._with_router_loss(
+                lambda: self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
+            )
         if sync_dp_grads:
             self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
         if self.pipeline is not None:
             self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
         # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
         return self._mean_over_dp(loss) if self.pipeline is None else self._summed_over_cp(loss)
+
+    def _with_router_loss(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A pipeline step's loss (``run``), plus the routers' load-balancing loss of its batch where the model adds
+        one (:class:`meshpar.hf.router_loss.PipelineRouterLoss`, counted during the step)."""
+        if self._pipeline_router_loss is None:
+            return run()
+        self._pipeline_router_loss.start()
+        loss = run()
+        return loss + self._pipeline_router_loss.value
 
     def _step_loss(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> torch.Tensor:
         """The loss a step (pp=1) trains or evaluates on a checked batch split by :meth:`_split_targets`: the
@@ -825,7 +852,9 @@ class ParallelizedModel(nn.Module):
             # already the dp mean on every rank
             labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
             return self._summed_over_cp(
-                self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
+                self._with_router_loss(
+                    lambda: self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
+                )
             )
 
     @torch.no_grad()

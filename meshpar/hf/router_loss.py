@@ -18,9 +18,14 @@ reads every router's logits against the whole padding mask, cannot run on them: 
 tp ranks' shares are added into one value on every tp rank, each rank's grads from its own share (summed over tp as
 every per-token module's are under sequence parallelism).
 
+Under pipeline parallelism each stage routes its own layers' tokens, microbatch by microbatch; the loss needs the
+counts of every stage and microbatch before the first backward, so it runs with the GPipe schedule
+(:class:`PipelineRouterLoss`): after the forwards the counts are summed over pp x dp, and each stage's backward
+adds the loss's grad of its routing probabilities, which is linear in them once the counts are known.
+
 The formula is checked once against the model's own loss on its own outputs (``output.aux_loss``): on the first
-step's batch, or under sequence parallelism on a padded probe of the dense model at ``parallelize`` time; a family
-whose auxiliary loss it does not reproduce is refused, never approximated.
+step's batch, or under sequence or pipeline parallelism on a padded probe of the dense model at ``parallelize``
+time; a family whose auxiliary loss it does not reproduce is refused, never approximated.
 """
 
 from __future__ import annotations
@@ -38,17 +43,31 @@ from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import scatter_to_sp
 
 
-def check_router_loss_layout(model: nn.Module, pp: int) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int, sequence_parallel: bool) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
-    (or of its cp ranks' chunks, or tp ranks' shards; pp = 1); under pipeline parallelism a model that asks for it
-    is refused before any step."""
+    (or of its cp ranks' chunks, or tp ranks' shards; pp = 1). Under pipeline parallelism every microbatch's
+    assignments must be counted before any backward (:class:`PipelineRouterLoss`): schedule ``"gpipe"``, without
+    context or sequence parallelism; any other pipelined layout of a model that asks for it is refused before any
+    step."""
     if not router_loss_asked(model) or pp == 1:
         return
-    raise ValueError(
-        f"{type(model).__name__} adds the routers' load-balancing loss (output_router_logits=True), which meshpar "
-        "computes over the global batch only without pipeline_parallel_size > 1; set config.output_router_logits="
-        "False (the loss then leaves it out) or use another layout"
-    )
+    family = type(model).__name__
+    why = None
+    if schedule != "gpipe":
+        why = (
+            f"under pipeline_parallel_size > 1 only with pipeline_schedule 'gpipe' (every microbatch's routing is "
+            f"counted before the first backward; {schedule!r} starts backwards earlier)"
+        )
+    elif cp > 1 or sequence_parallel:
+        why = "under pipeline_parallel_size > 1 not with context_parallel_size > 1 or sequence_parallel"
+    elif _router_recorder(model) is None:
+        why = "under pipeline_parallel_size > 1 from router modules meshpar can hook, and this family has none"
+    if why is not None:
+        raise ValueError(
+            f"{family} adds the routers' load-balancing loss (output_router_logits=True), which meshpar computes over "
+            f"the global batch {why}; set config.output_router_logits=False (the loss then leaves it out) or use "
+            "another layout"
+        )
 
 
 def _router_recorder(model: nn.Module) -> tuple[type, int] | None:
@@ -202,3 +221,102 @@ class RouterLoss:
         # grads are summed over dp x cp and divided by dp afterwards: dp times each rank's share, so the result is the
         # global value
         return self.coef * dims.dp * _balance(assigned, probs, tokens.clamp(min=1), self.experts)
+
+
+class _RouterGradInto(torch.autograd.Function):
+    """The stage output unchanged; in backward the routing probabilities of this stage and microbatch also get the
+    load-balancing loss's grad (known once every microbatch was counted: :meth:`PipelineRouterLoss.sum_counts`)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: PipelineRouterLoss, probs: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.loss = loss
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        return None, ctx.loss.probs_grad(), grad
+
+
+class PipelineRouterLoss:
+    """The load-balancing loss of a model split into pipeline stages, over the global batch, run with the GPipe
+    schedule (see the module docstring). :meth:`attach` hooks each of this rank's stages; per step :meth:`start`,
+    then the pipeline calls :meth:`sum_counts` between its forwards and backwards; :attr:`value` is the loss's value,
+    the same on every rank."""
+
+    def __init__(self, model: nn.Module, loss: RouterLoss, dims: ParallelDims) -> None:
+        if not loss.checked:
+            raise RuntimeError(f"{loss.family}: the load-balancing loss under pipeline parallelism was not proven")
+        self.loss, self.dims = loss, dims
+        self.target, self.index = _router_recorder(model)
+        self.value: torch.Tensor | None = None
+        self._coefficient: torch.Tensor | None = None
+        self._recording: list[torch.Tensor] | None = None
+        self._mask: torch.Tensor | None = None
+        self.start()
+
+    def attach(self, chunk: nn.Module) -> list[Any]:
+        """Hook a stage ``chunk`` (called with each microbatch's inputs as keywords): its routers' logits are
+        recorded during its forward, and its output carries their probabilities' grad back. Returns the handles."""
+        handles = [m.register_forward_hook(self._record) for m in chunk.modules() if isinstance(m, self.target)]
+        handles.append(chunk.register_forward_pre_hook(self._begin, with_kwargs=True))
+        handles.append(chunk.register_forward_hook(self._end, with_kwargs=True))
+        return handles
+
+    def start(self) -> None:
+        """Forget the last step's counts (each step's loss is its own batch's)."""
+        experts = self.loss.experts
+        self._assigned = torch.zeros(experts, device=self.dims.device)
+        self._probs = torch.zeros(experts, device=self.dims.device)
+        self._tokens = torch.zeros((), device=self.dims.device)
+        self.value = self._coefficient = None
+
+    def _record(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self._recording is not None:
+            self._recording.append(output[self.index] if isinstance(output, tuple) else output)
+
+    def _begin(self, _chunk: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        self._recording, self._mask = [], kwargs.get("attention_mask")
+
+    def _end(self, _chunk: nn.Module, _args: Any, _kwargs: dict[str, Any], output: Any) -> Any:
+        logits, self._recording = self._recording, None
+        if not logits:
+            return output
+        assigned, probs, tokens = _sums(tuple(logits), self.loss.experts, self.loss.top_k, self._mask)
+        self._assigned += assigned
+        self._probs += probs.detach()
+        self._tokens += tokens
+        if not (torch.is_grad_enabled() and probs.requires_grad):
+            return output
+        if isinstance(output, torch.Tensor):
+            return _RouterGradInto.apply(self, probs, output)
+        if isinstance(output, (tuple, list)):
+            index = next((i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if index is not None:
+                carried = list(output)
+                carried[index] = _RouterGradInto.apply(self, probs, carried[index])
+                return type(output)(carried)
+        raise TypeError(
+            f"a pipeline stage of {self.loss.family} returned {type(output).__name__}; the load-balancing loss's grad "
+            "travels back with a tensor the stage outputs"
+        )
+
+    def sum_counts(self) -> None:
+        """Sum the counts and probabilities over every stage (pp) and replica (dp); then the loss's value and the
+        grad of each microbatch's probabilities are known."""
+        dims, experts = self.dims, self.loss.experts
+        totals = torch.cat([self._assigned, self._tokens.reshape(1), self._probs])
+        dist.all_reduce(totals, group=dims.pp_mesh.get_group())
+        if dims.dp > 1:
+            dist.all_reduce(totals, group=dims.dp_mesh.get_group())
+        assigned, tokens, probs = totals[:experts], totals[experts].clamp(min=1), totals[experts + 1 :]
+        self.value = self.loss.coef * _balance(assigned, probs, tokens, experts)
+        # d value / d probs, times dp: the grads are averaged over the dp replicas afterwards (as RouterLoss._share)
+        self._coefficient = self.loss.coef * dims.dp * experts * assigned / tokens**2
+
+    def probs_grad(self) -> torch.Tensor:
+        if self._coefficient is None:
+            raise RuntimeError(
+                f"{self.loss.family}: a stage's backward ran before the load-balancing loss's counts were summed over "
+                "every microbatch (pipeline schedule 'gpipe' sums them between the forwards and the backwards)"
+            )
+        return self._coefficient

@@ -102,6 +102,10 @@ class PipelineExecutor:
     # a context around each of this rank's stages' last backward of the step, given the stage index (apex's
     # custom_sync_context_handler re-enables grad reduction there)
     last_backward_context: Callable[[int], contextlib.AbstractContextManager] | None = None
+    # called once per step on every rank between its last forward and its first backward (or after the forwards of
+    # a forward-only step): a collective over what every microbatch's forward produced, e.g. the routers' assignment
+    # counts of the load-balancing loss (meshpar.hf.router_loss); only schedules that run every forward first
+    between_forwards_and_backwards: Callable[[], None] | None = None
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     # the second value of a loss function returning ``(loss, reported)`` (apex's ``loss_reduced`` dicts)
@@ -262,7 +266,10 @@ class PipelineExecutor:
         )  # fmt: skip
         losses: dict[int, torch.Tensor] = {}
         last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in ACCUMULATES_WEIGHT_GRADS}
+        first_backward = self._first_backward(actions)
         for i, action in enumerate(actions):
+            if i == first_backward and self.between_forwards_and_backwards is not None:
+                self.between_forwards_and_backwards()
             self._inbox.post_ahead()
             if action.kind == "F":
                 with torch.set_grad_enabled(not forward_only):
@@ -277,9 +284,22 @@ class PipelineExecutor:
                     self._grad_sync_context(action.stage, last=last),
                 ):
                     self.backward(action)
+        if first_backward == len(actions) and self.between_forwards_and_backwards is not None:
+            self.between_forwards_and_backwards()
         self.p2p.wait_all()
         self.losses = [losses[i] for i in sorted(losses)]
         return self.losses
+
+    def _first_backward(self, actions: Sequence[Action]) -> int:
+        """The index of this rank's first backward action (``len(actions)`` without one); with
+        ``between_forwards_and_backwards`` every forward must come before it."""
+        first = next((i for i, a in enumerate(actions) if a.kind != "F"), len(actions))
+        if self.between_forwards_and_backwards is not None and any(a.kind == "F" for a in actions[first:]):
+            raise ValueError(
+                "this step needs every microbatch's forward before any backward (a sum over all of them enters "
+                "the grads), but the schedule interleaves them: use pipeline schedule 'gpipe'"
+            )
+        return first
 
     def _grad_meta(self, stage: int, microbatch: int) -> tuple[Meta, ...] | None:
         """Shapes and dtypes of the grads stage ``stage`` receives for ``microbatch``: its outputs', once it ran."""
@@ -301,16 +321,18 @@ def pipeline_neighbours(dims: ParallelDims) -> tuple[int, int]:
     return group[(dims.pp_rank - 1) % dims.pp], group[(dims.pp_rank + 1) % dims.pp]
 
 
-PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
+PIPELINE_SCHEDULES = ("1f1b", "zero_bubble", "gpipe")
 
 
 def check_pipeline_schedule(schedule: str, virtual_pipeline_size: int) -> None:
-    """``"1f1b"`` (interleaved for several chunks per rank) or ``"zero_bubble"`` (ZB-H1, one chunk per rank)."""
+    """``"1f1b"`` (interleaved for several chunks per rank), ``"zero_bubble"`` (ZB-H1, one chunk per rank) or
+    ``"gpipe"`` (every forward, then every backward, one chunk per rank: every microbatch's activations held at once,
+    for steps whose grads need a sum over all forwards first)."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}")
-    if schedule == "zero_bubble" and virtual_pipeline_size != 1:
+    if schedule in ("zero_bubble", "gpipe") and virtual_pipeline_size != 1:
         raise ValueError(
-            "the zero_bubble schedule (ZB-H1) runs one chunk per rank: use virtual_pipeline_size=1, or schedule "
+            f"the {schedule} schedule runs one chunk per rank: use virtual_pipeline_size=1, or schedule "
             "'1f1b' for the interleaved schedule"
         )
 
@@ -338,7 +360,7 @@ def run_schedule(
     **options: Any,
 ) -> PipelineExecutor:
     """The one way meshpar's entry points (apex, NxD, HF) run a step: ``schedule="1f1b"`` is 1F1B for one chunk per
-    rank and meshpar's interleaved 1F1B for several, ``"zero_bubble"`` ZB-H1; ``options`` are
+    rank and meshpar's interleaved 1F1B for several, ``"zero_bubble"`` ZB-H1, ``"gpipe"`` GPipe; ``options`` are
     :class:`PipelineExecutor` fields. Returns the executor, whose ``losses`` (last stage) and ``outputs`` /
     ``reported`` the caller reads. An error on any rank (in a stage, the loss, a shape check) stops every rank at
     once (:mod:`meshpar.failure`) instead of leaving its neighbours in a recv."""
@@ -346,6 +368,8 @@ def run_schedule(
     if schedule == "zero_bubble":
         refuse_split_backward_with_fsdp(chunks)
         name = "zb_h1"
+    elif schedule == "gpipe":
+        name = "gpipe"
     else:
         name = "interleaved_1f1b" if len(chunks) > 1 else "1f1b"
     if forward_only:

@@ -3,7 +3,8 @@
 A pipeline is decided once (:func:`meshpar.pipeline.split.plan_stages`: which layers and modules each stage owns),
 each of this rank's stages is built once from that plan (:func:`meshpar.pipeline.split.build_stages`, original FQNs
 kept) and wrapped as a :class:`StageChunk` (how the stage is called), and :class:`PipelineModel` runs them with
-meshpar's executor (1F1B, interleaved 1F1B for several chunks per rank, or ZB-H1 with ``schedule="zero_bubble"``).
+meshpar's executor (1F1B, interleaved 1F1B for several chunks per rank, ZB-H1 with ``schedule="zero_bubble"``, or
+GPipe with ``schedule="gpipe"``).
 Every entry point builds its pipeline this way: HF ``parallelize`` (:mod:`meshpar.hf.parallelize`), NxD's
 ``NxDPPModel`` (:mod:`meshpar.compat.nxd.pipeline`, which translates NxD's arguments), and user code.
 """
@@ -88,7 +89,8 @@ class PipelineModel(nn.Module):
     caller. ``broadcast_loss``: every pipeline rank gets the last stage's mean loss, averaged over dp.
     ``grads_over_cp``: whether the dense grads are summed over dp x cp (meshpar's context parallelism: each cp rank
     computed a part of one replica's grads); ``False`` leaves cp to the caller (NxD averages them over cp in its
-    optimizer step) and reduces over dp alone."""
+    optimizer step) and reduces over dp alone. ``between_forwards_and_backwards``: see
+    :class:`meshpar.pipeline.executor.PipelineExecutor` (schedule ``"gpipe"``)."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class PipelineModel(nn.Module):
         broadcast_loss: bool = False,
         deallocate_pipeline_outputs: bool = False,
         grads_over_cp: bool = True,
+        between_forwards_and_backwards: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         if num_microbatches < dims.pp and len(chunks) > 1:
@@ -119,6 +122,7 @@ class PipelineModel(nn.Module):
         self.broadcast_loss = broadcast_loss
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.average_grads_over_dp = average_grads_over_dp
+        self.between_forwards_and_backwards = between_forwards_and_backwards
         self.data_parallel = DataParallelGrads(
             dp_mode,
             dims.grad_mesh if grads_over_cp else dims.dp_mesh,
@@ -183,6 +187,7 @@ class PipelineModel(nn.Module):
             loss_scale=1.0 / self.num_microbatches,
             keep_outputs=keep_outputs,
             grad_syncs=self.grad_syncs,
+            between_forwards_and_backwards=self.between_forwards_and_backwards,
         )
         self.last_losses = executor.losses
         self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]

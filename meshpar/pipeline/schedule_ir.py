@@ -137,7 +137,7 @@ def build_actions(schedule: str, pp: int, v: int, m: int) -> RankActions:
     """The action list of every rank for ``schedule`` in ``SCHEDULES``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
-    if schedule in ("1f1b", "zb_h1") and v != 1:
+    if schedule in ("1f1b", "zb_h1", "gpipe") and v != 1:
         raise ValueError(f"{schedule} runs one stage per rank; use interleaved_1f1b for virtual_pipeline_size > 1")
     check_schedule_args(pp, v, m, forward_only=schedule == "forward_only")
     return {rank: SCHEDULES[schedule](rank, pp, v, m) for rank in range(pp)}

@@ -416,16 +416,71 @@ def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, t
     run_distributed(router_loss_case, 4, family, ep, tp, cp, sp)
 
 
-def test_router_loss_under_pipelines_is_refused() -> None:
+def router_loss_pipeline_case(family: str, pp: int, tp: int, ep: int, microbatches: int) -> None:
+    """Under pipeline parallelism (GPipe) the step's loss and every stage's grads include the routers' load-balancing
+    loss of the global batch, counted over every stage, microbatch and replica (the padding in one microbatch of one
+    replica); eval_loss includes it as well."""
+    dims = setup_parallel(tp=tp, pp=pp, ep=ep)
+    dense = build(family)
+    dense.config.output_router_logits = True
+    dense.router_aux_loss_coef = 0.5
+    config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
+              "num_microbatches": microbatches, "pipeline_schedule": "gpipe"}  # fmt: skip
+    model = meshpar.parallelize(copy.deepcopy(dense), config)
+    data = batch(family, rows=4)
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    data["attention_mask"][1, 9:] = 0
+    data["labels"][1, 9:] = -100
+    expected = dense(**data)
+    expected.loss.backward()
+    share = 4 // dims.dp
+    mine = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in data.items()}
+    for _ in range(2):  # the second step's counts are its own batch's
+        model.zero_grad(set_to_none=True)
+        loss = model.train_step(**mine)
+        torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    routers = 0
+    for module in model.local_modules():
+        for name, param in module.named_parameters():
+            want = local_slice(in_parameter_layout(dense.get_parameter(name).grad, module, name), param)
+            torch.testing.assert_close(_local(param.grad), want, atol=1e-5, rtol=1e-4, msg=f"grad of {name}")
+            routers += "gate.weight" in name
+    assert routers > 0  # every stage holds routers whose grads were compared
+    with torch.no_grad():
+        dense.eval()
+        torch.testing.assert_close(model.eval_loss(**mine), dense(**data).loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family,pp,tp,ep,microbatches",
+    [("mixtral", 2, 1, 1, 2), ("mixtral", 2, 1, 2, 2), _slow("qwen2_moe", 2, 2, 1, 4), _slow("qwen2_moe", 2, 1, 2, 2)],
+)
+def test_router_load_balancing_loss_under_pipelines_is_the_global_batchs(
+    family: str, pp: int, tp: int, ep: int, microbatches: int
+) -> None:
+    run_distributed(router_loss_pipeline_case, 4, family, pp, tp, ep, microbatches)
+
+
+@pytest.mark.parametrize(
+    "schedule,cp,sp,says",
+    [
+        ("1f1b", 1, False, "only with pipeline_schedule 'gpipe'"),
+        ("zero_bubble", 1, False, "only with pipeline_schedule 'gpipe'"),
+        ("gpipe", 2, False, "not with context_parallel_size > 1 or sequence_parallel"),
+        ("gpipe", 1, True, "not with context_parallel_size > 1 or sequence_parallel"),
+    ],
+)
+def test_router_loss_under_pipelines_other_than_gpipe_is_refused(schedule: str, cp: int, sp: bool, says: str) -> None:
     from meshpar.hf.router_loss import check_router_loss_layout
 
     model = build("mixtral")
     model.config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits=True"):
-        check_router_loss_layout(model, 2)
-    check_router_loss_layout(model, 1)
+    with pytest.raises(ValueError, match=says):
+        check_router_loss_layout(model, 2, schedule, cp, sp)
+    check_router_loss_layout(model, 1, schedule, cp, sp)  # one stage: counted in one forward
+    check_router_loss_layout(model, 2, "gpipe", 1, False)
     model.config.output_router_logits = False
-    check_router_loss_layout(model, 2)  # nothing asked for, nothing refused
+    check_router_loss_layout(model, 2, schedule, cp, sp)  # nothing asked for, nothing refused
 
 
 def test_a_router_loss_meshpar_does_not_reproduce_is_refused_on_the_dense_probe() -> None:

@@ -501,6 +501,10 @@ def test_plan_summary_names_styles_placements_and_params_per_rank() -> None:
             {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "pipeline_schedule": "zero_bubble"},
             "runs one chunk per rank",
         ),
+        (
+            {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "pipeline_schedule": "gpipe"},
+            "the gpipe schedule runs one chunk per rank",
+        ),
         ({"pipeline_schedule": "zero_bubble", "fsdp": True}, "'zero_bubble' and 'fsdp' exclude each other"),
     ],
 )

@@ -98,7 +98,11 @@ class Layers(nn.Module):
         return x
 
 
-def run_pipeline(schedule: str, pp: int, v: int, m: int, fixed: bool, forward_only: bool = False):
+def run_pipeline(
+    schedule: str, pp: int, v: int, m: int, fixed: bool, forward_only: bool = False, between: dict | None = None
+):
+    """``between``: each rank's executor gets a ``between_forwards_and_backwards`` hook appending, per call, how
+    many microbatches' forwards are awaiting their backward to ``between[rank]``."""
     torch.manual_seed(0)
     dense = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(pp * v))
     lengths = [3 + i % 2 for i in range(m)]  # microbatches of two sequence lengths unless fixed
@@ -120,6 +124,9 @@ def run_pipeline(schedule: str, pp: int, v: int, m: int, fixed: bool, forward_on
             executor = PipelineExecutor(
                 chunks, rank, pp, FakeP2P(box, rank, pp), fixed_shapes=fixed, loss_scale=1.0 / m
             )
+            if between is not None:
+                calls = between.setdefault(rank, [])
+                executor.between_forwards_and_backwards = lambda: calls.append(len(executor.slots))
             losses[rank] = executor.run(build_actions(schedule, pp, v, m), batches, forward_step, forward_only)
         except BaseException as error:  # reported by the test thread
             errors.append(error)
@@ -165,6 +172,19 @@ def test_executor_matches_dense_and_posts_receives_in_send_order(
     headers = sum(kind == "header" for sent in box.sent.values() for kind in [k for _, k in sent])
     activations = (pp * v - 1) * m
     assert headers == (pp * v - 1 if fixed else activations)  # fixed: one per receiving stage per step
+
+
+def test_the_hook_between_forwards_and_backwards_runs_once_after_every_forward() -> None:
+    """GPipe: on every rank after all m forwards (m microbatches awaiting backward) and before any backward; a
+    forward-only step calls it after its forwards; a schedule interleaving them is refused."""
+    calls: dict[int, list[int]] = {}
+    run_pipeline("gpipe", 3, 1, 4, fixed=True, between=calls)
+    assert calls == {0: [4], 1: [4], 2: [4]}
+    calls.clear()
+    run_pipeline("gpipe", 2, 1, 2, fixed=True, forward_only=True, between=calls)
+    assert calls == {0: [0], 1: [0]}
+    with pytest.raises(ValueError, match="use pipeline schedule 'gpipe'"):
+        run_pipeline("1f1b", 2, 1, 3, fixed=True, between={})
 
 
 def test_forward_only_posts_no_gradient_receives() -> None:
