@@ -190,10 +190,9 @@ def test_command_line_flags_and_refusals(tmp_path: Path) -> None:
     assert args.qkv_linear is False and args.fuse_qkv is True  # NxD's type=bool would read "False" as true
     with pytest.raises(ValueError, match="Exactly one"):
         _convert(*required)
-    with pytest.raises(NotImplementedError, match="xser"):
-        _convert(*required, "--convert_to_xser")
-    with pytest.raises(ValueError, match="--input_dir must name"):
-        _convert(*required, "--convert_from_xser")
+    for conversion in ("--convert_to_xser", "--convert_from_xser"):
+        with pytest.raises(ValueError, match="--input_dir must name"):
+            _convert(*required, conversion)
     with pytest.raises(NotImplementedError, match="pad_attn_heads"):
         _convert(*required, "--convert_from_full_state", "--pad_attn_heads", "True")
     full, config = _full_checkpoint(tmp_path)
@@ -271,8 +270,64 @@ def test_split_tensor_files_nxd_wrote_are_read_without_torch_xla(tmp_path: Path)
              str(tmp_path / "merged"), "--config", str(config), *options)  # fmt: skip
     back, original = torch.load(tmp_path / "merged" / "checkpoint.pt"), torch.load(full)
     assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
-    with pytest.raises(NotImplementedError, match="writing torch_xla's split-tensor"):
-        _convert("--convert_to_xser", "--output_dir", str(tmp_path / "x"), "--hw_backend", "trn2")
+
+
+def _read_as_torch_xla(path: Path) -> object:
+    """What torch_xla's loader gets from a split-tensor file: its object unpickled with torch_xla's
+    ``TensorReference`` class (a stand-in module plays torch_xla; each reference must be of that class), each
+    reference replaced by ``<path>.tensors/tensor_<tid>.pt``."""
+
+    class TensorReference:
+        tid: int
+
+    names = ("torch_xla", "torch_xla.utils", "torch_xla.utils.serialization")
+    stand_in = {name: types.ModuleType(name) for name in names}
+    TensorReference.__module__, TensorReference.__qualname__ = names[-1], "TensorReference"
+    stand_in[names[-1]].TensorReference = TensorReference
+    sys.modules.update(stand_in)
+    try:
+        structure = torch.load(path, weights_only=False)
+    finally:
+        for name in names:
+            sys.modules.pop(name)
+
+    def resolved(value: object) -> object:
+        assert not isinstance(value, torch.Tensor), "torch_xla's files hold references, not tensors"
+        if isinstance(value, dict):
+            return {k: resolved(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(resolved(v) for v in value)
+        if isinstance(value, TensorReference):
+            return torch.load(Path(f"{path}.tensors") / f"tensor_{value.tid}.pt")
+        return value
+
+    return resolved(structure)
+
+
+def test_split_tensor_files_are_written_as_torch_xla_writes_them(tmp_path: Path) -> None:
+    """``--save_xser`` and ``--convert_to_xser`` write files torch_xla (NxD on Neuron) reads back equal to the plain
+    ones, under NxD's names, and meshpar reads them too."""
+    from meshpar.compat.nxd import _xser
+
+    full, config = _full_checkpoint(tmp_path)
+    options = _options(2, 2, True, 1, "trn2", False)
+    plain, split, converted = tmp_path / "plain", tmp_path / "split", tmp_path / "converted"
+    _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(plain), "--config",
+             str(config), *options)  # fmt: skip
+    _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(split), "--config",
+             str(config), "--save_xser", "True", *options)  # fmt: skip
+    _convert("--convert_to_xser", "--input_dir", str(plain / "model"), "--output_dir", str(converted), *options)
+    files = sorted(f.name for f in (plain / "model").iterdir())
+    assert len(files) == 4
+    for name in files:
+        want = torch.load(plain / "model" / name)
+        for folder in (split, converted):
+            assert (folder / "model" / f"{name}.tensors").is_dir()
+            for got in (_read_as_torch_xla(folder / "model" / name), _xser.load(folder / "model" / name)):
+                assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert "torch_xla" not in sys.modules
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        _xser.save({"w": torch.ones(1)}, tmp_path)
 
 
 def test_an_ep_ranks_split_tensor_file_reads_the_shared_tensors_from_ep_rank_0(tmp_path: Path) -> None:
@@ -500,6 +555,24 @@ def parallel_layers_case(tmp: str) -> None:
     third = Pair(True)
     parallel_layers.load(os.path.join(tmp, "nxd"), model_or_optimizer=third, load_xser=True)
     torch.testing.assert_close(third(x), dense(x))
+    # save_xser: NxD's object file and tensors folder per rank, read back by torch_xla as by meshpar; every dp rank's
+    # own (master_dp_only=False) named as NxD names it
+    rank = torch.distributed.get_rank()
+    for master_dp_only, name in (
+        (True, f"tp_rank_{rank:02d}_pp_rank_00"),
+        (False, f"tp_rank_{rank:02d}_pp_rank_00_dp_rank_00"),
+    ):
+        folder = os.path.join(tmp, f"xser_{master_dp_only}")
+        parallel_layers.save(
+            {"model": model.state_dict(), "step": 3}, folder, save_xser=True, master_dp_only=master_dp_only
+        )
+        assert {name, f"{name}.tensors"} <= set(os.listdir(folder)) and len(os.listdir(folder)) == 4  # 2 tp ranks
+        written = _read_as_torch_xla(Path(folder) / name)
+        assert written["step"] == 3 and written["model"].keys() == model.state_dict().keys()
+        fourth = Pair(True)
+        rest = parallel_layers.load(folder, model_or_optimizer=fourth, load_xser=True, master_dp_only=master_dp_only)
+        assert rest == {"step": 3}
+        torch.testing.assert_close(fourth(x), dense(x))
     with pytest.raises(ValueError, match="holds keys ColumnParallelLinear does not"):
         bare = os.path.join(tmp, "bare", f"tp_rank_{torch.distributed.get_rank():02d}_pp_rank_00", "checkpoint.pt")
         os.makedirs(os.path.dirname(bare), exist_ok=True)

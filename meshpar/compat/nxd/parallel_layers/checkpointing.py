@@ -64,10 +64,11 @@ def get_sharded_model_dict(model: nn.Module, model_state_dict: dict[str, Any]) -
 
 
 def _rank_dir(path: str | os.PathLike, dims: ParallelDims, dp_rank: int | None) -> Path:
-    prefix = f"dp_rank_{dp_rank:02d}_" if dp_rank is not None else ""
-    if dims.ep > 1:  # the dp ranks of an ep group hold different experts
-        prefix += f"ep_rank_{dims.ep_rank:02d}_"
-    return Path(path) / f"{prefix}tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}"
+    """NxD's name of a rank's folder (or split-tensor object file): ``tp_rank_XX_pp_rank_YY``, ``_dp_rank_ZZ``
+    after it for every dp rank's own (``master_dp_only=False``); meshpar's ``ep_rank_EE_`` before it under ep."""
+    prefix = f"ep_rank_{dims.ep_rank:02d}_" if dims.ep > 1 else ""  # the dp ranks of an ep group hold other experts
+    suffix = f"_dp_rank_{dp_rank:02d}" if dp_rank is not None else ""
+    return Path(path) / f"{prefix}tp_rank_{dims.tp_rank:02d}_pp_rank_{dims.pp_rank:02d}{suffix}"
 
 
 def _saved_layout(dims: ParallelDims) -> dict[str, int]:
@@ -100,19 +101,26 @@ def save(
     master_dp_only: bool = True,
 ) -> None:
     """Write this rank's shards (atomically: a temporary file renamed into place), then wait for every rank.
-    ``save_serially`` (NxD staggers the ranks' writes) changes nothing; ``save_xser`` writes the plain torch file as
-    well (torch_xla's split-tensor format is not written here; ``load`` reads either); ``down_cast_bf16`` saves fp32
-    tensors as bf16."""
+    ``save_serially`` (NxD staggers the ranks' writes) changes nothing; ``save_xser`` writes torch_xla's split-tensor
+    format as NxD does (the object file ``tp_rank_XX_pp_rank_YY`` and its ``.tensors`` folder: NxD on Neuron loads
+    it; it records no layout, so a mismatch shows as keys or shapes the model does not have); ``down_cast_bf16``
+    saves fp32 tensors as bf16."""
     dims = get_parallel()
     # cp rank 0 of dp rank 0 of the ranks holding these experts (the cp ranks of a dp rank hold the same state)
     if dims.cp_rank == 0 and (not master_dp_only or dims.edp_mesh.get_local_rank() == 0):
         directory = _rank_dir(output_dir, dims, None if master_dp_only else dims.dp_rank)
-        directory.mkdir(parents=True, exist_ok=True)
         local = _local(checkpoint)
-        payload = {"layout": _saved_layout(dims), "checkpoint": _down_cast(local) if down_cast_bf16 else local}
-        tmp = directory / f".{_FILE}.tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, directory / _FILE)
+        local = _down_cast(local) if down_cast_bf16 else local
+        if save_xser:
+            from meshpar.compat.nxd import _xser
+
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            _xser.save(local, directory)
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".{_FILE}.tmp"
+            torch.save({"layout": _saved_layout(dims), "checkpoint": local}, tmp)
+            os.replace(tmp, directory / _FILE)
     dist.barrier()
 
 
@@ -164,18 +172,17 @@ def _read(file: Path, dims: ParallelDims, weights_only: bool) -> tuple[str | Non
 
 def _rank_file(chkpt_path: str | os.PathLike, dims: ParallelDims, master_dp_only: bool, load_xser: bool) -> Path:
     """This rank's file: ``tp_rank_XX_pp_rank_YY/checkpoint.pt`` (``..._dp_rank_ZZ`` without ``master_dp_only``;
-    the per-dp-rank naming is tried too), or NxD's split-tensor object file ``tp_rank_XX_pp_rank_YY``."""
-    directory = _rank_dir(chkpt_path, dims, None)
-    candidates = [directory / _FILE, _rank_dir(chkpt_path, dims, dims.dp_rank) / _FILE]
-    if not master_dp_only:
-        candidates.reverse()
-    if load_xser:
-        from meshpar.compat.nxd import _xser
+    the per-dp-rank naming is tried too), or NxD's split-tensor object file ``tp_rank_XX_pp_rank_YY`` (first with
+    ``load_xser``; found either way)."""
+    from meshpar.compat.nxd import _xser
 
-        xser_file = directory if master_dp_only else Path(f"{directory}_dp_rank_{dims.dp_rank:02d}")
-        if _xser.is_xser_file(xser_file):
-            return xser_file
-    return next((file for file in candidates if file.exists()), candidates[0])
+    names = [_rank_dir(chkpt_path, dims, None), _rank_dir(chkpt_path, dims, dims.dp_rank)]
+    if not master_dp_only:
+        names.reverse()
+    plain = [name / _FILE for name in names]
+    split = [name for name in names if _xser.is_xser_file(name)]
+    candidates = split + plain if load_xser else plain + split
+    return next((file for file in candidates if file.exists()), plain[0])
 
 
 def load(

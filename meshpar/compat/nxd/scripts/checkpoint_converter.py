@@ -37,8 +37,9 @@ Where this differs from NxD's converter (each a case NxD's gets wrong or leaves 
 - A fused ``weight_qkv`` is split by the configured q and key / value sizes (NxD's thirds need as many key / value
   heads as query heads); biases of q / k / v convert like their weights (``bias_q`` / ``bias_k`` / ``bias_v``).
 - Boolean flags read "False", "0" and "no" as false (NxD's ``type=bool`` reads any word as true).
-- torch_xla's split-tensor files (``--load_xser``, ``--convert_from_xser``) are read without torch_xla; writing
-  them (``--save_xser``, ``--convert_to_xser``) is refused by name, as is ``--pad_attn_heads``.
+- torch_xla's split-tensor files are read (``--load_xser``, ``--convert_from_xser``) and written (``--save_xser``,
+  ``--convert_to_xser``) without torch_xla; ``--convert_to_xser`` converts every ep rank's file (NxD's calls its
+  loaders without an ep rank). ``--pad_attn_heads`` is refused by name.
 """
 
 from __future__ import annotations
@@ -55,11 +56,6 @@ import torch
 from meshpar.compat.nxd import _xser
 from meshpar.compat.nxd.pipeline.partition import create_partitions, stage_to_pipeline_parallel_rank
 from meshpar.compat.nxd.scripts.yaml_converter import convert_yaml_to_json
-
-_XSER = (
-    "writing torch_xla's split-tensor checkpoints (xser) is not provided (its files name torch_xla's own class); "
-    "write plain torch files, which NxD loads too"
-)
 
 
 def _flag(value: str | bool) -> bool:
@@ -573,8 +569,14 @@ class CheckpointConverterBase:
         print(f"Saving full checkpoint to {target}")
         torch.save(full_state, target)
 
-    def save_partial_xser(self, args, partial_state, tp_rank, pp_rank, ep_rank) -> None:  # noqa: ANN001
-        raise NotImplementedError(_XSER)
+    def save_partial_xser(
+        self, args: argparse.Namespace, partial_state: dict, tp_rank: int, pp_rank: int, ep_rank: int
+    ) -> None:
+        """A rank's file in torch_xla's split-tensor format (:mod:`..._xser`), under NxD's name for it."""
+        filename = self.get_output_filename(args, tp_rank, pp_rank, ep_rank, True)
+        os.makedirs(os.path.dirname(filename), exist_ok=True)
+        print(f"Saving to {filename}")
+        _xser.save(partial_state, filename)
 
     def save_partial_no_xser(
         self, args: argparse.Namespace, partial_state: dict, tp_rank: int, pp_rank: int, ep_rank: int
@@ -593,7 +595,12 @@ class CheckpointConverterBase:
                     self.save_partial_no_xser(args, state, tp_rank, pp_rank, ep_rank)
 
     def convert_to_xser(self, args: argparse.Namespace) -> None:
-        raise NotImplementedError(_XSER)
+        """Every rank's plain torch file rewritten in the split-tensor format (``output_dir/model/...``)."""
+        for tp_rank in range(args.tp_size):
+            for pp_rank in range(args.pp_size):
+                for ep_rank in range(args.ep_size):
+                    state = self.load_partial_no_xser(args, tp_rank, pp_rank, ep_rank)
+                    self.save_partial_xser(args, state, tp_rank, pp_rank, ep_rank)
 
     def convert_from_full_state(self, args: argparse.Namespace) -> None:
         full_state = self.load_full_state(args)
@@ -646,9 +653,9 @@ class CheckpointConverterBase:
         add("--i_tp_round_factor", type=int, default=0, help="pad each rank's ffn features to a multiple of this")
         add("--pad_attn_heads", type=_flag, default=False, help="not provided")
         add("--load_xser", type=_flag, default=False, help="read torch_xla's split-tensor files")
-        add("--save_xser", type=_flag, default=False, help="not provided (torch_xla files)")
+        add("--save_xser", type=_flag, default=False, help="write torch_xla's split-tensor files")
         add("--convert_from_xser", action="store_true", help="torch_xla's split-tensor files -> plain torch files")
-        add("--convert_to_xser", action="store_true", help="not provided (torch_xla files)")
+        add("--convert_to_xser", action="store_true", help="plain torch files -> torch_xla's split-tensor files")
         add("--convert_from_full_state", action="store_true", help="full state -> per-rank files")
         add("--convert_to_full_state", action="store_true", help="per-rank files -> full state")
         add("--model_style", type=str, choices=["hf", "megatron"], default="hf", help="the names of the full state")
@@ -661,9 +668,7 @@ class CheckpointConverterBase:
             raise ValueError("Exactly one '--convert_*' flag must be specified")
         if args.pad_attn_heads:
             raise NotImplementedError("--pad_attn_heads is not provided (NxD's converter leaves trn2's unfinished)")
-        if args.save_xser:
-            raise NotImplementedError(_XSER)
-        if (args.convert_to_full_state or args.convert_from_xser) and not args.input_dir:
+        if (args.convert_to_full_state or args.convert_from_xser or args.convert_to_xser) and not args.input_dir:
             raise ValueError("--input_dir must name the folder of the per-rank files to read")
         if args.hw_backend not in ("trn1", "trn2"):
             raise ValueError(f"--hw_backend must be trn1 or trn2, not {args.hw_backend!r}")
