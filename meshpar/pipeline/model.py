@@ -112,10 +112,7 @@ class PipelineModel(nn.Module):
         if num_microbatches < dims.pp and len(chunks) > 1:
             raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp} with virtual stages")
         check_pipeline_schedule(schedule, len(chunks))
-        self.dims, self.plan = dims, plan
-        self.chunks = nn.ModuleList(chunks)
-        if schedule == "zero_bubble":
-            refuse_split_backward_with_fsdp(self.chunks)
+        self.dims = dims
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
@@ -123,15 +120,31 @@ class PipelineModel(nn.Module):
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self.average_grads_over_dp = average_grads_over_dp
         self.between_forwards_and_backwards = between_forwards_and_backwards
+        self._dp_mode, self._grads_over_cp = dp_mode, grads_over_cp
+        self.install_stages(chunks, plan)
+        self.last_losses: list[torch.Tensor] = []
+        self.last_outputs: list[Any] = []
+
+    def install_stages(self, chunks: Sequence[StageChunk], plan: StagePlan) -> None:
+        """Run ``chunks`` (this rank's stages of ``plan``) from now on, their grads averaged over dp as configured
+        (called once when built; NxD's view again when a pipeline is re-cut before its first step)."""
+        if len(chunks) != len(getattr(self, "chunks", chunks)):
+            raise ValueError(f"{len(chunks)} stage chunks for a pipeline built with {len(self.chunks)} per rank")
+        previous = getattr(self, "data_parallel", None)
+        for sync in previous.syncs if previous is not None else ():
+            sync.remove()  # the replaced stages' grad hooks (the new stages may hold the same parameters)
+        self.plan = plan
+        self.chunks = nn.ModuleList(chunks)
+        if self.schedule == "zero_bubble":
+            refuse_split_backward_with_fsdp(self.chunks)
+        dims = self.dims
         self.data_parallel = DataParallelGrads(
-            dp_mode,
-            dims.grad_mesh if grads_over_cp else dims.dp_mesh,
+            self._dp_mode,
+            dims.grad_mesh if self._grads_over_cp else dims.dp_mesh,
             [chunk.stage for chunk in self.chunks],
             expert_dp_mesh=dims.expert_dp_mesh,
             divisor=dims.dp,
         )
-        self.last_losses: list[torch.Tensor] = []
-        self.last_outputs: list[Any] = []
 
     @property
     def grad_syncs(self) -> list[OverlappedGradSync] | None:

@@ -324,17 +324,44 @@ class LossInside(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)), logits
 
 
-def traced_case(vpp: int, leaf: bool) -> None:
+def traced_case(vpp: int, leaf: bool, by_hand: bool = False) -> None:
+    """``by_hand``: built without cuts, then NxD's trace() / cut_pipeline_stage() / partition() at cuts other than
+    the placement it would choose itself (one layer on the first stage)."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     dense = LossInside()
     module = LossInside()
     torch.manual_seed(2 + parallel_state.get_data_parallel_rank())
     ids, labels = torch.randint(0, V, (4, SEQ)), torch.randint(0, V, (4, SEQ))
-    model = NxDPPModel(
-        module, transformer_layer_cls=Layer, num_microbatches=4, virtual_pipeline_size=vpp,
-        output_loss_value_spec=(True, False), broadcast_and_average_loss=True, input_names=["ids", "labels"],
-        leaf_module_cls=[nn.Embedding] if leaf else None,
-    )  # fmt: skip
+    leaves = [nn.Embedding] if leaf else None
+    if by_hand:
+        model = NxDPPModel(module, transformer_layer_cls=Layer, num_microbatches=4, virtual_pipeline_size=vpp,
+                           output_loss_value_spec=(True, False), broadcast_and_average_loss=True)  # fmt: skip
+        assert not model.partitioned
+        with pytest.raises(AssertionError, match="after trace"):
+            model.cut_pipeline_stage("layers.0")
+        model.trace(input_names=["ids", "labels"], leaf_modules=leaves)
+        cuts = ["layers.0"] if vpp == 1 else ["layers.0", "layers.1", "layers.2"]
+        for cut in cuts:
+            model.cut_pipeline_stage(cut)
+        with pytest.raises(AssertionError, match="marked already"):
+            model.cut_pipeline_stage(cuts[0])
+        model.partition()
+        assert model.partitioned and model.pipeline_cuts == cuts
+        with pytest.raises(AssertionError, match="partitioned already"):
+            model.cut_pipeline_stage("layers.3")
+        model.partition()  # a no-op once partitioned, as NxD's
+        layers = sorted(
+            {name.split(".")[1] for name, _ in model.local_named_parameters() if name.startswith("layers.")}
+        )
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        want = (["0"] if rank == 0 else ["1", "2", "3"]) if vpp == 1 else (["0", "2"] if rank == 0 else ["1", "3"])
+        assert layers == want, layers
+    else:
+        model = NxDPPModel(
+            module, transformer_layer_cls=Layer, num_microbatches=4, virtual_pipeline_size=vpp,
+            output_loss_value_spec=(True, False), broadcast_and_average_loss=True, input_names=["ids", "labels"],
+            leaf_module_cls=leaves,
+        )  # fmt: skip
     loss = model.run_train(ids=ids, labels=labels)
     group = parallel_state.get_data_parallel_group()
     all_ids, all_labels = [torch.empty_like(ids) for _ in range(2)], [torch.empty_like(labels) for _ in range(2)]
@@ -351,11 +378,14 @@ def traced_case(vpp: int, leaf: bool) -> None:
         torch.testing.assert_close(param.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize(("vpp", "leaf"), [(1, False), (2, True)])
-def test_nxd_pipeline_traces_a_model_with_its_loss_inside_forward(vpp: int, leaf: bool) -> None:
+@pytest.mark.parametrize(
+    ("vpp", "leaf", "by_hand"), [(1, False, False), (2, True, False), (1, True, True), (2, False, True)]
+)
+def test_nxd_pipeline_traces_a_model_with_its_loss_inside_forward(vpp: int, leaf: bool, by_hand: bool) -> None:
     """No loss_fn: the module is traced (leaf_module_cls honoured), cut after layers; labels reach the last stage
-    from the microbatch; pp2 x dp2 (and interleaved) equal to dense."""
-    run_distributed(traced_case, 4, vpp, leaf)
+    from the microbatch; pp2 x dp2 (and interleaved) equal to dense; also cut by hand with NxD's trace() /
+    cut_pipeline_stage() / partition() after construction."""
+    run_distributed(traced_case, 4, vpp, leaf, by_hand)
 
 
 def zero1_case() -> None:

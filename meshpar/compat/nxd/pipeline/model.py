@@ -15,6 +15,7 @@ are placed as NxD places them: evenly, the remainder on the last stages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +30,8 @@ from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
 from meshpar.pipeline.trace import traced_stages
 from meshpar.replicas import make_replicas_equal
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["INPUTS_ARG_NAME", "LABLES_ARG_NAME", "NxDPPModel", "mark_timeline"]
 
@@ -143,6 +146,39 @@ def _manual_cuts(layers: Sequence[nn.Module], stages: int, partition_fn: Callabl
     return [f"layers.{i}" for i in range(len(order) - 1) if order[i + 1] != order[i]]
 
 
+def _built_stages(
+    build: dict[str, Any],
+    pipeline_cuts: Sequence[str] | None,
+    auto_partition: bool,
+    tracing: dict[str, Any] | None,
+) -> tuple[list[StageChunk], Any]:
+    """This rank's stage chunks and the plan: the forward traced with torch.fx and cut after layers (``tracing``:
+    NxD's tracing arguments), or the module split by structure."""
+    module, dims = build["module"], build["dims"]
+    common = {
+        "transformer_layer_cls": build["transformer_layer_cls"],
+        "pipeline_cuts": pipeline_cuts,
+        "auto_partition": auto_partition,
+    }
+    if tracing is not None:
+        from meshpar.compat.nxd.parallel_layers import PARALLEL_FUNCTIONS
+
+        tracing = {
+            **tracing,
+            "leaf_module_cls": _leaf_classes(module, tracing["leaf_module_cls"]),
+            "autowrap_functions": (*PARALLEL_FUNCTIONS, *(tracing["autowrap_functions"] or ())),
+        }
+        traced, plan = traced_stages(
+            module, dims.pp_rank, dims.pp, input_names=build["input_names"],
+            virtual_pipeline_size=build["virtual_pipeline_size"], device=dims.device, **common, **tracing,
+        )  # fmt: skip
+        # each traced stage reads the model inputs it needs from the microbatch, by name
+        return [StageChunk(stage, index, (), reads) for index, stage, reads in traced], plan
+    plan = plan_stages(module, dims.pp * build["virtual_pipeline_size"], **common)
+    stages = build_stages(module, plan, dims.pp_rank, dims.pp, param_init_fn=build["param_init_fn"], device=dims.device)
+    return [StageChunk(stage, index, build["input_names"]) for index, stage in stages], plan
+
+
 class NxDPPModel(PipelineModel):
     """NxD's pipeline model, with NxD's arguments in NxD's order. Grads after :meth:`run_train` are those of the mean
     loss over the microbatches, averaged over dp (NxD's default); with ``use_zero1_optimizer`` the ZeRO-1 optimizer
@@ -247,34 +283,21 @@ class NxDPPModel(PipelineModel):
             )
         check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
         check_pipeline_schedule(schedule, virtual_pipeline_size)
+        # NxD partitions at construction only given cuts (or auto_partition); otherwise at the first step, or when
+        # the user calls trace / cut_pipeline_stage / partition: meshpar builds NxD's first-step placement now and
+        # builds again if the user cuts before the first step
+        partitioned = pipeline_cuts is not None or auto_partition or manual_pp_partition
         if pipeline_cuts is None and not manual_pp_partition:
             pipeline_cuts = _nxd_cuts(module, transformer_layer_cls, dims.pp * virtual_pipeline_size)
             auto_partition = auto_partition and pipeline_cuts is None
         # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule;
         # tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
         make_replicas_equal(module, dims, over=("pp", "dp"))
-        if trace_it:
-            from meshpar.compat.nxd.parallel_layers import PARALLEL_FUNCTIONS
-
-            tracing["leaf_module_cls"] = _leaf_classes(module, leaf_module_cls)
-            tracing["autowrap_functions"] = (*PARALLEL_FUNCTIONS, *(autowrap_functions or ()))
-            traced, plan = traced_stages(
-                module, dims.pp_rank, dims.pp, input_names=input_names, transformer_layer_cls=transformer_layer_cls,
-                pipeline_cuts=pipeline_cuts, auto_partition=auto_partition,
-                virtual_pipeline_size=virtual_pipeline_size, device=dims.device, **tracing,
-            )  # fmt: skip
-            # each traced stage reads the model inputs it needs from the microbatch, by name
-            chunks = [StageChunk(stage, index, (), reads) for index, stage, reads in traced]
-        else:
-            plan = plan_stages(
-                module,
-                dims.pp * virtual_pipeline_size,
-                transformer_layer_cls=transformer_layer_cls,
-                pipeline_cuts=pipeline_cuts,
-                auto_partition=auto_partition,
-            )
-            stages = build_stages(module, plan, dims.pp_rank, dims.pp, param_init_fn=param_init_fn, device=dims.device)
-            chunks = [StageChunk(stage, index, input_names) for index, stage in stages]
+        build = {
+            "module": module, "dims": dims, "input_names": input_names, "transformer_layer_cls": transformer_layer_cls,
+            "virtual_pipeline_size": virtual_pipeline_size, "param_init_fn": param_init_fn,
+        }  # fmt: skip
+        chunks, plan = _built_stages(build, pipeline_cuts, auto_partition, tracing if trace_it else None)
 
         def picked_loss(output: Any, **microbatch: torch.Tensor) -> torch.Tensor:
             if loss_fn is not None:
@@ -298,6 +321,10 @@ class NxDPPModel(PipelineModel):
             grads_over_cp=False,  # NxD averages grads over cp itself (grads.allreduce_context_parallel_gradients)
         )
         self.original_torch_module = original
+        self._build = build
+        self.partitioned = partitioned
+        self.pipeline_cuts: list[str] = list(pipeline_cuts or []) if partitioned else []
+        self._tracing: dict[str, Any] | None = None  # what trace() was given, until partition()
         self.transformer_layer_cls = transformer_layer_cls
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
@@ -305,6 +332,68 @@ class NxDPPModel(PipelineModel):
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
         self.timeline = PPTimeline(trace_file_path, dims.pp_rank)  # NxD's trace file: a timeline of the steps
+
+    # -- NxD's step-by-step partitioning: trace, cut, partition (before the first step) ---------------------------
+    def trace(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        input_names: Sequence[str] | None = None,
+        leaf_modules: Sequence[Any] | None = None,
+        autowrap_functions: Sequence[Callable] | None = None,
+        autowrap_modules: Sequence[Any] | None = None,
+        autowrap_obj_methods: dict | None = None,
+        tracer_cls: Any = None,
+    ) -> None:
+        """NxD's first step of partitioning by hand: the tracing arguments for :meth:`partition` (the forward is
+        traced with torch.fx there, ``transformer_layer_cls`` a leaf; ``input_names`` default to ``kwargs``' keys).
+        Skipped, as in NxD, once the model is partitioned."""
+        if self.partitioned or self._tracing is not None:
+            _log.warning("NxDPPModel.trace(): the model is traced or partitioned already; nothing to do")
+            return
+        if self.transformer_layer_cls is None:
+            raise RuntimeError("NxDPPModel.trace() needs transformer_layer_cls (the layers the cuts fall after)")
+        if args:
+            raise NotImplementedError("NxDPPModel.trace(args=...): give the traced inputs by name (input_names)")
+        if autowrap_obj_methods:
+            raise NotImplementedError("NxDPPModel.trace(autowrap_obj_methods=...) is not supported by meshpar")
+        if self._build["param_init_fn"] is not None:
+            raise NotImplementedError("NxDPPModel: a traced pipeline takes no param_init_fn: build the model on CPU")
+        if input_names is None and kwargs:
+            input_names = list(kwargs)
+        self._build = {**self._build, "input_names": input_names}
+        self._tracing = {
+            "leaf_module_cls": leaf_modules, "autowrap_functions": autowrap_functions,
+            "autowrap_modules": autowrap_modules, "tracer_cls": tracer_cls,
+        }  # fmt: skip
+
+    def cut_pipeline_stage(self, cut_point: str) -> None:
+        """Mark a stage boundary after the layer ``cut_point`` (after :meth:`trace`, before :meth:`partition`)."""
+        if cut_point in self.pipeline_cuts:
+            raise AssertionError(f"cut_pipeline_stage({cut_point!r}): that cut is marked already")
+        if self.partitioned:
+            raise AssertionError(f"cut_pipeline_stage({cut_point!r}): the model is partitioned already")
+        if self._tracing is None:
+            raise AssertionError("cut_pipeline_stage() comes after trace()")
+        self.pipeline_cuts.append(cut_point)
+
+    def partition(self) -> None:
+        """Build this rank's stages at the marked cuts (one per stage boundary of pp x virtual_pipeline_size) in
+        place of the placement built when the model was constructed. Skipped, as in NxD, once partitioned."""
+        if self.partitioned:
+            _log.warning("NxDPPModel.partition(): the model is partitioned already; nothing to do")
+            return
+        stages = self.dims.pp * len(self.chunks)
+        if len(self.pipeline_cuts) + 1 != stages:
+            raise ValueError(
+                f"NxDPPModel.partition(): {len(self.pipeline_cuts)} cuts make {len(self.pipeline_cuts) + 1} stages, "
+                f"but the pipeline has {stages} (pp x virtual_pipeline_size)"
+            )
+        if self._tracing is None:
+            raise AssertionError("NxDPPModel.partition() comes after trace()")
+        chunks, plan = _built_stages(self._build, self.pipeline_cuts, False, self._tracing)
+        self.install_stages(chunks, plan)
+        self.partitioned = True
 
     def get_model_layers(self, module: nn.Module, target_module_type: type | tuple[type, ...]) -> list[str]:
         """The FQNs of ``module``'s layers of ``target_module_type``, in order (NxD's method)."""
@@ -316,6 +405,12 @@ class NxDPPModel(PipelineModel):
         return self.local_modules()
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
+        if self._tracing is not None and not self.partitioned:
+            raise RuntimeError(
+                "NxDPPModel.trace() was called but not partition(): mark the cuts with cut_pipeline_stage() and call "
+                "partition() before the first step"
+            )
+        self.partitioned = True  # NxD partitions at the first step at the latest
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
             loss = super()._run(forward_only, inputs, keep_outputs)
         self.timeline.mark_step_end()
