@@ -324,9 +324,10 @@ class LossInside(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)), logits
 
 
-def traced_case(vpp: int, leaf: bool, by_hand: bool = False) -> None:
+def traced_case(vpp: int, leaf: bool, by_hand: bool = False, overlap: bool = False) -> None:
     """``by_hand``: built without cuts, then NxD's trace() / cut_pipeline_stage() / partition() at cuts other than
-    the placement it would choose itself (one layer on the first stage)."""
+    the placement it would choose itself (one layer on the first stage); ``overlap``: dp all-reduces during backward
+    (the first placement's grad hooks must not stay)."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     dense = LossInside()
     module = LossInside()
@@ -335,7 +336,8 @@ def traced_case(vpp: int, leaf: bool, by_hand: bool = False) -> None:
     leaves = [nn.Embedding] if leaf else None
     if by_hand:
         model = NxDPPModel(module, transformer_layer_cls=Layer, num_microbatches=4, virtual_pipeline_size=vpp,
-                           output_loss_value_spec=(True, False), broadcast_and_average_loss=True)  # fmt: skip
+                           output_loss_value_spec=(True, False), broadcast_and_average_loss=True,
+                           overlap_grad_reduce=overlap)  # fmt: skip
         assert not model.partitioned
         with pytest.raises(AssertionError, match="after trace"):
             model.cut_pipeline_stage("layers.0")
@@ -379,13 +381,16 @@ def traced_case(vpp: int, leaf: bool, by_hand: bool = False) -> None:
 
 
 @pytest.mark.parametrize(
-    ("vpp", "leaf", "by_hand"), [(1, False, False), (2, True, False), (1, True, True), (2, False, True)]
+    ("vpp", "leaf", "by_hand", "overlap"),
+    [(1, False, False, False), (2, True, False, False), (1, True, True, True), (2, False, True, False)],
 )
-def test_nxd_pipeline_traces_a_model_with_its_loss_inside_forward(vpp: int, leaf: bool, by_hand: bool) -> None:
+def test_nxd_pipeline_traces_a_model_with_its_loss_inside_forward(
+    vpp: int, leaf: bool, by_hand: bool, overlap: bool
+) -> None:
     """No loss_fn: the module is traced (leaf_module_cls honoured), cut after layers; labels reach the last stage
     from the microbatch; pp2 x dp2 (and interleaved) equal to dense; also cut by hand with NxD's trace() /
     cut_pipeline_stage() / partition() after construction."""
-    run_distributed(traced_case, 4, vpp, leaf, by_hand)
+    run_distributed(traced_case, 4, vpp, leaf, by_hand, overlap)
 
 
 def zero1_case() -> None:
