@@ -215,9 +215,7 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(
-            model, self.dims.pp, config.pipeline_schedule, self.dims.cp, self.plan.sequence_parallel
-        )
+        check_router_loss_layout(model, self.dims.pp, config.pipeline_schedule, self.dims.cp)
         self._router_loss = RouterLoss(model)
         self._pipeline_router_loss: PipelineRouterLoss | None = None  # pp > 1: see _split
         # under sequence parallelism the model's own load-balancing loss cannot run on the routers' shards, nor on a
@@ -548,7 +546,9 @@ class ParallelizedModel(nn.Module):
         ]
         # the routers' load-balancing loss: every stage's routing counted between the forwards and the backwards
         self._pipeline_router_loss = (
-            PipelineRouterLoss(model, self._router_loss, self.dims) if router_loss_asked(model) else None
+            PipelineRouterLoss(model, self._router_loss, self.dims, self.plan.sequence_parallel)
+            if router_loss_asked(model)
+            else None
         )
         if self._pipeline_router_loss is not None:
             for chunk in chunks:

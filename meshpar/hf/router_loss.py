@@ -20,8 +20,9 @@ every per-token module's are under sequence parallelism).
 
 Under pipeline parallelism each stage routes its own layers' tokens, microbatch by microbatch; the loss needs the
 counts of every stage and microbatch before the first backward, so it runs with the GPipe schedule
-(:class:`PipelineRouterLoss`): after the forwards the counts are summed over pp x dp, and each stage's backward
-adds the loss's grad of its routing probabilities, which is linear in them once the counts are known.
+(:class:`PipelineRouterLoss`): after the forwards the counts are summed over pp x dp (and tp under sequence
+parallelism, each tp rank routing its shard), and each stage's backward adds the loss's grad of its routing
+probabilities, which is linear in them once the counts are known.
 
 The formula is checked once against the model's own loss on its own outputs (``output.aux_loss``): on the first
 step's batch, or under sequence or pipeline parallelism on a padded probe of the dense model at ``parallelize``
@@ -43,12 +44,11 @@ from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import scatter_to_sp
 
 
-def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int, sequence_parallel: bool) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
     (or of its cp ranks' chunks, or tp ranks' shards; pp = 1). Under pipeline parallelism every microbatch's
     assignments must be counted before any backward (:class:`PipelineRouterLoss`): schedule ``"gpipe"``, without
-    context or sequence parallelism; any other pipelined layout of a model that asks for it is refused before any
-    step."""
+    context parallelism; any other pipelined layout of a model that asks for it is refused before any step."""
     if not router_loss_asked(model) or pp == 1:
         return
     family = type(model).__name__
@@ -58,8 +58,8 @@ def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int, 
             f"under pipeline_parallel_size > 1 only with pipeline_schedule 'gpipe' (every microbatch's routing is "
             f"counted before the first backward; {schedule!r} starts backwards earlier)"
         )
-    elif cp > 1 or sequence_parallel:
-        why = "under pipeline_parallel_size > 1 not with context_parallel_size > 1 or sequence_parallel"
+    elif cp > 1:
+        why = "under pipeline_parallel_size > 1 not with context_parallel_size > 1"
     elif _router_recorder(model) is None:
         why = "under pipeline_parallel_size > 1 from router modules meshpar can hook, and this family has none"
     if why is not None:
@@ -243,10 +243,12 @@ class PipelineRouterLoss:
     then the pipeline calls :meth:`sum_counts` between its forwards and backwards; :attr:`value` is the loss's value,
     the same on every rank."""
 
-    def __init__(self, model: nn.Module, loss: RouterLoss, dims: ParallelDims) -> None:
+    def __init__(self, model: nn.Module, loss: RouterLoss, dims: ParallelDims, sequence_parallel: bool) -> None:
         if not loss.checked:
             raise RuntimeError(f"{loss.family}: the load-balancing loss under pipeline parallelism was not proven")
         self.loss, self.dims = loss, dims
+        # the stages' routers run on each tp rank's sequence shard
+        self.shards = sequence_parallel and dims.tp > 1
         self.target, self.index = _router_recorder(model)
         self.value: torch.Tensor | None = None
         self._coefficient: torch.Tensor | None = None
@@ -275,7 +277,10 @@ class PipelineRouterLoss:
             self._recording.append(output[self.index] if isinstance(output, tuple) else output)
 
     def _begin(self, _chunk: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
-        self._recording, self._mask = [], kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask")
+        if self.shards and mask is not None:  # the part of the padding mask this rank's routers see
+            mask = scatter_to_sp(mask, self.dims.tp_mesh, 1)
+        self._recording, self._mask = [], mask
 
     def _end(self, _chunk: nn.Module, _args: Any, _kwargs: dict[str, Any], output: Any) -> Any:
         logits, self._recording = self._recording, None
@@ -301,13 +306,15 @@ class PipelineRouterLoss:
         )
 
     def sum_counts(self) -> None:
-        """Sum the counts and probabilities over every stage (pp) and replica (dp); then the loss's value and the
-        grad of each microbatch's probabilities are known."""
+        """Sum the counts and probabilities over every stage (pp), replica (dp) and sequence shard (tp, under
+        sequence parallelism); then the loss's value and the grad of each microbatch's probabilities are known."""
         dims, experts = self.dims, self.loss.experts
         totals = torch.cat([self._assigned, self._tokens.reshape(1), self._probs])
         dist.all_reduce(totals, group=dims.pp_mesh.get_group())
         if dims.dp > 1:
             dist.all_reduce(totals, group=dims.dp_mesh.get_group())
+        if self.shards:  # each tp rank routed its own tokens; each one's grads come from them (summed over tp)
+            dist.all_reduce(totals, group=dims.tp_mesh.get_group())
         assigned, tokens, probs = totals[:experts], totals[experts].clamp(min=1), totals[experts + 1 :]
         self.value = self.loss.coef * _balance(assigned, probs, tokens, experts)
         # d value / d probs, times dp: the grads are averaged over the dp replicas afterwards (as RouterLoss._share)

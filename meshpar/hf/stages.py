@@ -48,7 +48,7 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name, dense_probe, ends_with_eos, eval_mode, folds_choices
+from meshpar.hf.hf_plan import base_model_name, dense_probe, ends_with_eos, eval_mode, folds_choices, text_config
 from meshpar.pipeline.split import StagePlan, build_stage
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
@@ -913,6 +913,10 @@ def decoder_stage_forward(
         raise ValueError("a pipeline stage after the first needs the microbatch's input_ids")
     inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False, **context}
     inputs |= {"position_ids": position_ids} if position_ids is not None else {}  # generation from padded prompts
+    if getattr(text_config(self.config), "output_router_logits", False):
+        # the routers' load-balancing loss of a pipeline is meshpar's (meshpar.hf.router_loss.PipelineRouterLoss):
+        # the model's own would score this stage's routers alone (and cannot run on sequence shards)
+        inputs["output_router_logits"] = False
     decoder = {"decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask}
     inputs |= {k: v for k, v in decoder.items() if v is not None}
     if self.meshpar_fold_choices and not self.meshpar_last_stage:
