@@ -215,7 +215,7 @@ class ParallelizedModel(nn.Module):
             self.loss_fn = TokenLoss(task, self.vocab_sharded, self.dims.tp_mesh, shift_labels=shift)
         elif task in ROW_TASKS:
             self.loss_fn = RowLoss(task, self.hf_config)
-        check_router_loss_layout(model, self.dims.pp, config.pipeline_schedule, self.dims.cp)
+        check_router_loss_layout(model, self.dims.pp, config.pipeline_schedule)
         self._router_loss = RouterLoss(model)
         self._pipeline_router_loss: PipelineRouterLoss | None = None  # pp > 1: see _split
         # under sequence parallelism the model's own load-balancing loss cannot run on the routers' shards, nor on a
@@ -777,23 +777,23 @@ class ParallelizedModel(nn.Module):
             loss = loss.detach()
         else:
             labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
-            loss = self._with_router_loss(
+            loss = self._pipeline_loss(
                 lambda: self.pipeline.run_train(labels=labels, **self._with_normalizer(inputs, normalizer))
             )
         if sync_dp_grads:
             self.allreduce_gradients()  # first: the dp all-reduces may still be in flight (overlap_grad_reduce)
         if self.pipeline is not None:
             self._sync_tied_grads()  # the tied-embedding sum commutes with the dp mean
-        # the pipeline's loss is already the dp mean on every rank (broadcast_and_average_loss)
-        return self._mean_over_dp(loss) if self.pipeline is None else self._summed_over_cp(loss)
+        return self._mean_over_dp(loss) if self.pipeline is None else loss
 
-    def _with_router_loss(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A pipeline step's loss (``run``), plus the routers' load-balancing loss of its batch where the model adds
-        one (:class:`meshpar.hf.router_loss.PipelineRouterLoss`, counted during the step)."""
+    def _pipeline_loss(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A pipeline step's loss on every rank: ``run``'s (already the dp mean: broadcast_and_average_loss), summed
+        over the cp ranks' shares, plus the routers' load-balancing loss of the batch where the model adds one
+        (:class:`meshpar.hf.router_loss.PipelineRouterLoss`, counted during the step; the same on every rank)."""
         if self._pipeline_router_loss is None:
-            return run()
+            return self._summed_over_cp(run())
         self._pipeline_router_loss.start()
-        loss = run()
+        loss = self._summed_over_cp(run())
         return loss + self._pipeline_router_loss.value
 
     def _step_loss(self, targets: Any, inputs: dict[str, Any], normalizer: torch.Tensor | None) -> torch.Tensor:
@@ -851,10 +851,8 @@ class ParallelizedModel(nn.Module):
                 return self._mean_over_dp(self._step_loss(targets, model_inputs, normalizer))
             # already the dp mean on every rank
             labels, inputs = (targets, model_inputs) if self._cuts_sequences else (labels, inputs)
-            return self._summed_over_cp(
-                self._with_router_loss(
-                    lambda: self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
-                )
+            return self._pipeline_loss(
+                lambda: self.pipeline.run_eval(labels=labels, **self._with_normalizer(inputs, normalizer))
             )
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ every per-token module's are under sequence parallelism).
 
 Under pipeline parallelism each stage routes its own layers' tokens, microbatch by microbatch; the loss needs the
 counts of every stage and microbatch before the first backward, so it runs with the GPipe schedule
-(:class:`PipelineRouterLoss`): after the forwards the counts are summed over pp x dp (and tp under sequence
+(:class:`PipelineRouterLoss`): after the forwards the counts are summed over pp x dp x cp (and tp under sequence
 parallelism, each tp rank routing its shard), and each stage's backward adds the loss's grad of its routing
 probabilities, which is linear in them once the counts are known.
 
@@ -39,16 +39,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshpar.hf.context_parallel import local_key_padding
 from meshpar.hf.hf_plan import dense_probe, expert_count, text_config
 from meshpar.parallel_dims import ParallelDims
 from meshpar.tensor_parallel._collectives import scatter_to_sp
 
 
-def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int) -> None:
+def check_router_loss_layout(model: nn.Module, pp: int, schedule: str) -> None:
     """The global load-balancing loss is built from the router logits of one whole forward of this replica's batch
     (or of its cp ranks' chunks, or tp ranks' shards; pp = 1). Under pipeline parallelism every microbatch's
-    assignments must be counted before any backward (:class:`PipelineRouterLoss`): schedule ``"gpipe"``, without
-    context parallelism; any other pipelined layout of a model that asks for it is refused before any step."""
+    assignments must be counted before any backward (:class:`PipelineRouterLoss`): schedule ``"gpipe"``; another
+    schedule for a model that asks for it is refused before any step."""
     if not router_loss_asked(model) or pp == 1:
         return
     family = type(model).__name__
@@ -58,8 +59,6 @@ def check_router_loss_layout(model: nn.Module, pp: int, schedule: str, cp: int) 
             f"under pipeline_parallel_size > 1 only with pipeline_schedule 'gpipe' (every microbatch's routing is "
             f"counted before the first backward; {schedule!r} starts backwards earlier)"
         )
-    elif cp > 1:
-        why = "under pipeline_parallel_size > 1 not with context_parallel_size > 1"
     elif _router_recorder(model) is None:
         why = "under pipeline_parallel_size > 1 from router modules meshpar can hook, and this family has none"
     if why is not None:
@@ -277,8 +276,11 @@ class PipelineRouterLoss:
             self._recording.append(output[self.index] if isinstance(output, tuple) else output)
 
     def _begin(self, _chunk: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
-        mask = kwargs.get("attention_mask")
-        if self.shards and mask is not None:  # the part of the padding mask this rank's routers see
+        # the padding of the tokens this rank's routers see: its cp chunks' (context parallelism), its tp shard of
+        # them (sequence parallelism)
+        cp = self.dims.cp > 1
+        mask = local_key_padding(kwargs, self.dims.cp_mesh) if cp else kwargs.get("attention_mask")
+        if self.shards and mask is not None:
             mask = scatter_to_sp(mask, self.dims.tp_mesh, 1)
         self._recording, self._mask = [], mask
 
@@ -306,18 +308,20 @@ class PipelineRouterLoss:
         )
 
     def sum_counts(self) -> None:
-        """Sum the counts and probabilities over every stage (pp), replica (dp) and sequence shard (tp, under
-        sequence parallelism); then the loss's value and the grad of each microbatch's probabilities are known."""
+        """Sum the counts and probabilities over every stage (pp), replica (dp), cp rank and sequence shard (tp,
+        under sequence parallelism); then the loss's value and the grad of each microbatch's probabilities are
+        known."""
         dims, experts = self.dims, self.loss.experts
         totals = torch.cat([self._assigned, self._tokens.reshape(1), self._probs])
         dist.all_reduce(totals, group=dims.pp_mesh.get_group())
-        if dims.dp > 1:
-            dist.all_reduce(totals, group=dims.dp_mesh.get_group())
+        if dims.dp > 1 or dims.cp > 1:
+            dist.all_reduce(totals, group=dims.grad_mesh.get_group())
         if self.shards:  # each tp rank routed its own tokens; each one's grads come from them (summed over tp)
             dist.all_reduce(totals, group=dims.tp_mesh.get_group())
         assigned, tokens, probs = totals[:experts], totals[experts].clamp(min=1), totals[experts + 1 :]
         self.value = self.loss.coef * _balance(assigned, probs, tokens, experts)
-        # d value / d probs, times dp: the grads are averaged over the dp replicas afterwards (as RouterLoss._share)
+        # d value / d probs, times dp: the grads are summed over dp x cp and divided by dp afterwards (as
+        # RouterLoss._share)
         self._coefficient = self.loss.coef * dims.dp * experts * assigned / tokens**2
 
     def probs_grad(self) -> torch.Tensor:
