@@ -45,9 +45,11 @@ Where this differs from NxD's converter (each a case NxD's gets wrong or leaves 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -573,34 +575,33 @@ class CheckpointConverterBase:
         self, args: argparse.Namespace, partial_state: dict, tp_rank: int, pp_rank: int, ep_rank: int
     ) -> None:
         """A rank's file in torch_xla's split-tensor format (:mod:`..._xser`), under NxD's name for it."""
-        filename = self.get_output_filename(args, tp_rank, pp_rank, ep_rank, True)
-        os.makedirs(os.path.dirname(filename), exist_ok=True)
-        print(f"Saving to {filename}")
-        _xser.save(partial_state, filename)
+        self._save_partial(self.get_output_filename(args, tp_rank, pp_rank, ep_rank, True), partial_state, True)
 
     def save_partial_no_xser(
         self, args: argparse.Namespace, partial_state: dict, tp_rank: int, pp_rank: int, ep_rank: int
     ) -> None:
-        filename = self.get_output_filename(args, tp_rank, pp_rank, ep_rank, False)
+        self._save_partial(self.get_output_filename(args, tp_rank, pp_rank, ep_rank, False), partial_state, False)
+
+    @staticmethod
+    def _save_partial(filename: str, partial_state: dict, xser: bool) -> None:
         os.makedirs(os.path.dirname(filename), exist_ok=True)
         print(f"Saving to {filename}")
-        torch.save(partial_state, filename)
+        (_xser.save if xser else torch.save)(partial_state, filename)
+
+    @staticmethod
+    def _ranks(args: argparse.Namespace) -> Iterator[tuple[int, int, int]]:
+        """Every (tp, pp, ep) rank's file, in NxD's order."""
+        return itertools.product(range(args.tp_size), range(args.pp_size), range(args.ep_size))
 
     def convert_from_xser(self, args: argparse.Namespace) -> None:
         """Every rank's split-tensor file rewritten as a plain torch file (``output_dir/model/...``)."""
-        for tp_rank in range(args.tp_size):
-            for pp_rank in range(args.pp_size):
-                for ep_rank in range(args.ep_size):
-                    state = self.load_partial_xser(args, tp_rank, pp_rank, ep_rank)
-                    self.save_partial_no_xser(args, state, tp_rank, pp_rank, ep_rank)
+        for ranks in self._ranks(args):
+            self.save_partial_no_xser(args, self.load_partial_xser(args, *ranks), *ranks)
 
     def convert_to_xser(self, args: argparse.Namespace) -> None:
         """Every rank's plain torch file rewritten in the split-tensor format (``output_dir/model/...``)."""
-        for tp_rank in range(args.tp_size):
-            for pp_rank in range(args.pp_size):
-                for ep_rank in range(args.ep_size):
-                    state = self.load_partial_no_xser(args, tp_rank, pp_rank, ep_rank)
-                    self.save_partial_xser(args, state, tp_rank, pp_rank, ep_rank)
+        for ranks in self._ranks(args):
+            self.save_partial_xser(args, self.load_partial_no_xser(args, *ranks), *ranks)
 
     def convert_from_full_state(self, args: argparse.Namespace) -> None:
         full_state = self.load_full_state(args)
