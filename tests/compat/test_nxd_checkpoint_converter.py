@@ -584,3 +584,30 @@ def test_parallel_layers_save_and_load_take_nxds_keywords(tmp_path: Path) -> Non
     """``load(sharded=False)`` cuts a full checkpoint, ``model_or_optimizer`` / positional order / return value as
     NxD's, ``save(down_cast_bf16=True)``, NxD's own split-tensor files, keys the model lacks refused."""
     run_distributed(parallel_layers_case, 2, str(tmp_path))
+
+
+def test_a_split_tensor_save_over_another_never_leaves_references_to_the_other(tmp_path: Path, monkeypatch) -> None:
+    """Saving again at a path replaces object and tensors together; a save cut short (here: the tensors folder's
+    rename fails) leaves no object file, so a load fails instead of reading the old references against the new
+    tensors."""
+    from meshpar.compat.nxd import _xser
+
+    path = tmp_path / "tp_rank_00_pp_rank_00"
+    _xser.save({"a": torch.zeros(2), "b": torch.ones(3)}, path)
+    _xser.save({"b": torch.full((3,), 7.0), "a": torch.full((2,), 5.0)}, path)  # other order: other tids
+    again = _xser.load(path)
+    assert torch.equal(again["a"], torch.full((2,), 5.0)) and torch.equal(again["b"], torch.full((3,), 7.0))
+    real_replace = os.replace
+
+    def failing_replace(src: object, dst: object) -> None:
+        if str(src).endswith(".tensors.tmp"):
+            raise OSError("cut short")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="cut short"):
+        _xser.save({"a": torch.full((2,), 9.0), "b": torch.full((3,), 9.0)}, path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not path.exists()
+    with pytest.raises(FileNotFoundError):
+        _xser.load(path)

@@ -95,8 +95,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 def save(data: Any, path: str | os.PathLike) -> None:
     """Write ``data`` at ``path`` in the split-tensor format: each tensor (on the CPU) to
     ``<path>.tensors/tensor_<tid>.pt``, numbered in the order a traversal of ``data`` meets them, and the object with
-    a reference in its place to ``path``. The tensors go to a fresh folder beside the old one, which it then
-    replaces, and the object file is replaced last."""
+    a reference in its place to ``path``. Both are written beside the old ones first; the old object file goes
+    before the old tensors folder is replaced, so that a save cut short leaves no object file rather than one whose
+    references name another save's tensors."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(
@@ -115,7 +116,9 @@ def save(data: Any, path: str | os.PathLike) -> None:
         return TensorReference(count - 1)
 
     structure = tree_map_only(torch.Tensor, split_out, data)
+    torch.save(structure, f"{path}.tmp", pickle_module=_PICKLE)
+    if os.path.exists(path):
+        os.remove(path)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(staging, folder)
-    torch.save(structure, f"{path}.tmp", pickle_module=_PICKLE)
     os.replace(f"{path}.tmp", path)
