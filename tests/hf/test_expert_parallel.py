@@ -417,7 +417,7 @@ def test_router_load_balancing_loss_is_the_global_batchs(family: str, ep: int, t
 
 
 def router_loss_pipeline_case(
-    family: str, pp: int, tp: int, ep: int, microbatches: int, sp: bool = False, cp: int = 1
+    family: str, pp: int, tp: int, ep: int, microbatches: int, sp: bool = False, cp: int = 1, dp_mode: str = ""
 ) -> None:
     """Under pipeline parallelism (GPipe) the step's loss and every stage's grads include the routers' load-balancing
     loss of the global batch, counted over every stage, microbatch and replica (the padding in one microbatch of one
@@ -429,7 +429,7 @@ def router_loss_pipeline_case(
     dense.router_aux_loss_coef = 0.5
     config = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
               "num_microbatches": microbatches, "pipeline_schedule": "gpipe", "sequence_parallel": sp,
-              "context_parallel_size": cp}  # fmt: skip
+              "context_parallel_size": cp, **({dp_mode: True} if dp_mode else {})}  # fmt: skip
     model = meshpar.parallelize(copy.deepcopy(dense), config)
     data = batch(family, rows=4)
     data["attention_mask"] = torch.ones_like(data["input_ids"])
@@ -456,21 +456,23 @@ def router_loss_pipeline_case(
 
 
 @pytest.mark.parametrize(
-    "family,pp,tp,ep,microbatches,sp,cp",
+    "family,pp,tp,ep,microbatches,sp,cp,dp_mode",
     [
-        ("mixtral", 2, 1, 1, 2, False, 1),
-        ("mixtral", 2, 1, 2, 2, False, 1),
-        ("mixtral", 2, 2, 1, 2, True, 1),
-        _slow("qwen2_moe", 2, 2, 1, 4, False, 1),
-        _slow("qwen2_moe", 2, 1, 2, 2, False, 1),
-        _slow("qwen2_moe", 2, 2, 1, 2, True, 1),
-        ("mixtral", 2, 1, 1, 2, False, 2),  # cp2 x pp2
+        ("mixtral", 2, 1, 1, 2, False, 1, ""),
+        ("mixtral", 2, 1, 2, 2, False, 1, ""),
+        ("mixtral", 2, 2, 1, 2, True, 1, ""),
+        _slow("qwen2_moe", 2, 2, 1, 4, False, 1, ""),
+        _slow("qwen2_moe", 2, 1, 2, 2, False, 1, ""),
+        _slow("qwen2_moe", 2, 2, 1, 2, True, 1, ""),
+        ("mixtral", 2, 1, 1, 2, False, 2, ""),  # cp2 x pp2
+        _slow("mixtral", 2, 1, 1, 2, False, 1, "fsdp"),  # pp2 x dp2, FSDP2
+        _slow("mixtral", 2, 1, 1, 2, False, 1, "overlap_grad_reduce"),  # dp all-reduces during the backwards
     ],
 )
 def test_router_load_balancing_loss_under_pipelines_is_the_global_batchs(
-    family: str, pp: int, tp: int, ep: int, microbatches: int, sp: bool, cp: int
+    family: str, pp: int, tp: int, ep: int, microbatches: int, sp: bool, cp: int, dp_mode: str
 ) -> None:
-    run_distributed(router_loss_pipeline_case, 4, family, pp, tp, ep, microbatches, sp, cp)
+    run_distributed(router_loss_pipeline_case, 4, family, pp, tp, ep, microbatches, sp, cp, dp_mode)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
