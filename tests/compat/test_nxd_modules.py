@@ -97,11 +97,41 @@ def test_cumsum_and_logger_behave_as_nxds(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(NotImplementedError, match="dimension-0"):
         tensor_utils.cumsum(x, dim=1)
     monkeypatch.setenv("NXD_LOG_LEVEL", "warning")
+    logger.get_log_level.cache_clear()  # read once and cached, as NxD's
     log = logger.get_logger("meshpar-nxd-test")
-    assert log.level == logging.WARNING and log.name == "meshpar-nxd-test[0]"
+    assert log.level == logging.WARNING and log.name == "meshpar-nxd-test[0]" and not log.propagate
     monkeypatch.setenv("NXD_LOG_LEVEL", "loud")
+    assert logger.get_log_level() == logging.WARNING
+    logger.get_log_level.cache_clear()
     with pytest.raises(ValueError, match="NXD_LOG_LEVEL"):
         logger.get_log_level()
+    monkeypatch.setenv("NXD_LOG_LEVEL", "off")
+    logger.get_log_level.cache_clear()
+    assert logger.get_logger("meshpar-nxd-test-off").disabled
+    logger.get_log_level.cache_clear()
+
+
+def test_nxd_logger_writes_on_global_rank_zero_alone_naming_the_caller(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Without a process group the launcher's RANK decides; the line names this file (the caller), not the
+    wrapper; ``rank0_only=False`` writes on every rank."""
+    from meshpar.compat.nxd.utils import logger
+
+    monkeypatch.setenv("NXD_LOG_LEVEL", "info")
+    logger.get_log_level.cache_clear()
+    try:
+        once, everywhere = logger.get_logger("meshpar-nxd-rank-test"), logger.get_logger("meshpar-nxd-rank-test", False)
+        monkeypatch.setenv("RANK", "1")
+        once.info("from rank one")
+        everywhere.info("every rank")
+        monkeypatch.setenv("RANK", "0")
+        once.warning("from rank zero")
+    finally:
+        logger.get_log_level.cache_clear()
+    out = capsys.readouterr().out
+    assert "from rank one" not in out and "every rank" in out and "from rank zero" in out
+    assert "test_nxd_modules.py" in out.splitlines()[-1]
 
 
 def test_nxd_rotary_helpers_match_the_reference_formulations() -> None:
