@@ -60,7 +60,7 @@ def _linear_autograd_base_setup_fwd(
     if save_for_backward:
         ctx.save_for_backward(*((input, weight) if ctx.compute_weight_gradient else (weight,)))
     if sequence_parallel_enabled:
-        return _gather_along_dim(input, sequence_dimension, _group(ctx))
+        return _gather_along_dim(input, sequence_dimension, process_group=_group(ctx))
     return input
 
 
@@ -73,7 +73,7 @@ def _linear_autograd_base_setup_bwd(ctx: Any, grad_outputs: Any) -> tuple[torch.
     total_input = None
     if ctx.compute_weight_gradient:
         sp = ctx.sequence_parallel_enabled
-        total_input = _gather_along_dim(input, ctx.sequence_dimension, _group(ctx)) if sp else input
+        total_input = _gather_along_dim(input, ctx.sequence_dimension, process_group=_group(ctx)) if sp else input
     return total_input, weight, grad_output
 
 
@@ -89,7 +89,9 @@ def _linear_autograd_bwd_grad_reduce(ctx: Any, grad_input: torch.Tensor, origina
 def _linear_autograd_bwd_no_weight_grad(ctx: Any, grad_input: torch.Tensor, original_dtype: torch.dtype) -> Any:
     if ctx.async_grad_allreduce:
         raise ValueError("the input grad is all-reduced asynchronously here, not reduce-scattered")
-    shard = _reduce_scatter_along_dim(grad_input.to(ctx.reduce_dtype), ctx.sequence_dimension, _group(ctx))
+    shard = _reduce_scatter_along_dim(
+        grad_input.to(ctx.reduce_dtype), ctx.sequence_dimension, process_group=_group(ctx)
+    )
     return shard.to(original_dtype)
 
 
@@ -100,13 +102,17 @@ def _linear_autograd_bwd_input_grad(
     if ctx.sequence_parallel_enabled:
         if ctx.async_grad_allreduce:
             raise ValueError("sequence parallelism reduce-scatters the input grad; it is not all-reduced too")
-        shard = _reduce_scatter_along_dim(grad_input.to(ctx.reduce_dtype), ctx.sequence_dimension, _group(ctx))
+        shard = _reduce_scatter_along_dim(
+            grad_input.to(ctx.reduce_dtype), ctx.sequence_dimension, process_group=_group(ctx)
+        )
         shard = shard.to(original_dtype)
     if ctx.async_grad_allreduce:
         if handle is None:
             raise ValueError("async_grad_allreduce without the all-reduce's handle")
         handle.wait()
-        grad_input = getattr(ctx, "reduced_grad_input", grad_input).to(original_dtype)
+        # the reduced values live in the cast copy the all-reduce wrote (grad_input itself when no cast was needed)
+        reduced = getattr(ctx, "reduced_grad_input", None)
+        grad_input = (reduced if isinstance(reduced, torch.Tensor) else grad_input).to(original_dtype)
     return shard, grad_input
 
 
