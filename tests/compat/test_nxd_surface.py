@@ -39,28 +39,18 @@ NOT_PROVIDED: dict[str, str] = {
     **{
         f"parallel_layers.parallel_state.{name}": _TOPOLOGY
         for name in (
-            "PG_Group_Logic",
             "PP_GROUP_PG_GLOO",
-            "ParallelGroups",
-            "ascending_descending_ring_PG_group",
-            "ascending_ring_PG_group",
-            "create_pg_with_ranks",
             "destroy_token_shuffle_group",
-            "get_logic_chosen",
             "get_next_rank_group",
             "get_pipeline_model_parallel_sr_group",
-            "get_pp_gloo_group",
             "get_prev_rank_group",
             "get_speculative_draft_group",
             "get_speculative_draft_replica_groups",
-            "get_tcp_store",
             "get_token_shuffle_group",
             "get_token_shuffle_group_size",
             "get_token_shuffle_replica_groups",
-            "initialize_pp_gloo_groups",
             "initialize_speculative_draft_group",
             "initialize_token_shuffle_group",
-            "is_tcp_store_available",
         )
     },
     **{
