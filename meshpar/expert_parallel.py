@@ -10,12 +10,14 @@ tp-only layout does).
 One MoE layer, per rank::
 
     routes (token, k) -> keep those for blocks of my tp coordinate -> sort by destination ep rank
-    all-to-all: counts (host ints), then token rows and their routing weights        (dispatch)
+    all-to-all: counts (host ints), then token rows with their routing weights       (dispatch)
     the experts run on what arrived (local expert ids, weights applied as the model applies them)
     all-to-all: the expert outputs back in the order they were sent                  (combine)
     index_add into [tokens, hidden]; the caller sums over tp
 
-Backward runs the same all-to-alls with the counts swapped. Nothing is dropped by default: every route runs, however
+Backward runs the same all-to-alls with the counts swapped. A route's weight travels as one more column of its row
+where the two share a dtype (one exchange each way for both; a weight of another dtype, which the column would
+round, goes in an exchange of its own). Nothing is dropped by default: every route runs, however
 many tokens an expert gets (Megatron-Core's and torchtitan's default). With a capacity factor
 (:func:`drop_over_capacity`, Megatron-Core's ``moe_expert_capacity_factor``) each expert takes at most
 ``ceil(tokens * k / experts * factor)`` of the routes of one forward of one replica's tokens; the rest are dropped
@@ -108,9 +110,19 @@ def dispatch(
     per_rank = send_counts.view(ep, local).sum(-1), recv_counts.view(ep, local).sum(-1)
     send, recv = per_rank[0].tolist(), per_rank[1].tolist()  # the rows' sizes: a host sync, as in Megatron-Core
     local_index = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep), recv_counts)
-    rows = all_to_all(hidden[tokens], send, recv, ep_mesh)
-    weights = all_to_all(weights.unsqueeze(-1), send, recv, ep_mesh).squeeze(-1)
+    rows, weights = _send_rows_and_weights(hidden[tokens], weights, send, recv, ep_mesh)
     return rows, local_index, weights, Routes(tokens, send, recv, hidden.shape[0])
+
+
+def _send_rows_and_weights(
+    rows: torch.Tensor, weights: torch.Tensor, send: list[int], recv: list[int], mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows and their routing weights exchanged: in one all-to-all, the weight as a last column, where their
+    dtypes match (exact); else in two, so that no weight is rounded to the rows' dtype."""
+    if weights.dtype != rows.dtype:
+        return all_to_all(rows, send, recv, mesh), all_to_all(weights.unsqueeze(-1), send, recv, mesh).squeeze(-1)
+    both = all_to_all(torch.cat((rows, weights.unsqueeze(-1)), dim=-1), send, recv, mesh)
+    return both[:, :-1].contiguous(), both[:, -1]
 
 
 def combine(expert_output: torch.Tensor, routes: Routes, ep_mesh: DeviceMesh | None) -> torch.Tensor:

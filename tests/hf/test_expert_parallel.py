@@ -301,11 +301,66 @@ def collectives_case(ep: int, tp: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
 def test_all_to_alls_per_moe_layer_are_pinned(ep: int, tp: int) -> None:
-    """Per MoE layer: forward, one exchange of the row counts per (rank, local expert), one of the rows and one of
-    their routing weights (dispatch), one of the outputs (combine); backward, the three row exchanges reversed."""
+    """Per MoE layer: forward, one exchange of the row counts per (rank, local expert), one of the rows with their
+    routing weights (dispatch), one of the outputs (combine); backward, the two row exchanges reversed."""
     counts = run_distributed(collectives_case, 4, ep, tp)
     layers = build("mixtral").config.num_hidden_layers
-    assert all(c["all_to_all_single"] == 7 * layers for c in counts), counts
+    assert all(c["all_to_all_single"] == 5 * layers for c in counts), counts
+
+
+def exchange_case(weights_dtype: torch.dtype) -> dict[str, object]:
+    """dispatch + combine of fixed routes at ep2 against the same arithmetic done in one process on the whole
+    batch: outputs and the grads of the rows and of the routing weights."""
+    import torch.distributed as dist
+
+    from meshpar.expert_parallel import combine, dispatch
+    from meshpar.parallel_dims import get_parallel
+
+    setup_parallel(ep=2)
+    dims = get_parallel()
+    experts, tokens, k = 4, 6, 2
+    gen = torch.Generator().manual_seed(0)
+    hidden_all = torch.randn(2 * tokens, 8, generator=gen, dtype=torch.float64)
+    index_all = torch.randint(0, experts, (2 * tokens, k), generator=gen)
+    weights_all = torch.rand(2 * tokens, k, generator=gen, dtype=torch.float64).to(weights_dtype)
+    scale = torch.arange(1.0, experts + 1, dtype=torch.float64)  # expert e multiplies its rows by e + 1
+
+    def reference() -> tuple[torch.Tensor, ...]:
+        hidden, weights = hidden_all.clone().requires_grad_(), weights_all.clone().requires_grad_()
+        out = (hidden[:, None, :] * scale[index_all][..., None] * weights[..., None].to(hidden.dtype)).sum(1)
+        (out * out).sum().backward()
+        return out, hidden.grad, weights.grad
+
+    mine = slice(dims.ep_rank * tokens, (dims.ep_rank + 1) * tokens)
+    hidden, weights = hidden_all[mine].clone().requires_grad_(), weights_all[mine].clone().requires_grad_()
+    with AtenOps() as ops:
+        rows, local_index, row_weights, routes = dispatch(
+            hidden, index_all[mine], weights, num_experts=experts, ep_mesh=dims.ep_mesh
+        )
+        held = scale[dims.ep_rank * 2 : dims.ep_rank * 2 + 2]
+        out = combine(rows * held[local_index][:, None] * row_weights[:, None].to(rows.dtype), routes, dims.ep_mesh)
+        (out * out).sum().backward()
+    want = reference()
+    dist.barrier()
+    return {
+        "exchanges": ops.collective_names["all_to_all_single"],
+        "errors": [  # relative to the largest value
+            ((got - ref[mine]).abs().max() / ref[mine].abs().max()).item()
+            for got, ref in zip((out, hidden.grad, weights.grad), want, strict=True)
+        ],
+        "weights_dtype": str(row_weights.dtype),
+    }
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float64, torch.float32])
+def test_rows_and_weights_travel_together_where_their_dtypes_match(weights_dtype: torch.dtype) -> None:
+    """The weights ride as a column of the rows where the dtypes match (counts, rows, outputs; then the two row
+    exchanges back: 5), and in an exchange of their own where they do not (7), never rounded to the rows' dtype:
+    outputs and both grads equal the one-process arithmetic in either case."""
+    for got in run_distributed(exchange_case, 2, weights_dtype):
+        assert got["exchanges"] == (5 if weights_dtype == torch.float64 else 7), got
+        assert got["weights_dtype"] == str(weights_dtype)
+        assert max(got["errors"]) < 1e-6, got
 
 
 def _refusal(family: str, config: dict) -> str:
