@@ -181,4 +181,7 @@ def test_a_corrupt_step_is_refused_then_the_previous_step_loads_and_trains_as_de
         assert kind == "CheckpointError" and "corrupt" in message and shared, result["refused"]
         assert result["step"] == 1
         torch.testing.assert_close(result["losses"], result["dense"], rtol=1e-5, atol=1e-5)
-        assert result["worst_param_diff"] < 1e-5, result["worst_param_diff"]
+        # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8, some LM-head
+        # weights here) fp32 rounding of g, ~1e-10, moves it by ~1e-5 in any two runs that sum in another order
+        # (tp2 against dense does; so does tp1). A resume that lost or mixed up state moves weights by ~lr.
+        assert result["worst_param_diff"] < LR * 1e-2, result["worst_param_diff"]
