@@ -4,8 +4,9 @@ error (the failing one its own, the others PeerFailedError naming it), and the h
 never answered.
 
 No wall-clock bound: a loaded machine may take any time. What proves the peers were released by the failure path,
-not by gloo's timeout (60 s in the harness), is what they raise: a PeerFailedError naming the failing rank comes only
-from a peer's abort closing the connection; a timeout would surface as gloo's "Timed out" error instead."""
+not by gloo's timeout (10 minutes in the harness), is what they raise: a PeerFailedError naming the failing rank
+comes only from a peer's abort closing the connection; a timeout would surface as gloo's "Timed out" error
+instead."""
 
 from __future__ import annotations
 

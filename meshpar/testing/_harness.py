@@ -33,7 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_GLOO_TIMEOUT_S = 60
+# No wall-clock bound may decide a result on a loaded machine (CI's 2 cores have run at a load average of 80): a
+# collective waits up to 10 minutes for a slow peer, a call up to 10 minutes for every rank's answer, and once one
+# rank has failed the others get 2 minutes to report theirs. Only a real hang comes near these; pytest's own
+# per-test limit (15 minutes) stays above them.
+_GLOO_TIMEOUT_S = 600
+_ANSWER_TIMEOUT_S = 600.0
+_AFTER_FAILURE_TIMEOUT_S = 120.0
 
 # imported once by the fork server that starts every worker: a pool respawned after a failure test (its process
 # groups aborted) starts in a fraction of a second instead of importing torch and transformers again in each process
@@ -201,7 +207,7 @@ class DistributedPool:
             self._procs.append(proc)
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = _ANSWER_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         if self.broken:
             raise RuntimeError("this pool was killed after a failure; use a new one")
         for conn in self._conns:
@@ -210,7 +216,7 @@ class DistributedPool:
         errors: list[str] = []
         hung = aborted = crashed = False
         for rank, conn in enumerate(self._conns):
-            wait = timeout if not errors else 15.0
+            wait = timeout if not errors else min(timeout, _AFTER_FAILURE_TIMEOUT_S)
             if not conn.poll(wait):
                 errors.append(f"rank {rank}: no answer after {wait:.0f}s (hang or deadlock)")
                 hung = True
