@@ -15,7 +15,21 @@ to ``from meshpar.compat.nxd import xla as xm`` (and ``xr``). What each call mea
 - ``all_reduce(reduce_type, inputs, scale, groups)``: in place for a list, a new tensor for one tensor;
 - ``rendezvous(tag)``: a barrier; ``master_print``: prints on global rank 0; ``save``: ``torch.save`` on rank 0
   (``master_only=False``: every rank), tensors moved to CPU first; ``add_step_closure``: runs the closure now;
-- ``MpDeviceLoader(loader, device)`` (torch_xla's ``parallel_loader``): the loader's batches on ``device``.
+- ``MpDeviceLoader(loader, device)`` (torch_xla's ``parallel_loader``): the loader's batches on ``device``;
+  ``send_cpu_data_to_device(data, device)``: ``data`` (nested lists, tuples, dicts) with its tensors on ``device``;
+- ``all_gather`` / ``reduce_scatter`` with torch_xla's signatures (``groups`` as lists of global ranks);
+  ``mesh_reduce(tag, data, reduce_fn)``: ``reduce_fn`` of every rank's ``data`` (any picklable object);
+- ``get_rng_state`` / ``set_rng_state``: the device's generator. torch_xla's state is an integer seed; here
+  ``get_rng_state`` returns the generator's whole state (a uint8 tensor), which ``set_rng_state`` restores exactly,
+  and ``set_rng_state(seed)`` with an integer seeds it, as torch_xla's does;
+- ``metrics_report`` and the other ``torch_xla.debug.metrics`` calls: no XLA graphs are compiled, so there are no
+  counters or metrics (an empty report);
+- ``spawn(fn, args, nprocs)`` (torch_xla's ``xla_multiprocessing``): under a launcher (torchrun, or a process group
+  already made) ``fn(local_rank, *args)`` in this process; otherwise ``nprocs`` processes on this host (one per GPU,
+  else one), each with the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` variables ``init_process_group`` reads.
+
+One module stands for torch_xla's ``core.xla_model``, ``runtime``, ``debug.metrics``, ``distributed.parallel_loader``
+and ``distributed.xla_multiprocessing``: point each of those imports at it.
 """
 
 from __future__ import annotations
@@ -226,6 +240,178 @@ __all__ = [
     "world_size",
     "xla_device",
     "xrt_world_size",
+]
+
+
+def all_gather(
+    value: torch.Tensor,
+    dim: int = 0,
+    groups: Sequence[Sequence[int]] | None = None,
+    output: torch.Tensor | None = None,
+    pin_layout: bool = True,
+) -> torch.Tensor:
+    """Every rank's ``value`` concatenated along ``dim`` in group-rank order (into ``output`` if given)."""
+    if not _running():
+        return value.clone() if output is None else output.copy_(value)
+    from meshpar.compat.nxd.parallel_layers import comm
+
+    return comm.all_gather(value, dim, groups, output, pin_layout)
+
+
+def reduce_scatter(
+    reduce_type: str,
+    input: torch.Tensor,
+    scale: float,
+    scatter_dim: int,
+    shard_count: int,
+    groups: Sequence[Sequence[int]] | None = None,
+    output: torch.Tensor | None = None,
+    pin_layout: bool = True,
+) -> torch.Tensor:
+    """``input`` reduced over the group, times ``scale``; this rank's ``1/shard_count`` slice along
+    ``scatter_dim``."""
+    if not _running():
+        if shard_count != 1:
+            raise ValueError(f"reduce_scatter over one process: shard_count must be 1, got {shard_count}")
+        result = input * scale if scale != 1 else input.clone()
+        return result if output is None else output.copy_(result)
+    from meshpar.compat.nxd.parallel_layers import comm
+
+    return comm.reduce_scatter(reduce_type, input, scale, scatter_dim, shard_count, groups, output, pin_layout)
+
+
+def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list[Any]], Any]) -> Any:
+    """``reduce_fn`` of the list of every rank's ``data`` (in rank order), the same on every rank."""
+    if not _running():
+        return reduce_fn([data])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, move_all_tensor_to_cpu(data))
+    return reduce_fn(gathered)
+
+
+def _generator_device(device: Any) -> torch.device:
+    return torch.device(device) if device is not None else xla_device()
+
+
+def get_rng_state(device: Any = None) -> torch.Tensor:
+    """The whole state of the device's random generator (restored exactly by :func:`set_rng_state`)."""
+    where = _generator_device(device)
+    return torch.cuda.get_rng_state(where) if where.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(seed: int | torch.Tensor, device: Any = None) -> None:
+    """Seed the device's random generator with an integer (torch_xla's form), or restore a state
+    :func:`get_rng_state` returned."""
+    where = _generator_device(device)
+    if isinstance(seed, torch.Tensor):
+        if where.type == "cuda":
+            torch.cuda.set_rng_state(seed, where)
+        else:
+            torch.set_rng_state(seed)
+        return
+    if where.type == "cuda":
+        with torch.cuda.device(where):
+            torch.cuda.manual_seed(int(seed))
+    else:
+        torch.manual_seed(int(seed))
+
+
+def send_cpu_data_to_device(data: Any, device: Any, input_sharding: Any = None, transfer_async: bool = False) -> Any:
+    """``data`` with every tensor in it on ``device`` (the same nesting of lists, tuples and dicts)."""
+    if input_sharding is not None:
+        raise NotImplementedError(
+            "send_cpu_data_to_device(input_sharding=...): XLA's SPMD sharding has no meaning here"
+        )
+    return _to_device(data, torch.device(device))
+
+
+def metrics_report() -> str:
+    """torch_xla's debug report: empty here, since no XLA graph is compiled or run."""
+    return "no XLA metrics: eager PyTorch (meshpar.compat.nxd.xla) compiles no graphs\n"
+
+
+short_metrics_report = metrics_report
+
+
+def counter_names() -> list[str]:
+    return []
+
+
+def metric_names() -> list[str]:
+    return []
+
+
+def counter_value(name: str) -> None:
+    return None
+
+
+def metric_data(name: str) -> None:
+    return None
+
+
+def clear_all() -> None:
+    """Nothing is counted, so nothing to clear."""
+
+
+def _launched() -> bool:
+    return _running() or "WORLD_SIZE" in os.environ
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int | None = None,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> Any:
+    """torch_xla's ``xmp.spawn``: ``fn(index, *args)`` on every local process (see the module docstring)."""
+    if _launched():
+        local = get_local_ordinal()
+        if nprocs not in (None, 1) and nprocs != local_process_count():
+            raise ValueError(
+                f"spawn(nprocs={nprocs}) under a launcher that started {local_process_count()} processes per host: "
+                "let the launcher choose (nprocs=None)"
+            )
+        return fn(local, *args)
+    count = nprocs if nprocs is not None else max(torch.cuda.device_count(), 1)
+    if count == 1:
+        return fn(0, *args)
+    import socket
+
+    import torch.multiprocessing as torch_mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return torch_mp.start_processes(
+        _spawned, args=(fn, args, count, port), nprocs=count, join=join, daemon=daemon, start_method=start_method
+    )
+
+
+def _spawned(index: int, fn: Callable[..., Any], args: tuple, count: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(count), LOCAL_WORLD_SIZE=str(count),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    fn(index, *args)
+
+
+__all__ += [
+    "all_gather",
+    "clear_all",
+    "counter_names",
+    "counter_value",
+    "get_rng_state",
+    "mesh_reduce",
+    "metric_data",
+    "metric_names",
+    "metrics_report",
+    "reduce_scatter",
+    "send_cpu_data_to_device",
+    "set_rng_state",
+    "short_metrics_report",
+    "spawn",
 ]
 
 
