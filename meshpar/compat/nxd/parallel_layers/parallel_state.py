@@ -21,18 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshpar.compat.nxd.parallel_layers._topology import (
-    ParallelGroups,
-    PG_Group_Logic,
-    ascending_descending_ring_PG_group,
-    ascending_ring_PG_group,
-    create_pg_with_ranks,
-    get_logic_chosen,
-    get_pp_gloo_group,
-    get_tcp_store,
-    initialize_pp_gloo_groups,
-    is_tcp_store_available,
-)
+from meshpar.compat.nxd.parallel_layers import _topology
+from meshpar.compat.nxd.parallel_layers._topology import *  # noqa: F403 - NxD's layouts and helper groups
 from meshpar.parallel_dims import get_parallel
 from meshpar.parallel_state import *  # noqa: F403 - NxD's module holds every getter
 from meshpar.parallel_state import destroy_model_parallel, model_parallel_is_initialized
@@ -377,16 +367,7 @@ def get_prev_rank_replica_groups() -> list[list[int]]:
 
 
 __all__ = [
-    "PG_Group_Logic",
-    "ParallelGroups",
-    "ascending_descending_ring_PG_group",
-    "ascending_ring_PG_group",
-    "create_pg_with_ranks",
-    "get_logic_chosen",
-    "get_pp_gloo_group",
-    "get_tcp_store",
-    "initialize_pp_gloo_groups",
-    "is_tcp_store_available",
+    *_topology.__all__,
     "arrange_kv_groups",
     "destroy_kv_group",
     "destroy_model_parallel",
