@@ -122,7 +122,8 @@ def _send_rows_and_weights(
     if weights.dtype != rows.dtype:
         return all_to_all(rows, send, recv, mesh), all_to_all(weights.unsqueeze(-1), send, recv, mesh).squeeze(-1)
     both = all_to_all(torch.cat((rows, weights.unsqueeze(-1)), dim=-1), send, recv, mesh)
-    return both[:, :-1].contiguous(), both[:, -1]
+    # copies, not views: the received buffer is freed here instead of living on beside the rows
+    return both[:, :-1].contiguous(), both[:, -1].clone()
 
 
 def combine(expert_output: torch.Tensor, routes: Routes, ep_mesh: DeviceMesh | None) -> torch.Tensor:
