@@ -138,3 +138,34 @@ def test_spawn_under_a_launcher_runs_the_entry_point_in_this_process(monkeypatch
     assert calls == [(1, "x")]
     with pytest.raises(ValueError, match="let the launcher choose"):
         xm.spawn(lambda index: None, nprocs=8)
+
+
+def reused_groups_case() -> list[int]:
+    """A replica-group list given at every step: new process groups the first time only (counted at
+    ``torch.distributed.new_group``), for the collectives, ``rendezvous`` and the ZeRO-1 grad norm alike."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd import xla as xm
+    from meshpar.compat.nxd.parallel_layers import grads
+
+    made = []
+    real = dist.new_group
+    with mock.patch.object(dist, "new_group", side_effect=lambda *a, **k: made.append(a) or real(*a, **k)):
+        counts = []
+        for _ in range(3):
+            before = len(made)
+            total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1), groups=[[0, 1]])
+            xm.rendezvous("step", b"", replicas=[0, 1])
+            param = torch.nn.Parameter(torch.ones(2))
+            param.grad = torch.ones(2)
+            grads.get_grad_norm([param], zero1_optimizer=True, zero1_optimizer_groups=[[0], [1]])
+            assert total.item() == 2.0
+            counts.append(len(made) - before)
+    return counts
+
+
+def test_replica_group_lists_make_their_process_groups_once() -> None:
+    for counts in run_distributed(reused_groups_case, 2):
+        assert counts[0] > 0 and counts[1:] == [0, 0], counts

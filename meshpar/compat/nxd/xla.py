@@ -123,7 +123,7 @@ def rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) -> 
     """A barrier over the world (``replicas``: over those ranks); returns every rank's ``payload``."""
     if not _running():
         return [payload]
-    group = dist.new_group(list(replicas)) if replicas else None
+    group = _group_of([list(replicas)])[0] if replicas else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, payload, group=group)
     return gathered
@@ -134,10 +134,16 @@ def master_print(*args: Any, fd: Any = sys.stdout, finalizer: Callable[[], None]
         print(*args, file=fd, flush=True)
 
 
+# the groups made for replica-group lists, by the lists, with the default group they were made under: a script
+# that passes the same lists at every step (``xm.all_reduce(..., groups=...)``) reuses them instead of making new
+# process groups every step (each holds sockets and a transport thread for the life of the job)
+_MADE: dict[tuple[tuple[int, ...], ...], tuple[Any, tuple[dist.ProcessGroup, int]]] = {}
+
+
 def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup | None, int]:
     """The process group among ``groups`` (lists of global ranks, as torch_xla takes them) holding this rank, and
-    its size; ``None``: the world. The parallel state's own groups are reused; other lists become new groups (every
-    rank makes every group, as c10d requires)."""
+    its size; ``None``: the world. The parallel state's own groups are reused; other lists become new groups the
+    first time they are given (every rank makes every group, as c10d requires), the same groups after that."""
     if not groups:
         return None, xrt_world_size()
     if is_initialized():
@@ -146,6 +152,10 @@ def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup
             if sorted(map(sorted, groups)) == sorted(map(sorted, dims.group_ranks(name))):
                 mesh = getattr(dims, f"{name}_mesh")
                 return mesh.get_group(), mesh.size()
+    key = tuple(tuple(int(rank) for rank in ranks) for ranks in groups)
+    made = _MADE.get(key)
+    if made is not None and made[0] is dist.GroupMember.WORLD:
+        return made[1]
     mine = None
     for ranks in groups:
         group = dist.new_group(list(ranks))
@@ -153,6 +163,7 @@ def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup
             mine = (group, len(ranks))
     if mine is None:
         raise ValueError(f"rank {get_ordinal()} is in none of the groups {groups}")
+    _MADE[key] = (dist.GroupMember.WORLD, mine)
     return mine
 
 

@@ -53,16 +53,11 @@ def get_grad_norm(
 
 
 def _my_group(groups: list[list[int]]) -> dist.ProcessGroup:
-    """The process group of the listed rank groups that holds this rank (every rank creates every group, as c10d
-    requires)."""
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    if mine is None:
-        raise ValueError(f"rank {dist.get_rank()} is in none of the groups {groups}")
-    return mine
+    """The process group of the listed rank groups that holds this rank: made once for those lists (every rank
+    creates every group, as c10d requires) and reused at every later step (see ``xla._group_of``)."""
+    from meshpar.compat.nxd import xla
+
+    return xla._group_of(groups)[0]
 
 
 def clip_grads_with_norm(parameters: Iterable[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
