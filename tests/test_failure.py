@@ -213,3 +213,32 @@ def test_a_case_that_leaves_a_stub_in_a_worker_fails_and_the_worker_puts_it_back
     with pytest.raises(AssertionError, match=left):
         run_distributed(leaky_patch_case, 2)
     assert run_distributed(unpatched_case, 2) == [("local_positions", "_Shift.wait")] * 2
+
+
+def many_groups_case(count: int) -> tuple[int, int]:
+    """Make ``count`` process groups (each keeps gloo transport threads alive in this worker); this worker's pid
+    and thread count."""
+    from meshpar.testing import _harness
+
+    for _ in range(count):
+        dist.new_group([0, 1])
+    return os.getpid(), _harness._thread_count()
+
+
+def pid_case() -> int:
+    return os.getpid()
+
+
+@pytest.mark.slow  # gloo groups take a while to make on a loaded machine
+def test_workers_that_grew_many_threads_are_recycled_and_others_kept() -> None:
+    """A case that leaves its workers holding many groups (and so many idle-polling threads) gets fresh workers for
+    the next case; a case that makes none keeps its workers."""
+    from meshpar.testing import _harness
+
+    first = run_distributed(pid_case, 2)
+    assert run_distributed(pid_case, 2) == first  # nothing grew: the same workers
+    grown = run_distributed(many_groups_case, 2, _harness._RECYCLE_THREADS // 3 + 1)  # ~3 threads a group
+    assert [pid for pid, _ in grown] == first
+    assert all(threads > _harness._RECYCLE_THREADS for _, threads in grown), grown
+    fresh = run_distributed(pid_case, 2)
+    assert set(fresh).isdisjoint(first), (first, fresh)

@@ -10,6 +10,13 @@ the next call) instead of blocking the test session.
 A worker serves many tests, so a case that replaces a meshpar function, class or method (a test's stub) and does
 not put it back would change every later case in that worker: the worker puts back whatever a case left replaced and
 fails that case, naming what it left.
+
+Workers are recycled as they age: every process group a case makes lives on in the worker (meshpar reuses its
+meshes; tests and views make groups of their own), and each gloo group keeps a transport thread that wakes every
+few milliseconds, so a worker holding a hundred groups burns a sixth of a core while idle, slowing every later test.
+Each reply carries the worker's thread count; a pool past :data:`_RECYCLE_THREADS` is closed after its call, or
+when a pool of another world size is used, and the next call starts fresh workers from the fork server (a fraction
+of a second).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ import torch.distributed as dist
 _GLOO_TIMEOUT_S = 600
 _ANSWER_TIMEOUT_S = 600.0
 _AFTER_FAILURE_TIMEOUT_S = 120.0
+# a worker's threads beyond which its pool is recycled (about three per live gloo group): after a call, and for a
+# pool left idle while another world size runs. Not lower: a fresh pool rebuilds the meshes later cases reuse.
+_RECYCLE_THREADS = 160
 
 # imported once by the fork server that starts every worker: a pool respawned after a failure test (its process
 # groups aborted) starts in a fraction of a second instead of importing torch and transformers again in each process
@@ -172,9 +182,19 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
         if left and reply[0] != "error":
             reply = ("error", f"{fn.__qualname__} left {left} replaced in the worker, which serves later tests: put "
                      "them back in a finally (the worker has)")  # fmt: skip
-        conn.send(reply)
+        conn.send((*reply, _thread_count()))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _thread_count() -> int:
+    """This process's threads, native ones (gloo's) included where the OS lists them; Python's own elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
 
 
 def _exit_reason(code: int | None) -> str:
@@ -206,6 +226,7 @@ class DistributedPool:
             self._conns.append(parent)
             self._procs.append(proc)
         self.broken = False
+        self.threads = 0  # the most threads a worker reported after the last call
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = _ANSWER_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         if self.broken:
@@ -222,7 +243,8 @@ class DistributedPool:
                 hung = True
                 continue
             try:
-                status, payload = conn.recv()
+                status, payload, threads = conn.recv()
+                self.threads = max(self.threads, threads)
             except (EOFError, ConnectionError):  # the process died (a signal, an abort in native code)
                 self._procs[rank].join(timeout=5)
                 code = self._procs[rank].exitcode
@@ -261,6 +283,9 @@ _POOLS: dict[int, DistributedPool] = {}
 
 
 def _pool(world_size: int) -> DistributedPool:
+    for size, other in _POOLS.items():  # idle while this one runs: recycled if its groups make it burn CPU
+        if size != world_size and not other.broken and other.threads > _RECYCLE_THREADS:
+            other.close()
     pool = _POOLS.get(world_size)
     if pool is None or pool.broken:
         pool = _POOLS[world_size] = DistributedPool(world_size)
@@ -276,10 +301,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwarg
     rerun keeps a rare native crash from failing the whole suite. A function that crashes every time still fails,
     and every Python error or wrong result fails at once."""
     try:
-        return _pool(world_size).run(fn, *args, **kwargs)
+        return _run_pooled(fn, world_size, *args, **kwargs)
     except RankCrashedError as crash:
         warnings.warn(f"{crash}\n(ran {fn.__name__} again in fresh processes)", RuntimeWarning, stacklevel=2)
-    return _pool(world_size).run(fn, *args, **kwargs)
+    return _run_pooled(fn, world_size, *args, **kwargs)
+
+
+def _run_pooled(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """One call on the shared pool of ``world_size``, which is recycled afterwards if its workers grew too many
+    threads (see the module docstring)."""
+    pool = _pool(world_size)
+    results = pool.run(fn, *args, **kwargs)
+    if not pool.broken and pool.threads > _RECYCLE_THREADS:
+        pool.close()
+    return results
 
 
 @atexit.register
