@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshpar.testing._harness import shutdown_pools
+
 ROOT = Path(__file__).resolve().parents[1]
 _RUNNER = Path(__file__).resolve().parent / "_run_script.py"
 # the line each launched process prints once its script and exit handlers finished
@@ -37,6 +39,9 @@ def launch(
     A run whose every process finished its script and exit handlers, and which failed only because a process
     aborted afterwards in Python's finalisation (see ``_FINALISATION_ABORT``), is returned with exit status 0 and a
     line saying so appended to its stderr: what the script did is what the test judges."""
+    # the shared worker pools sit idle meanwhile, but their gloo groups' transport threads still poll: closed, they
+    # leave the cores to the launched processes (the next pooled test starts fresh workers in a fraction of a second)
+    shutdown_pools()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     env.pop("TRITON_INTERPRET", None)  # the scripts run as users run them: compiled kernels where there is a GPU
     command = [sys.executable, str(_RUNNER), str(script), *args]

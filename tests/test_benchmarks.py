@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from meshpar.testing._harness import shutdown_pools
+
 pytestmark = pytest.mark.slow  # not in make test-fast: each runs a benchmark script in fresh processes
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -45,6 +47,7 @@ RUNS = {
 
 @cache
 def _sections() -> dict[str, str]:
+    shutdown_pools()  # idle worker pools still poll their gloo groups: leave the cores to the benchmarks
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "_smoke.py"), json.dumps([line.split() for line in RUNS.values()])],
         capture_output=True, text=True, timeout=1800, check=False,
