@@ -14,9 +14,8 @@ fails that case, naming what it left.
 Workers are recycled as they age: every process group a case makes lives on in the worker (meshpar reuses its
 meshes; tests and views make groups of their own), and each gloo group keeps a transport thread that wakes every
 few milliseconds, so a worker holding a hundred groups burns a sixth of a core while idle, slowing every later test.
-Each reply carries the worker's thread count; a pool past :data:`_RECYCLE_THREADS` is closed after its call, or
-when a pool of another world size is used, and the next call starts fresh workers from the fork server (a fraction
-of a second).
+Each reply carries the worker's thread count; a pool past :data:`_RECYCLE_THREADS` is closed after its call
+(failed or not), and the next call starts fresh workers from the fork server (a fraction of a second).
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ import torch.distributed as dist
 _GLOO_TIMEOUT_S = 600
 _ANSWER_TIMEOUT_S = 600.0
 _AFTER_FAILURE_TIMEOUT_S = 120.0
-# a worker's threads beyond which its pool is recycled (about three per live gloo group): after a call, and for a
-# pool left idle while another world size runs. Not lower: a fresh pool rebuilds the meshes later cases reuse.
+# a worker's threads beyond which its pool is recycled after a call (about three per live gloo group). Not lower: a
+# fresh pool rebuilds the meshes later cases reuse.
 _RECYCLE_THREADS = 160
 
 # imported once by the fork server that starts every worker: a pool respawned after a failure test (its process
@@ -226,7 +225,7 @@ class DistributedPool:
             self._conns.append(parent)
             self._procs.append(proc)
         self.broken = False
-        self.threads = 0  # the most threads a worker reported after the last call
+        self.threads = 0  # the most threads any worker has reported (a worker's threads only grow)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = _ANSWER_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         if self.broken:
@@ -283,9 +282,6 @@ _POOLS: dict[int, DistributedPool] = {}
 
 
 def _pool(world_size: int) -> DistributedPool:
-    for size, other in _POOLS.items():  # idle while this one runs: recycled if its groups make it burn CPU
-        if size != world_size and not other.broken and other.threads > _RECYCLE_THREADS:
-            other.close()
     pool = _POOLS.get(world_size)
     if pool is None or pool.broken:
         pool = _POOLS[world_size] = DistributedPool(world_size)
@@ -311,10 +307,11 @@ def _run_pooled(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: A
     """One call on the shared pool of ``world_size``, which is recycled afterwards if its workers grew too many
     threads (see the module docstring)."""
     pool = _pool(world_size)
-    results = pool.run(fn, *args, **kwargs)
-    if not pool.broken and pool.threads > _RECYCLE_THREADS:
-        pool.close()
-    return results
+    try:
+        return pool.run(fn, *args, **kwargs)
+    finally:  # a failed call too: the pool would otherwise sit idle, polling, while others run
+        if not pool.broken and pool.threads > _RECYCLE_THREADS:
+            pool.close()
 
 
 @atexit.register
