@@ -331,6 +331,7 @@ def apply_activation_checkpointing(
     replay_tp_rng: bool = True,
     compile_blocks: bool = False,
     check_fn: Callable[[torch.nn.Module], bool] | None = None,
+    wrapper: type[_CheckpointedBlock] = _CheckpointedBlock,
 ) -> torch.nn.Module:
     """Recompute every ``block_cls`` module in backward, replaying the tensor-parallel RNG state (dropout masks in
     sharded regions come out the same). Apply after TP, before FSDP.
@@ -343,11 +344,13 @@ def apply_activation_checkpointing(
     seeds from) and the TP tracker are restored before the recompute, so dropout masks replay exactly.
 
     ``replay_tp_rng=False`` uses torch's plain non-reentrant checkpoint (no tracker replay). ``check_fn`` picks the
-    blocks by a predicate instead of (or besides) their class (NxD's and FSDP's way)."""
+    blocks by a predicate instead of (or besides) their class (NxD's and FSDP's way). ``wrapper`` is the class mixed
+    in (a subclass of the default names the checkpointed blocks after a compatibility view's own wrapper)."""
+    prefix = "Checkpointed" if wrapper is _CheckpointedBlock else wrapper.__name__
     for module in list(model.modules()):
         chosen = isinstance(module, block_cls) or (check_fn is not None and module is not model and check_fn(module))
         if chosen and not isinstance(module, _CheckpointedBlock):
-            mix_into(module, _CheckpointedBlock, "Checkpointed")  # in place, FQNs kept (meshpar._in_place)
+            mix_into(module, wrapper, prefix)  # in place, FQNs kept (meshpar._in_place)
             inner = super(_CheckpointedBlock, module).forward
             module._meshpar_block_forward = torch.compile(inner) if compile_blocks else inner
             module._meshpar_replay_tp_rng = replay_tp_rng

@@ -270,6 +270,45 @@ def test_nxd_layers_on_meta_and_without_a_parallel_state() -> None:
     run_distributed(meta_and_fallback_case, 1)
 
 
+class _StandInGroup:
+    """Not a torch.distributed group: an object with a size, as NxD's unit tests pass."""
+
+    def size(self) -> int:
+        return 4
+
+
+def stand_in_group_case() -> None:
+    """A layer built over a stand-in group takes its sizes from it and its shard from the (here replaced) tp
+    getters, as NxD's layers do; its groups can be set as NxD code sets them; a collective over the stand-in is
+    refused with a clear error instead of running over some other group."""
+    from unittest import mock
+
+    from meshpar.compat.nxd.parallel_layers import layers, parallel_state
+
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(3)
+    with (
+        mock.patch.object(layers, "get_tensor_model_parallel_size", return_value=4),
+        mock.patch.object(layers, "get_tensor_model_parallel_rank", return_value=2),
+    ):
+        column = layers.ColumnParallelLinear(
+            H, OUT, keep_master_weight=True, tensor_model_parallel_group=_StandInGroup()
+        )
+        row = layers.RowParallelLinear(OUT, H, keep_master_weight=True, tensor_model_parallel_group=_StandInGroup())
+    assert column.weight.shape == (OUT // 4, H) and column.weight.num_partitions == 4
+    torch.testing.assert_close(column.weight, _shard(column.master_weight, 0, 4, 2), rtol=0, atol=0)
+    torch.testing.assert_close(row.weight, _shard(row.master_weight, 1, 4, 2), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"not a process group torch\.distributed made"):
+        column(torch.randn(B, S, H))
+    column.tensor_parallel_group = parallel_state.get_tensor_model_parallel_group()  # a real group again: usable
+    assert column.tensor_model_parallel_group is parallel_state.get_tensor_model_parallel_group()
+    assert isinstance(column.tensor_parallel_group, torch.distributed.ProcessGroup) and column.tp_mesh.size() == 1
+
+
+def test_nxd_layers_over_a_stand_in_group() -> None:
+    run_distributed(stand_in_group_case, 1)
+
+
 def grad_norm_case(zero1: bool) -> None:
     """NxD's clip_grad_norm over tp-sharded plain parameters and replicated ones equals torch's on the dense model."""
     from meshpar.compat.nxd.parallel_layers import grads, layers, parallel_state

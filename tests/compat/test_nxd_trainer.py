@@ -1,9 +1,9 @@
 """NxD's trainer API through the view against a dense single-process run: ``neuronx_distributed_config``,
 ``initialize_parallel_model`` (plain and pipelined), ``initialize_parallel_optimizer`` (with and without ZeRO-1,
 param groups, clipping, sequence-parallel norms), a few training steps equal to dense (loss, and the parameters after
-every step), the checkpoint API (save / has / load / finalize, num_kept_ckpts, a save interrupted before its
-``done`` marker, a layout mismatch refused on every rank), and the GQA QKV layer against dense grouped-query
-attention projections."""
+every step; in two layouts with the blocks recomputed in backward, ``activation_checkpoint_config``), the checkpoint
+API (save / has / load / finalize, num_kept_ckpts, a save interrupted before its ``done`` marker, a layout mismatch
+refused on every rank), and the GQA QKV layer against dense grouped-query attention projections."""
 
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ def _dense_step(dense: nn.Module, optimizer: torch.optim.Optimizer, scheduler: t
     return loss.detach(), norm
 
 
-def _config(tp: int, pp: int, zero1: bool, sequence_parallel: bool) -> dict:
+def _config(tp: int, pp: int, zero1: bool, sequence_parallel: bool, checkpoint: bool = False) -> dict:
+    """NxD's config for the run; ``checkpoint``: the blocks recomputed in backward (``"full"``: the pipeline's
+    transformer layers, else named by class)."""
     import meshpar.compat.nxd as nxd
 
     pipeline_config = {"transformer_layer_cls": Block, "num_microbatches": 2, "output_loss_value_spec": True,
@@ -114,6 +116,7 @@ def _config(tp: int, pp: int, zero1: bool, sequence_parallel: bool) -> dict:
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 0.05},
         sequence_parallel=sequence_parallel,
+        activation_checkpoint_config=("full" if pp > 1 else [Block]) if checkpoint else None,
     )  # fmt: skip
 
 
@@ -130,12 +133,14 @@ def _train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, pp: i
     return loss / dp
 
 
-def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None, dcp: bool = False) -> None:
+def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str | None, dcp: bool = False,
+               checkpoint: bool = False) -> None:  # fmt: skip
     import meshpar.compat.nxd as nxd
     from meshpar.compat.nxd import xla
     from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.utils.activation_checkpoint import NxDCheckpointWrapper
 
-    config = _config(tp, pp, zero1, sequence_parallel)
+    config = _config(tp, pp, zero1, sequence_parallel, checkpoint)
     device = xla.xla_device()  # the process's GPU where it has one (tests/compat/test_nxd_cuda.py), else the CPU
     dense, dense_optimizer, dense_scheduler = _dense(device)
 
@@ -145,6 +150,9 @@ def train_case(tp: int, pp: int, zero1: bool, sequence_parallel: bool, tmp: str 
         return module
 
     model = nxd.initialize_parallel_model(config, build)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert blocks and all(isinstance(m, NxDCheckpointWrapper) == checkpoint for m in blocks)
+    assert ("NxDCheckpointWrapperBlock(" in str(model)) == checkpoint  # a printed model shows the recomputed blocks
     optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.AdamW, _groups(model), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     dp = parallel_state.get_data_parallel_size()
@@ -192,12 +200,12 @@ def _resume_and_step(config: dict, tmp: str, pp: int, sequence_parallel: bool, d
 
 
 @pytest.mark.parametrize(
-    "tp,pp,zero1,sequence_parallel",
-    [(2, 1, False, False), (2, 1, False, True), (2, 2, False, False), (1, 2, True, False)],
-)  # (2, 1, True, False) is the ZeRO-1 DCP test below
+    "tp,pp,zero1,sequence_parallel,checkpoint",
+    [(2, 1, False, False, False), (2, 1, False, True, True), (2, 2, False, False, True), (1, 2, True, False, False)],
+)  # (2, 1, True, False) is the ZeRO-1 DCP test below; checkpoint: activation checkpointing of the blocks
 def test_nxd_trainer_trains_like_dense_and_resumes(tp: int, pp: int, zero1: bool, sequence_parallel: bool,
-                                                   tmp_path) -> None:  # fmt: skip
-    run_distributed(train_case, 4, tp, pp, zero1, sequence_parallel, str(tmp_path))
+                                                   checkpoint: bool, tmp_path) -> None:  # fmt: skip
+    run_distributed(train_case, 4, tp, pp, zero1, sequence_parallel, str(tmp_path), checkpoint=checkpoint)
 
 
 def zero1_dcp_other_dp_case(tmp: str) -> str:

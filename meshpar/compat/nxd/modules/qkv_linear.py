@@ -66,7 +66,8 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
     ) -> None:
         super().__init__(device=device)
         self.tp_mesh = group_mesh(None)
-        tp = self.tp_mesh.size()
+        # the tp size as NxD reads it (its unit tests set it by patching the getter)
+        self.world_size = tp = parallel_state.get_tensor_model_parallel_size()
         if tp % kv_size_multiplier != 0:
             raise ValueError(f"tp={tp} must be divisible by kv_size_multiplier={kv_size_multiplier}")
         if (output_sizes[1] * kv_size_multiplier) % tp != 0:
@@ -94,8 +95,41 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         self.async_tensor_model_parallel_allreduce = not sequence_parallel_enabled and tp > 1
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self._create_weights_biases()
+        self.initialize_weight_biases()
+        self._sum_kv_grads_over_replicas()
 
-    # -- construction ----------------------------------------------------------------------------------------------
+    # -- construction: NxD's two steps, the parameters' shapes then their values -----------------------------------
+    def _row_sizes(self, bias: bool = False) -> list[int]:
+        """The rows of q, k and v this rank holds (a gathered layer's biases are whole)."""
+        if bias and self.gather_output:
+            return [self.output_sizes[0], self.output_sizes[1], self.output_sizes[1]]
+        kv = self.kv_output_size_per_partition
+        return [self.q_output_size_per_partition, kv, kv]
+
+    def _create_weights_biases(self) -> None:
+        """This rank's parameters, uninitialised, with NxD's tensor-parallel attributes: ``weight_qkv`` (and
+        ``bias_qkv``) stacked with ``fuse_qkv``, else ``weight_q`` / ``weight_k`` / ``weight_v`` (and biases)."""
+        tp = self.world_size
+
+        def make(rows: int, *cols: int, sharded: bool = True) -> nn.Parameter:
+            param = nn.Parameter(torch.empty(rows, *cols, dtype=self.dtype, device=self.device))
+            if sharded:
+                set_tensor_model_parallel_attributes(param, True, 0, 1, tp)
+            return param
+
+        for name in ("weight_qkv", "weight_q", "weight_k", "weight_v", "bias_qkv", "bias_q", "bias_k", "bias_v"):
+            self.register_parameter(name, None)
+        rows, bias_rows = self._row_sizes(), self._row_sizes(bias=True)
+        if self.fuse_qkv:
+            self.weight_qkv = make(sum(rows), self.input_size)
+            if self.use_bias:
+                self.bias_qkv = make(sum(bias_rows), sharded=not self.gather_output)
+        else:
+            self.weight_q, self.weight_k, self.weight_v = (make(r, self.input_size) for r in rows)
+            if self.use_bias:
+                self.bias_q, self.bias_k, self.bias_v = (make(r, sharded=not self.gather_output) for r in bias_rows)
+        self.master_weight_qkv = self.master_weight_q = self.master_weight_k = self.master_weight_v = None
+
     def _init_weight_part(
         self, size: int, per_partition: int, multiplier: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,52 +140,19 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         local = create_local_weight(_replicated_blocks(master, per_partition, multiplier), 0, per_partition, 1)
         return local, (master if self.keep_master_weight else None)
 
-    def _init_bias_part(self, size: int, per_partition: int, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _init_bias_part(self, size: int, per_partition: int, multiplier: int) -> torch.Tensor:
         bound = 1 / math.sqrt(self.input_size)
         master = torch.empty(size, dtype=torch.float32).uniform_(-bound, bound).to(self.dtype)
         if self.gather_output:
-            return master, master
-        return create_local_weight(_replicated_blocks(master, per_partition, multiplier), 0, per_partition, 1), master
+            return master
+        return create_local_weight(_replicated_blocks(master, per_partition, multiplier), 0, per_partition, 1)
 
-    def _create_weights_biases(self) -> None:
-        q_rows, kv_rows, m = (
-            self.q_output_size_per_partition,
-            self.kv_output_size_per_partition,
-            self.kv_size_multiplier,
-        )
-        meta = torch.device(self.device).type == "meta" if self.device is not None else False
-        if meta:
-            parts = [torch.empty(q_rows, self.input_size, dtype=self.dtype, device="meta"),
-                     torch.empty(kv_rows, self.input_size, dtype=self.dtype, device="meta"),
-                     torch.empty(kv_rows, self.input_size, dtype=self.dtype, device="meta")]  # fmt: skip
-            masters = [None, None, None]
-        else:
-            made = [self._init_weight_part(self.output_sizes[0], q_rows, 1),
-                    self._init_weight_part(self.output_sizes[1], kv_rows, m),
-                    self._init_weight_part(self.output_sizes[1], kv_rows, m)]  # fmt: skip
-            parts = [local.to(self.device) if self.device is not None else local for local, _ in made]
-            masters = [master for _, master in made]
-        names = ["weight_qkv"] if self.fuse_qkv else ["weight_q", "weight_k", "weight_v"]
-        values = [torch.cat(parts, dim=0)] if self.fuse_qkv else parts
-        for name, value in zip(names, values, strict=True):
-            param = nn.Parameter(value.contiguous())
-            set_tensor_model_parallel_attributes(param, True, 0, 1, self.tp_mesh.size())
-            setattr(self, name, param)
-        for name in ("weight_q", "weight_k", "weight_v") if self.fuse_qkv else ("weight_qkv",):
-            self.register_parameter(name, None)
-        if self.keep_master_weight:
-            if self.fuse_qkv:
-                self.master_weight_qkv = torch.cat(masters, dim=0) if masters[0] is not None else None
-            else:
-                self.master_weight_q, self.master_weight_k, self.master_weight_v = masters
-        self._make_biases(meta)
-        self._sum_kv_grads_over_replicas()
-
-    def _make_biases(self, meta: bool) -> None:
-        names = ["bias_qkv"] if self.fuse_qkv else ["bias_q", "bias_k", "bias_v"]
-        for name in ("bias_qkv", "bias_q", "bias_k", "bias_v"):
-            self.register_parameter(name, None)
-        if not self.use_bias:
+    def initialize_weight_biases(self) -> None:
+        """Fill the parameters: each of q, k, v initialised whole in float32 (``init_method``, or ``nn.Linear``'s
+        Kaiming uniform), the kv heads repeated ``kv_size_multiplier`` times, then this rank's rows; the whole
+        weights kept as ``master_weight_*`` with ``keep_master_weight``. On a meta device nothing is filled."""
+        params = [self.weight_qkv] if self.fuse_qkv else [self.weight_q, self.weight_k, self.weight_v]
+        if params[0].device.type == "meta":
             return
         q_rows, kv_rows, m = (
             self.q_output_size_per_partition,
@@ -163,18 +164,28 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
             (self.output_sizes[1], kv_rows, m),
             (self.output_sizes[1], kv_rows, m),
         ]
-        if meta:
-            parts = [torch.empty(s if self.gather_output else rows, dtype=self.dtype, device="meta")
-                     for s, rows, _ in sizes]  # fmt: skip
-        else:
-            parts = [self._init_bias_part(*size)[0] for size in sizes]
-            parts = [p.to(self.device) if self.device is not None else p for p in parts]
-        values = [torch.cat(parts)] if self.fuse_qkv else parts
-        for name, value in zip(names, values, strict=True):
-            param = nn.Parameter(value.contiguous())
-            if not self.gather_output:
-                set_tensor_model_parallel_attributes(param, True, 0, 1, self.tp_mesh.size())
-            setattr(self, name, param)
+        made = [self._init_weight_part(*size) for size in sizes]
+        locals_, masters = [local for local, _ in made], [master for _, master in made]
+        with torch.no_grad():
+            if self.fuse_qkv:
+                self.weight_qkv.copy_(torch.cat(locals_, dim=0))
+            else:
+                for param, local in zip(params, locals_, strict=True):
+                    param.copy_(local)
+        if self.keep_master_weight:
+            if self.fuse_qkv:
+                self.master_weight_qkv = torch.cat(masters, dim=0)
+            else:
+                self.master_weight_q, self.master_weight_k, self.master_weight_v = masters
+        if not self.use_bias:
+            return
+        parts = [self._init_bias_part(*size) for size in sizes]
+        with torch.no_grad():
+            if self.fuse_qkv:
+                self.bias_qkv.copy_(torch.cat(parts))
+            else:
+                for param, part in zip((self.bias_q, self.bias_k, self.bias_v), parts, strict=True):
+                    param.copy_(part)
 
     def _sum_kv_grads_over_replicas(self) -> None:
         """Each kv replica's incoming weight grad (and bias grad) summed over its kv-shared group before it is

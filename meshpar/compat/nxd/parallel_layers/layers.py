@@ -28,23 +28,36 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
 from meshpar.compat._shards import strided_local_part
 from meshpar.compat.nxd.parallel_layers import layers_utils
+
+# the steps LinearWithAsyncCommunication is built from, in this module's namespace as in NxD's (its tests patch them)
+from meshpar.compat.nxd.parallel_layers.layers_utils import (  # noqa: F401
+    _gather_along_dim,
+    _linear_autograd_base_setup_bwd,
+    _linear_autograd_base_setup_fwd,
+    _linear_autograd_bwd_grad_reduce,
+    _linear_autograd_bwd_input_grad,
+    _linear_autograd_bwd_no_weight_grad,
+    _reduce_scatter_along_dim,
+)
 from meshpar.compat.nxd.parallel_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     group_mesh,
+    is_registered_group,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 
-# NxD's layers module holds these two getters (its unit tests patch them here); the layers read the tp mesh
-from meshpar.compat.nxd.parallel_layers.parallel_state import (  # noqa: F401
+# NxD's layers module holds these getters (its unit tests patch them here): a weight is cut by them
+from meshpar.compat.nxd.parallel_layers.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_size,
 )
@@ -57,7 +70,6 @@ from meshpar.compat.nxd.parallel_layers.utils import (
     set_tensor_model_parallel_attributes,
     verify_casted_dtype,
 )
-from meshpar.parallel_dims import get_parallel
 
 InitMethod = Callable[[torch.Tensor], Any]
 
@@ -70,9 +82,10 @@ def create_local_weight(
     out_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This tp rank's part of ``full_weight`` along ``partition_dim`` (``stride`` blocks dealt round-robin: see
-    :func:`meshpar.compat._shards.strided_local_part`), written into ``out_weight`` when given."""
-    dims = get_parallel()
-    part = strided_local_part(full_weight, partition_dim, per_partition_size, stride, dims.tp_rank, dims.tp)
+    :func:`meshpar.compat._shards.strided_local_part`), written into ``out_weight`` when given. The rank and size
+    are the parallel state's tp rank and size, read through this module's getters as NxD reads them."""
+    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_size()
+    part = strided_local_part(full_weight, partition_dim, per_partition_size, stride, rank, size)
     if out_weight is None:
         return part
     with torch.no_grad():
@@ -120,21 +133,39 @@ def _initialize_affine_weight_neuron(
 
 class BaseParallelLayer(nn.Module):
     """Every NxD parallel layer: built without a parallel state it warns and sets up a one-process one. A layer
-    keeps its group as a mesh (``tp_mesh``, which copies and pickles); NxD's group attributes read it."""
+    keeps its process group as a mesh (``tp_mesh``, which copies and pickles); NxD's group attributes
+    (``tensor_parallel_group``, ``tensor_model_parallel_group``) read it and can be set, as NxD code does. Any other
+    object given or set as the group (NxD's unit tests use stand-ins with a ``size()``) is kept as it is: sizes are
+    read from it, and the collectives refuse it when they run."""
 
     tp_mesh: Any
+    _given_group: Any = None
 
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
         ensure_parallel_state(device)
 
+    def _set_group(self, group: Any) -> None:
+        if group is None or is_registered_group(group):
+            self.tp_mesh, self._given_group = group_mesh(group), None
+        else:
+            self.tp_mesh, self._given_group = None, group
+
     @property
     def tensor_parallel_group(self) -> Any:
-        return self.tp_mesh.get_group()
+        return self._given_group if self._given_group is not None else self.tp_mesh.get_group()
+
+    @tensor_parallel_group.setter
+    def tensor_parallel_group(self, group: Any) -> None:
+        self._set_group(group)
 
     @property
     def tensor_model_parallel_group(self) -> Any:
-        return self.tp_mesh.get_group()
+        return self.tensor_parallel_group
+
+    @tensor_model_parallel_group.setter
+    def tensor_model_parallel_group(self, group: Any) -> None:
+        self._set_group(group)
 
 
 def _new_parameter(shape: tuple[int, ...], device: torch.device | str | None, dtype: torch.dtype) -> nn.Parameter:
@@ -294,29 +325,31 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
         process_group: Any = None,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        mesh = group_mesh(process_group)
-        gather = sequence_parallel_enabled and mesh.size() > 1
-        reduce = async_grad_allreduce and not gather and mesh.size() > 1  # sequence parallelism reduce-scatters
         dim = 0 if sequence_dimension is None else sequence_dimension
-        total = layers_utils._linear_autograd_base_setup_fwd(
-            ctx, input, weight, bias, reduce, gather, dim, True, mesh.get_group(), reduce_dtype
-        )
+        total = _linear_autograd_base_setup_fwd(
+            ctx, input, weight, bias, async_grad_allreduce, sequence_parallel_enabled, dim, save_for_backward,
+            process_group, reduce_dtype,
+        )  # fmt: skip
         output = torch.matmul(total, weight.t())
         return output + bias if bias is not None else output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        total, weight, grad_output = layers_utils._linear_autograd_base_setup_bwd(ctx, (grad_output,))
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        total, weight, grad_output = _linear_autograd_base_setup_bwd(ctx, grad_outputs)
         grad_input = grad_output.matmul(weight)
         dtype = grad_input.dtype
-        handle = layers_utils._linear_autograd_bwd_grad_reduce(ctx, grad_input, dtype)
-        grad_weight = grad_bias = None
-        if ctx.compute_weight_gradient:  # while the input grad's all-reduce runs
-            flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-            grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
-            grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
-        shard, grad_input = layers_utils._linear_autograd_bwd_input_grad(ctx, grad_input, handle, dtype)
-        return shard if shard is not None else grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        handle = _linear_autograd_bwd_grad_reduce(ctx, grad_input, dtype)
+        rest = (None,) * 6
+        if not ctx.compute_weight_gradient:
+            if ctx.sequence_parallel_enabled:
+                return _linear_autograd_bwd_no_weight_grad(ctx, grad_input, dtype), None, None, *rest
+            return layers_utils._reduced_input_grad(ctx, grad_input, handle, dtype), None, None, *rest
+        # the weight grad's matmul runs while the input grad's all-reduce is under way
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
+        shard, grad_input = _linear_autograd_bwd_input_grad(ctx, grad_input, handle, dtype)
+        return shard if ctx.sequence_parallel_enabled else grad_input, grad_weight, grad_bias, *rest
 
 
 def linear_with_async_allreduce(
@@ -364,7 +397,7 @@ class BaseParallelLinear(BaseParallelLayer):
             raise RuntimeError("`pad=True` is only supported for inference. Set model.eval()")
 
     def _make_weight(self) -> None:
-        tp = self.tp_mesh.size()
+        tp = self.world_size
         self.weight = _new_parameter(self.weight_shape, self.device, self.dtype)
         self.device = self.weight.device
         self.master_weight = None
@@ -379,7 +412,7 @@ class BaseParallelLinear(BaseParallelLayer):
 
     def init_weight_cpu(self) -> None:
         self.master_weight = _initialize_parameter_cpu(
-            self.weight, self.weight_partition_dim, self.tp_mesh.size(), self._init_weight, self.keep_master_weight,
+            self.weight, self.weight_partition_dim, self.world_size, self._init_weight, self.keep_master_weight,
             param_dtype=self.dtype, stride=self.stride, rank_ordering=self.rank_ordering,
         )  # fmt: skip
 
@@ -423,8 +456,8 @@ class ColumnParallelLinear(BaseParallelLinear):
         rank_ordering: list[int] | None = None,
     ) -> None:
         super().__init__(device=device)
-        self.tp_mesh = group_mesh(tensor_model_parallel_group)
-        tp = self.tp_mesh.size()
+        self._set_group(tensor_model_parallel_group)
+        self.world_size = tp = dist.get_world_size(group=self.tensor_parallel_group)
         self.input_size, self.output_size, self.add_bias = input_size, output_size, bias
         self.gather_output, self.arg_init_method, self.rank_ordering = gather_output, init_method, rank_ordering
         self.pad, self.keep_padded_output, self.pad_size = pad, keep_padded_output, 0
@@ -457,34 +490,47 @@ class ColumnParallelLinear(BaseParallelLinear):
         self._make_bias()
         if self.bias is not None and not self.gather_output:
             set_tensor_model_parallel_attributes(
-                self.bias, True, self.bias_partition_dim, self.stride, self.tp_mesh.size(), self.rank_ordering
+                self.bias, True, self.bias_partition_dim, self.stride, self.world_size, self.rank_ordering
             )
 
     def forward(
         self, input: torch.Tensor, slice_indices: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         self._check_pad_false_for_training()
-        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel_enabled:
-            x = input  # the linear function handles the input's communication
-        else:
-            x = copy_to_tensor_model_parallel_region(input, self.tensor_parallel_group)
+        input_parallel = self._cpl_maybe_input_copy_to_tp_region(input)
         weight = self.weight[slice_indices, :] if slice_indices is not None else self.weight
-        output = self._forward_impl(
-            input=x, weight=weight, bias=None, async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
+        output_parallel = self._forward_impl(
+            input=input_parallel, weight=weight, bias=None,
+            async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
             sequence_parallel_enabled=self.sequence_parallel_enabled, sequence_dimension=self.sequence_dimension,
             autograd_func_class=self.autograd_func_class, process_group=self.tensor_parallel_group,
             reduce_dtype=self.reduce_dtype,
         )  # fmt: skip
+        output = self._cpl_maybe_gather_output(output_parallel)
         bias = self.bias
-        if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
-            if self.pad and self.pad_size > 0 and not self.keep_padded_output:
-                # the padded outputs are dropped, and the full bias's padded entries with them
-                output = output.narrow(-1, 0, self.output_size - self.pad_size)
-                bias = bias[: self.output_size - self.pad_size] if bias is not None else None
+        if bias is not None and self.gather_output and output.shape[-1] < bias.shape[-1]:
+            bias = bias[: output.shape[-1]]  # the padded outputs were dropped: the full bias's padded entries too
         if self.skip_bias_add:
             return output, bias
         return output + bias if bias is not None else output
+
+    def _cpl_maybe_input_copy_to_tp_region(self, input: torch.Tensor) -> torch.Tensor:
+        """The input as the matmul takes it: the linear function handles the input's communication under async
+        all-reduce or sequence parallelism; otherwise the input grad is summed over tp by the copy."""
+        if self.async_tensor_model_parallel_allreduce or self.sequence_parallel_enabled:
+            return input
+        return copy_to_tensor_model_parallel_region(input, process_group=self.tensor_parallel_group)
+
+    def _cpl_maybe_gather_output(self, output_parallel: torch.Tensor) -> torch.Tensor:
+        """With ``gather_output``, the full output gathered over tp (the vocabulary padding dropped unless
+        ``keep_padded_output``); else this rank's part."""
+        if not self.gather_output:
+            return output_parallel
+        assert not self.sequence_parallel_enabled, "ColumnParallelLinear: gather_output under sequence parallelism"
+        output = gather_from_tensor_model_parallel_region(output_parallel, process_group=self.tensor_parallel_group)
+        if self.pad and self.pad_size > 0 and not self.keep_padded_output:
+            output = torch.narrow(output, -1, 0, self.output_size - self.pad_size)
+        return output
 
     def preshard_hook(self, model_state_dict: dict[str, Any], prefix: str) -> None:
         """Pad a full checkpoint weight / bias to the padded output size before it is sharded (bias with the
@@ -533,8 +579,8 @@ class RowParallelLinear(BaseParallelLinear):
         rank_ordering: list[int] | None = None,
     ) -> None:
         super().__init__(device=device)
-        self.tp_mesh = group_mesh(tensor_model_parallel_group)
-        tp = self.tp_mesh.size()
+        self._set_group(tensor_model_parallel_group)
+        self.world_size = tp = self.tensor_parallel_group.size()
         self.input_size, self.output_size, self.add_bias = input_size, output_size, bias
         self.input_is_parallel, self.pad, self.reduce_output, self.pad_size = input_is_parallel, pad, reduce_output, 0
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else dtype
@@ -572,31 +618,43 @@ class RowParallelLinear(BaseParallelLinear):
         self, input_: torch.Tensor, slice_indices: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         self._check_pad_false_for_training()
-        if self.input_is_parallel:
-            x = input_
-        else:
-            if self.pad and self.pad_size > 0:
-                input_ = F.pad(input_, (0, self.pad_size))
-            x = scatter_to_tensor_model_parallel_region(input_, self.tensor_parallel_group)
+        input_parallel = self._rpl_maybe_scatter_input(input_)
         weight = self.weight[:, slice_indices] if slice_indices is not None else self.weight
         output = self._forward_impl(
-            input=x, weight=weight, bias=None, async_grad_allreduce=False, sequence_parallel_enabled=False,
-            sequence_dimension=self.sequence_dimension, autograd_func_class=self.autograd_func_class,
-            process_group=self.tensor_parallel_group, reduce_dtype=self.reduce_dtype,
+            input=input_parallel, weight=weight, bias=None, async_grad_allreduce=False,
+            sequence_parallel_enabled=False, sequence_dimension=self.sequence_dimension,
+            autograd_func_class=self.autograd_func_class, process_group=self.tensor_parallel_group,
+            reduce_dtype=self.reduce_dtype,
         )  # fmt: skip
-        if self.reduce_output:
-            dtype = output.dtype
-            output = output.to(self.reduce_dtype)
-            if self.sequence_parallel_enabled:
-                output = reduce_scatter_to_sequence_parallel_region(
-                    output, self.sequence_dimension, self.tensor_parallel_group, dtype
-                )
-            else:
-                output = reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
-            output = output.to(dtype)
+        output = self._rpl_maybe_reduce_output(output)
         if self.skip_bias_add:
             return output, self.bias
         return output + self.bias if self.bias is not None else output
+
+    def _rpl_maybe_scatter_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """This rank's feature slice of the input: as given with ``input_is_parallel``, else cut here (after
+        padding the features to the padded input size)."""
+        if self.input_is_parallel:
+            return input_
+        if self.pad and self.pad_size > 0:
+            input_ = F.pad(input_, (0, self.pad_size))
+        assert not self.sequence_parallel_enabled, "RowParallelLinear: sequence parallelism needs a parallel input"
+        return scatter_to_tensor_model_parallel_region(input_, process_group=self.tensor_parallel_group)
+
+    def _rpl_maybe_reduce_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The partial products summed over tp in ``reduce_dtype`` (reduce-scattered along the sequence under
+        sequence parallelism), returned in their own dtype; unsummed with ``reduce_output=False``."""
+        if not self.reduce_output:
+            return output
+        dtype = output.dtype
+        output = output.to(self.reduce_dtype)
+        if self.sequence_parallel_enabled:
+            output = reduce_scatter_to_sequence_parallel_region(
+                output, self.sequence_dimension, process_group=self.tensor_parallel_group, dtype=dtype
+            )
+        else:
+            output = reduce_from_tensor_model_parallel_region(output, process_group=self.tensor_parallel_group)
+        return output.to(dtype)
 
     def preshard_hook(self, model_state_dict: dict[str, Any], prefix: str) -> None:
         """Pad a full checkpoint weight's input features to the padded size before it is sharded."""

@@ -106,14 +106,20 @@ def _linear_autograd_bwd_input_grad(
             grad_input.to(ctx.reduce_dtype), ctx.sequence_dimension, process_group=_group(ctx)
         )
         shard = shard.to(original_dtype)
-    if ctx.async_grad_allreduce:
-        if handle is None:
-            raise ValueError("async_grad_allreduce without the all-reduce's handle")
-        handle.wait()
-        # the reduced values live in the cast copy the all-reduce wrote (grad_input itself when no cast was needed)
-        reduced = getattr(ctx, "reduced_grad_input", None)
-        grad_input = (reduced if isinstance(reduced, torch.Tensor) else grad_input).to(original_dtype)
-    return shard, grad_input
+    return shard, _reduced_input_grad(ctx, grad_input, handle, original_dtype)
+
+
+def _reduced_input_grad(ctx: Any, grad_input: torch.Tensor, handle: Any, original_dtype: torch.dtype) -> torch.Tensor:
+    """The input grad once its asynchronous all-reduce (``handle``) is done, in ``original_dtype``; as it is
+    without ``async_grad_allreduce``."""
+    if not ctx.async_grad_allreduce:
+        return grad_input
+    if handle is None:
+        raise ValueError("async_grad_allreduce without the all-reduce's handle")
+    handle.wait()
+    # the reduced values live in the cast copy the all-reduce wrote (grad_input itself when no cast was needed)
+    reduced = getattr(ctx, "reduced_grad_input", None)
+    return (reduced if isinstance(reduced, torch.Tensor) else grad_input).to(original_dtype)
 
 
 __all__: list[str] = []

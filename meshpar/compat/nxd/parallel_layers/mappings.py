@@ -57,7 +57,20 @@ def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
         mesh = getattr(dims, f"{name}_mesh")
         if mesh is not None and process_group == mesh.get_group():
             return mesh
+    if not is_registered_group(process_group):
+        raise TypeError(
+            f"{process_group!r} is not a process group torch.distributed made (new_group / the parallel state's "
+            "groups): the collectives cannot run over it"
+        )
     return DeviceMesh.from_group(process_group, dims.device.type)
+
+
+def is_registered_group(group: Any) -> bool:
+    """A process group torch.distributed made (a mesh can be built over it), not a stand-in object or a bare
+    ``ProcessGroup(rank, size)``."""
+    from torch.distributed.distributed_c10d import _world
+
+    return isinstance(group, dist.ProcessGroup) and group in _world.pg_group_ranks
 
 
 def nonzero_partition_dim_swap(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -220,7 +220,8 @@ def move_all_tensor_to_cpu(data: Any, convert: bool = True) -> Any:
 def initialize_fallback_parallel_state(device: torch.device | None = None) -> None:
     """What NxD's layers do when built with no parallel state: a one-process world (an in-memory store, no port)
     and tp = pp = 1, so a layer runs as its dense equivalent."""
-    from meshpar.compat.nxd.parallel_layers.parallel_state import initialize_model_parallel
+    # meshpar's own initialiser, not the NxD name a caller may have replaced (NxD's unit tests patch it to a no-op)
+    from meshpar.parallel_state import initialize_model_parallel
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

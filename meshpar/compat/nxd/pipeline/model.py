@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshpar.compat.nxd.parallel_layers import parallel_state  # noqa: F401 - in NxD's namespace (tests patch it)
 from meshpar.compat.nxd.pipeline.timeline import PPTimeline
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import check_pipeline_schedule

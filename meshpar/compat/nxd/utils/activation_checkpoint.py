@@ -16,8 +16,11 @@ from torch import nn
 from meshpar.data_parallel import _CheckpointedBlock
 from meshpar.data_parallel import apply_activation_checkpointing as _apply
 
-# modules recomputed in backward are instances of this class (in place, their own class mixed in)
-NxDCheckpointWrapper = _CheckpointedBlock
+
+class NxDCheckpointWrapper(_CheckpointedBlock):
+    """What a module recomputed in backward becomes: an instance of this class mixed into its own, in place (its
+    class prints as ``NxDCheckpointWrapper<its class>``, so a printed model shows which blocks are checkpointed, as
+    NxD's wrapper does)."""
 
 
 def _refuse_options(checkpoint_impl: Any, checkpoint_fn: Any, kwargs: dict[str, Any]) -> None:
@@ -35,7 +38,7 @@ def checkpoint_wrapper(
     _refuse_options(checkpoint_impl, checkpoint_fn, kwargs)
     holder = nn.Module()
     holder.block = module
-    _apply(holder, check_fn=lambda m: m is module)
+    _apply(holder, check_fn=lambda m: m is module, wrapper=NxDCheckpointWrapper)
     return module
 
 
@@ -54,9 +57,9 @@ def apply_activation_checkpointing(
     if isinstance(target, NxDPPModel):
         layer_cls = target.transformer_layer_cls
         for module in target.local_modules():
-            _apply(module, layer_cls)
+            _apply(module, layer_cls, wrapper=NxDCheckpointWrapper)
         return model
-    _apply(target, check_fn=check_fn)
+    _apply(target, check_fn=check_fn, wrapper=NxDCheckpointWrapper)
     return model
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpar.compat.nxd.parallel_layers.utils import set_tensor_model_parallel_attributes
+# get_local_world_size lives in NxD's model_utils namespace too (its unit tests patch it there)
+from meshpar.compat.nxd.parallel_layers.utils import get_local_world_size, set_tensor_model_parallel_attributes  # noqa: F401
 from meshpar.data import move_model_to_device as _move_model_to_device
 
 _PARALLEL_ATTRIBUTES = ("expert_model_parallel", "sequence_parallel_enabled", "shared")
