@@ -354,12 +354,16 @@ def test_nxd_checkpoint_at_another_layout_is_refused_on_every_rank(tmp_path) -> 
 
 def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
     """q / k / v of GQAQKVColumnParallelLinear at tp=4 equal the dense projections' heads each rank needs, and after
-    a backward through a per-rank grouped attention the weight grads are the dense grads of each rank's heads."""
+    a backward through a per-rank grouped product of them (whose sum over ranks is the dense one) the input grad,
+    the weight grads and the bias grads are the dense ones of each rank's heads, on every replica of a kv head."""
+    import torch.distributed as dist
+
     from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
     from meshpar.compat.nxd.parallel_layers import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), 4
+    group = parallel_state.get_tensor_model_parallel_group()
     heads, d = 8, 4
     multiplier = max(1, tp // kv_heads)
     torch.manual_seed(5)
@@ -368,34 +372,54 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
         kv_size_multiplier=multiplier, fuse_qkv=fuse_qkv,
     )  # fmt: skip
     if fuse_qkv:
-        master = layer.master_weight_qkv
-        wq, wk, wv = master.split([heads * d, kv_heads * d, kv_heads * d])
-        bias = layer.bias_qkv
+        wq, wk, wv = layer.master_weight_qkv.split([heads * d, kv_heads * d, kv_heads * d])
     else:
         wq, wk, wv = layer.master_weight_q, layer.master_weight_k, layer.master_weight_v
-    x = torch.randn(2, S, H)
+    x = torch.randn(2, S, H, requires_grad=True)
     q, k, v = layer(x)
     kv_per_rank = kv_heads * multiplier // tp
     my_kv = [rank // multiplier] if multiplier > 1 else list(range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
-    dense_q, dense_k, dense_v = (x @ wq.t()), (x @ wk.t()), (x @ wv.t())
-    q_bias, k_bias, v_bias = (bias.split([heads * d // tp, kv_per_rank * d, kv_per_rank * d]) if fuse_qkv
-                              else (layer.bias_q, layer.bias_k, layer.bias_v))  # fmt: skip
-    torch.testing.assert_close(q - q_bias, dense_q[..., rank * heads * d // tp : (rank + 1) * heads * d // tp])
+    q_rows, kv_rows = heads * d // tp, kv_per_rank * d
+    biases = (
+        layer.bias_qkv.split([q_rows, kv_rows, kv_rows]) if fuse_qkv else (layer.bias_q, layer.bias_k, layer.bias_v)
+    )
+    # the dense biases: q's gathered over tp, each kv head's from a rank holding it
+    gathered = [[torch.empty_like(b) for _ in range(tp)] for b in biases]
+    for parts, b in zip(gathered, biases, strict=True):
+        dist.all_gather(parts, b.detach().contiguous(), group=group)
+    holder = {h: (r, i) for r in reversed(range(tp)) for i, h in enumerate(
+        [r // multiplier] if multiplier > 1 else range(r * kv_per_rank, (r + 1) * kv_per_rank))}  # fmt: skip
+    dense_bias = [torch.cat(gathered[0])] + [
+        torch.cat([gathered[j][holder[h][0]][holder[h][1] * d : (holder[h][1] + 1) * d] for h in range(kv_heads)])
+        for j in (1, 2)
+    ]
     kv_cols = torch.cat([torch.arange(h * d, (h + 1) * d) for h in my_kv])
-    torch.testing.assert_close(k - k_bias, dense_k[..., kv_cols])
-    torch.testing.assert_close(v - v_bias, dense_v[..., kv_cols])
-    # a grouped attention on this rank's heads, summed: its backward gives the dense grads of the heads it holds
-    q_heads = (q - q_bias).view(2, S, heads // tp, d)
-    k_heads = (k - k_bias).view(2, S, -1, d).repeat_interleave(heads // tp // len(my_kv), dim=2)
-    (q_heads * k_heads).sum().backward()
-    wq_d, wk_d = wq.clone().requires_grad_(), wk.clone().requires_grad_()
-    qd = (x @ wq_d.t()).view(2, S, heads, d)
-    kd = (x @ wk_d.t()).view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
-    (qd * kd).sum().backward()
-    grad = layer.weight_qkv.grad if fuse_qkv else torch.cat([layer.weight_q.grad, layer.weight_k.grad])
-    q_rows = heads * d // tp
-    torch.testing.assert_close(grad[:q_rows], wq_d.grad[rank * q_rows : (rank + 1) * q_rows], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(grad[q_rows : q_rows + kv_per_rank * d], wk_d.grad[kv_cols], atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        dense_q, dense_k, dense_v = (x @ w.t() + b for w, b in zip((wq, wk, wv), dense_bias, strict=True))
+    torch.testing.assert_close(q, dense_q[..., rank * q_rows : (rank + 1) * q_rows])
+    torch.testing.assert_close(k, dense_k[..., kv_cols])
+    torch.testing.assert_close(v, dense_v[..., kv_cols])
+    group_size = heads // tp // len(my_kv)
+    k_heads = k.view(2, S, -1, d).repeat_interleave(group_size, dim=2)
+    v_heads = v.view(2, S, -1, d).repeat_interleave(group_size, dim=2)
+    (q.view(2, S, heads // tp, d) * k_heads * v_heads).sum().backward()
+    x_d = x.detach().clone().requires_grad_()
+    dense = [t.clone().requires_grad_() for t in (wq, wk, wv, *dense_bias)]
+    qd, kd, vd = (x_d @ w.t() + b for w, b in zip(dense[:3], dense[3:], strict=True))
+    kd = kd.view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
+    vd = vd.view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
+    (qd.view(2, S, heads, d) * kd * vd).sum().backward()
+    torch.testing.assert_close(x.grad, x_d.grad, atol=1e-4, rtol=1e-4)
+    if fuse_qkv:
+        w_grads, b_grads = layer.weight_qkv.grad.split([q_rows, kv_rows, kv_rows]), layer.bias_qkv.grad.split(
+            [q_rows, kv_rows, kv_rows])  # fmt: skip
+    else:
+        w_grads = (layer.weight_q.grad, layer.weight_k.grad, layer.weight_v.grad)
+        b_grads = (layer.bias_q.grad, layer.bias_k.grad, layer.bias_v.grad)
+    rows = [torch.arange(rank * q_rows, (rank + 1) * q_rows), kv_cols, kv_cols]
+    for got_w, got_b, want_w, want_b, r in zip(w_grads, b_grads, dense[:3], dense[3:], rows, strict=True):
+        torch.testing.assert_close(got_w, want_w.grad[r], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_b, want_b.grad[r], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fuse_qkv,kv_heads", [(True, 2), (False, 2), (True, 4), (False, 8)])

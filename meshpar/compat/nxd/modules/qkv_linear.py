@@ -5,9 +5,10 @@ count.
 The query weight is split over tp like a column-parallel layer. The key and value weights are repeated block by
 block (each rank's heads on ``kv_size_multiplier`` adjacent tp ranks; with ``kv_size_multiplier = tp / kv_heads``
 rank ``r`` holds kv head ``r // multiplier``, the head its own query heads use in the dense model's grouping) and
-then split (NxD's Trn2 layout; its Trn1 layout interleaves the replicas instead). The replicas' weight grads are
-summed over each kv-shared group as they arrive (:func:`~meshpar.compat.nxd.parallel_layers.parallel_state.
-initialize_kv_group`), which makes every replica's grad the dense grad of its head, so replicas stay equal.
+then split (NxD's Trn2 layout; its Trn1 layout interleaves the replicas instead). The projection runs as NxD's
+autograd function (:class:`GQAQKVLinearWithAsyncCommunication`): in backward it sums the k / v output grads over
+each kv-shared group (:func:`~meshpar.compat.nxd.parallel_layers.parallel_state.initialize_kv_group`), which makes
+every replica's weight and bias grads the dense grads of its head, so replicas stay equal.
 ``forward`` returns ``(q, k, v)``; ``fuse_qkv`` keeps one ``weight_qkv`` (q, k, v rows stacked) instead of three.
 """
 
@@ -18,26 +19,148 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from meshpar.compat.nxd.parallel_layers import parallel_state
-from meshpar.compat.nxd.parallel_layers.layers import (
-    BaseParallelLinear,
-    LinearWithAsyncCommunication,
-    create_local_weight,
-    linear_with_async_allreduce,
+from meshpar.compat.nxd import xla as xm  # noqa: F401 - torch_xla's module in NxD's namespace (its tests patch it)
+from meshpar.compat.nxd.modules.qkv_linear_utils import (
+    _qkvlinear_autograd_base_setup_bwd,
+    _qkvlinear_autograd_base_setup_fwd,
+    _qkvlinear_autograd_bwd_grad_reduce,
+    _qkvlinear_autograd_bwd_input_grad,
+    _qkvlinear_autograd_bwd_no_weight_grad,
 )
+from meshpar.compat.nxd.parallel_layers import parallel_state
+from meshpar.compat.nxd.parallel_layers.layers import BaseParallelLinear, create_local_weight
 from meshpar.compat.nxd.parallel_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     group_mesh,
 )
-from meshpar.compat.nxd.parallel_layers.utils import divide, set_tensor_model_parallel_attributes
+from meshpar.compat.nxd.parallel_layers.utils import (
+    cast_if_autocast_enabled,
+    divide,
+    set_tensor_model_parallel_attributes,
+    verify_casted_dtype,
+)
 
-# NxD's autograd function and entry point for the fused projection: one column-parallel matmul of the stacked weight
-GQAQKVLinearWithAsyncCommunication = LinearWithAsyncCommunication
-gqa_qkv_linear_with_async_allreduce = linear_with_async_allreduce
+
+def _linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    output = torch.matmul(input, weight.t())
+    return output + bias if bias is not None else output
+
+
+def _compute_gradients(
+    input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, use_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias grads of ``input @ weight^T + bias`` (``input``: the ``[rows, in]`` input rows)."""
+    rows = grad_output.reshape(-1, grad_output.shape[-1])
+    return rows.t().matmul(input), rows.sum(dim=0) if use_bias else None
+
+
+class GQAQKVLinearWithAsyncCommunication(torch.autograd.Function):
+    """The q, k and v projections of this rank's heads (three weights, or ``weight_qkv`` stacked with
+    ``fuse_qkv``), built from :mod:`.qkv_linear_utils`' steps. In backward the k / v output grads are summed over
+    the kv-shared group (each replica of a kv head saw only its own query heads' grads), which makes the k / v weight
+    grads the dense heads' on every replica; their share of the input grad is divided by ``kv_size_multiplier``,
+    since the sum over tp that follows counts each replicated head that many times."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight_q: torch.Tensor | None,
+        weight_k: torch.Tensor | None,
+        weight_v: torch.Tensor | None,
+        bias_q: torch.Tensor | None,
+        bias_k: torch.Tensor | None,
+        bias_v: torch.Tensor | None,
+        async_grad_allreduce: bool,
+        sequence_parallel_enabled: bool,
+        kv_size_multiplier: int,
+        weight_qkv: torch.Tensor | None = None,
+        bias_qkv: torch.Tensor | None = None,
+        fuse_qkv: bool = False,
+        output_size_q: int | None = None,
+        output_size_kv: int | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        total = _qkvlinear_autograd_base_setup_fwd(
+            ctx, input, weight_q, weight_k, weight_v, bias_q, bias_k, bias_v, async_grad_allreduce,
+            sequence_parallel_enabled, kv_size_multiplier, weight_qkv, bias_qkv, fuse_qkv, output_size_q,
+            output_size_kv, reduce_dtype,
+        )  # fmt: skip
+        if ctx.fuse_qkv:
+            if weight_qkv is None or output_size_q is None or output_size_kv is None:
+                raise ValueError("fuse_qkv needs weight_qkv, output_size_q and output_size_kv")
+            stacked = _linear_forward(total, weight_qkv, bias_qkv)
+            return tuple(stacked.split([output_size_q, output_size_kv, output_size_kv], dim=-1))
+        if weight_q is None or weight_k is None or weight_v is None:
+            raise ValueError("without fuse_qkv the projection needs weight_q, weight_k and weight_v")
+        return (_linear_forward(total, weight_q, bias_q), _linear_forward(total, weight_k, bias_k),
+                _linear_forward(total, weight_v, bias_v))  # fmt: skip
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output_q: torch.Tensor, grad_output_k: torch.Tensor, grad_output_v: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        total, weight_qkv, weight_q, weight_k, weight_v, grad_output_k, grad_output_v = (
+            _qkvlinear_autograd_base_setup_bwd(ctx, grad_output_q, grad_output_k, grad_output_v)
+        )
+        m = ctx.kv_size_multiplier
+        if ctx.fuse_qkv:
+            grad_input = torch.cat([grad_output_q, grad_output_k / m, grad_output_v / m], dim=-1).matmul(weight_qkv)
+        else:
+            grad_input = (
+                grad_output_q.matmul(weight_q) + (grad_output_k.matmul(weight_k) + grad_output_v.matmul(weight_v)) / m
+            )
+        dtype = grad_input.dtype
+        grad_input = _qkvlinear_autograd_bwd_grad_reduce(ctx, grad_input, dtype)
+        if not ctx.compute_weight_gradient:
+            if ctx.sequence_parallel_enabled:
+                grad_input = _qkvlinear_autograd_bwd_no_weight_grad(ctx, grad_input, dtype)
+            return (grad_input, *(None,) * 15)
+        rows = total.reshape(-1, total.shape[-1])
+        if ctx.sequence_parallel_enabled:
+            grad_input = _qkvlinear_autograd_bwd_input_grad(ctx, grad_input, dtype)
+        if ctx.fuse_qkv:
+            stacked = torch.cat([grad_output_q, grad_output_k, grad_output_v], dim=-1)
+            grad_weight, grad_bias = _compute_gradients(rows, weight_qkv, stacked, ctx.use_bias)
+            return (grad_input, *(None,) * 9, grad_weight, grad_bias, *(None,) * 4)
+        (gwq, gbq), (gwk, gbk), (gwv, gbv) = (
+            _compute_gradients(rows, weight, grad, ctx.use_bias)
+            for weight, grad in ((weight_q, grad_output_q), (weight_k, grad_output_k), (weight_v, grad_output_v))
+        )
+        # one trailing None more than there are inputs, as NxD returns it (autograd accepts extra Nones)
+        return (grad_input, gwq, gwk, gwv, gbq, gbk, gbv, *(None,) * 10)
+
+
+def gqa_qkv_linear_with_async_allreduce(
+    input: torch.Tensor,
+    weight_q: torch.Tensor | None,
+    weight_k: torch.Tensor | None,
+    weight_v: torch.Tensor | None,
+    bias_q: torch.Tensor | None,
+    bias_k: torch.Tensor | None,
+    bias_v: torch.Tensor | None,
+    async_grad_allreduce: bool,
+    sequence_parallel_enabled: bool,
+    kv_size_multiplier: int = 1,
+    weight_qkv: torch.Tensor | None = None,
+    bias_qkv: torch.Tensor | None = None,
+    fuse_qkv: bool = False,
+    output_size_q: int | None = None,
+    output_size_kv: int | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`GQAQKVLinearWithAsyncCommunication` with autocast's cast applied to its inputs and autocast off
+    inside."""
+    args = cast_if_autocast_enabled(
+        input, weight_q, weight_k, weight_v, bias_q, bias_k, bias_v, async_grad_allreduce, sequence_parallel_enabled,
+        kv_size_multiplier, weight_qkv, bias_qkv, fuse_qkv, output_size_q, output_size_kv, reduce_dtype,
+    )  # fmt: skip
+    verify_casted_dtype(args)
+    with torch.autocast(device_type=input.device.type, enabled=False):
+        return GQAQKVLinearWithAsyncCommunication.apply(*args)
 
 
 def _replicated_blocks(full: torch.Tensor, per_partition: int, multiplier: int) -> torch.Tensor:
@@ -96,7 +219,7 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self._create_weights_biases()
         self.initialize_weight_biases()
-        self._sum_kv_grads_over_replicas()
+        self._forward_impl = gqa_qkv_linear_with_async_allreduce
 
     # -- construction: NxD's two steps, the parameters' shapes then their values -----------------------------------
     def _row_sizes(self, bias: bool = False) -> list[int]:
@@ -187,39 +310,7 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 for param, part in zip((self.bias_q, self.bias_k, self.bias_v), parts, strict=True):
                     param.copy_(part)
 
-    def _sum_kv_grads_over_replicas(self) -> None:
-        """Each kv replica's incoming weight grad (and bias grad) summed over its kv-shared group before it is
-        accumulated: the dense grad of that head on every replica."""
-        if self.kv_size_multiplier == 1:
-            return
-        group = parallel_state.get_kv_shared_group()
-        q_rows = self.q_output_size_per_partition
-
-        def summed(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=group)
-            return grad
-
-        def summed_kv_rows(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.clone()
-            kv = grad[q_rows:].contiguous()
-            dist.all_reduce(kv, group=group)
-            grad[q_rows:] = kv
-            return grad
-
-        if self.fuse_qkv:
-            self.weight_qkv.register_hook(summed_kv_rows)
-            if self.bias_qkv is not None and not self.gather_output:
-                self.bias_qkv.register_hook(summed_kv_rows)
-        else:
-            for param in (self.weight_k, self.weight_v, self.bias_k, self.bias_v):
-                if param is not None:
-                    param.register_hook(summed)
-
     # -- forward ---------------------------------------------------------------------------------------------------
-    def _weights(self) -> torch.Tensor:
-        return self.weight_qkv if self.fuse_qkv else torch.cat([self.weight_q, self.weight_k, self.weight_v], dim=0)
-
     def _biases(self) -> list[torch.Tensor | None]:
         if self.fuse_qkv:
             if self.bias_qkv is None:
@@ -230,19 +321,29 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         return [self.bias_q, self.bias_k, self.bias_v]
 
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` of this rank's heads (gathered over tp with ``gather_output``). Under sequence parallelism
+        the input is this rank's shard of dim 0 (NxD's ``[s, b, h]``). This rank's biases go into the projection's
+        function, whose k / v bias grads are then the dense heads' too (NxD adds them after it, which leaves a
+        replicated head's bias replicas with different grads); a gathered layer's full biases are added after the
+        gather."""
         if self.async_tensor_model_parallel_allreduce or self.sequence_parallel_enabled:
-            x = input
+            x = input  # the projection's function handles the input's communication
         else:
             x = copy_to_tensor_model_parallel_region(input)
-        out = linear_with_async_allreduce(
-            x, self._weights(), None, self.async_tensor_model_parallel_allreduce, self.sequence_parallel_enabled, 0,
-            process_group=self.tp_mesh.get_group(), reduce_dtype=self.reduce_dtype,
+        inside = not self.gather_output
+        outputs = self._forward_impl(
+            input=x, weight_q=self.weight_q, weight_k=self.weight_k, weight_v=self.weight_v,
+            bias_q=self.bias_q if inside else None, bias_k=self.bias_k if inside else None,
+            bias_v=self.bias_v if inside else None, async_grad_allreduce=self.async_tensor_model_parallel_allreduce,
+            sequence_parallel_enabled=self.sequence_parallel_enabled, kv_size_multiplier=self.kv_size_multiplier,
+            weight_qkv=self.weight_qkv, bias_qkv=self.bias_qkv if inside else None, fuse_qkv=self.fuse_qkv,
+            output_size_q=self.q_output_size_per_partition, output_size_kv=self.kv_output_size_per_partition,
+            reduce_dtype=self.reduce_dtype,
         )  # fmt: skip
-        kv = self.kv_output_size_per_partition
-        outputs = list(out.split([self.q_output_size_per_partition, kv, kv], dim=-1))
-        if self.gather_output:
-            outputs = [gather_from_tensor_model_parallel_region(o) for o in outputs]
-        return tuple(o + b if b is not None else o for o, b in zip(outputs, self._biases(), strict=True))
+        if inside:
+            return tuple(outputs)
+        gathered = [gather_from_tensor_model_parallel_region(o) for o in outputs]
+        return tuple(o + b if b is not None else o for o, b in zip(gathered, self._biases(), strict=True))
 
 
 __all__ = [
