@@ -142,26 +142,33 @@ def test_spawn_under_a_launcher_runs_the_entry_point_in_this_process(monkeypatch
 
 def reused_groups_case() -> list[int]:
     """A replica-group list given at every step: new process groups the first time only (counted at
-    ``torch.distributed.new_group``), for the collectives, ``rendezvous`` and the ZeRO-1 grad norm alike."""
+    ``torch.distributed.new_group``), for the collectives, ``rendezvous``, the ZeRO-1 grad norm and parallel_state's
+    helper groups (shared-weight, pipeline gloo, kv-shared and one-rank groups) alike."""
     from unittest import mock
 
     import torch.distributed as dist
 
     from meshpar.compat.nxd import xla as xm
-    from meshpar.compat.nxd.parallel_layers import grads
+    from meshpar.compat.nxd.parallel_layers import grads, parallel_state
 
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     made = []
     real = dist.new_group
     with mock.patch.object(dist, "new_group", side_effect=lambda *a, **k: made.append(a) or real(*a, **k)):
         counts = []
         for _ in range(3):
             before = len(made)
-            total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1), groups=[[0, 1]])
+            total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1), groups=[[0], [1]])
             xm.rendezvous("step", b"", replicas=[0, 1])
             param = torch.nn.Parameter(torch.ones(2))
             param.grad = torch.ones(2)
             grads.get_grad_norm([param], zero1_optimizer=True, zero1_optimizer_groups=[[0], [1]])
-            assert total.item() == 2.0
+            shared = parallel_state.create_pg_with_ranks([0])
+            parallel_state.initialize_pp_gloo_groups()
+            parallel_state.initialize_kv_group(1)
+            own = parallel_state.get_context_model_parallel_group()
+            assert total.item() == 1.0 and shared.size() == own.size() == 1
+            assert parallel_state.get_pp_gloo_group().size() == 1
             counts.append(len(made) - before)
     return counts
 

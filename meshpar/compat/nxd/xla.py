@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshpar.compat.nxd._groups import group_among
 from meshpar.compat.nxd.parallel_layers.utils import move_all_tensor_to_cpu
 from meshpar.parallel_dims import get_parallel, is_initialized
 
@@ -134,16 +135,11 @@ def master_print(*args: Any, fd: Any = sys.stdout, finalizer: Callable[[], None]
         print(*args, file=fd, flush=True)
 
 
-# the groups made for replica-group lists, by the lists, with the default group they were made under: a script
-# that passes the same lists at every step (``xm.all_reduce(..., groups=...)``) reuses them instead of making new
-# process groups every step (each holds sockets and a transport thread for the life of the job)
-_MADE: dict[tuple[tuple[int, ...], ...], tuple[Any, tuple[dist.ProcessGroup, int]]] = {}
-
-
 def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup | None, int]:
     """The process group among ``groups`` (lists of global ranks, as torch_xla takes them) holding this rank, and
-    its size; ``None``: the world. The parallel state's own groups are reused; other lists become new groups the
-    first time they are given (every rank makes every group, as c10d requires), the same groups after that."""
+    its size; ``None``: the world. The parallel state's own groups are reused; other lists become groups the first
+    time they are given and the same groups after that (:mod:`meshpar.compat.nxd._groups`): a script passing the
+    same lists at every step does not make new groups every step."""
     if not groups:
         return None, xrt_world_size()
     if is_initialized():
@@ -152,19 +148,10 @@ def _group_of(groups: Sequence[Sequence[int]] | None) -> tuple[dist.ProcessGroup
             if sorted(map(sorted, groups)) == sorted(map(sorted, dims.group_ranks(name))):
                 mesh = getattr(dims, f"{name}_mesh")
                 return mesh.get_group(), mesh.size()
-    key = tuple(tuple(int(rank) for rank in ranks) for ranks in groups)
-    made = _MADE.get(key)
-    if made is not None and made[0] is dist.GroupMember.WORLD:
-        return made[1]
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(list(ranks))
-        if get_ordinal() in ranks:
-            mine = (group, len(ranks))
-    if mine is None:
+    group = group_among(groups)
+    if group is None:
         raise ValueError(f"rank {get_ordinal()} is in none of the groups {groups}")
-    _MADE[key] = (dist.GroupMember.WORLD, mine)
-    return mine
+    return group, group.size()
 
 
 def all_reduce(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import default_store
+from meshpar.compat.nxd._groups import group_among
 from meshpar.parallel_dims import ParallelDims, get_parallel
 
 ParallelGroups = namedtuple(
@@ -155,14 +156,6 @@ def get_logic_chosen(lnc_size: int, hardware_type: Any, tp: int) -> PG_Group_Log
 
 
 # -- helper process groups over meshpar's mesh ------------------------------------------------------------------------
-_MADE: dict[str, tuple[ParallelDims, Any]] = {}  # one per kind and parallel state: (the state, what was made)
-
-
-def _made_for(key: str, dims: ParallelDims) -> Any:
-    entry = _MADE.get(key)
-    return entry[1] if entry is not None and entry[0] is dims else None
-
-
 def is_tcp_store_available() -> bool:
     """Whether the default process group has a rendezvous store to hand out."""
     return default_store() is not None
@@ -178,41 +171,32 @@ def get_tcp_store() -> dist.Store:
 
 def initialize_pp_gloo_groups() -> None:
     """A gloo (CPU) group over each pipeline group, for metadata the pipeline sends beside the tensors; every rank
-    makes every one, once per parallel state."""
-    dims = get_parallel()
-    if _made_for("pp_gloo", dims) is not None:
-        return
-    mine = None
-    for ranks in dims.group_ranks("pp"):
-        group = dist.new_group(ranks, backend="gloo")
-        if dist.get_rank() in ranks:
-            mine = group
-    _MADE["pp_gloo"] = (dims, mine)
+    makes every one (once: :mod:`meshpar.compat.nxd._groups`)."""
+    group_among(get_parallel().group_ranks("pp"), backend="gloo")
+    _PP_GLOO_READY[:] = [get_parallel()]
+
+
+_PP_GLOO_READY: list[ParallelDims] = []  # the parallel state initialize_pp_gloo_groups ran under
 
 
 def get_pp_gloo_group() -> dist.ProcessGroup:
     """This rank's pipeline group on gloo (after :func:`initialize_pp_gloo_groups`)."""
-    group = _made_for("pp_gloo", get_parallel())
-    if group is None:
+    dims = get_parallel()
+    if not _PP_GLOO_READY or _PP_GLOO_READY[0] is not dims:
         raise RuntimeError("get_pp_gloo_group: call initialize_pp_gloo_groups() first (on every rank)")
-    return group
+    return group_among(dims.group_ranks("pp"), backend="gloo")
 
 
 def create_pg_with_ranks(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     """A process group over the pipeline stages ``ranks`` (pp ranks) of this rank's pipeline (NxD's group for a
     weight shared between stages, e.g. a tied embedding); ``None`` on ranks at other stages. Every rank must call
-    it with the same stages: each pipeline gets its group, made by all ranks together."""
+    it with the same stages: each pipeline gets its group, made by all ranks together the first time (the same
+    groups after that)."""
     dims = get_parallel()
     stages = list(ranks)
     if not stages or any(not 0 <= s < dims.pp for s in stages):
         raise ValueError(f"create_pg_with_ranks({stages}): pipeline stages must lie in 0..{dims.pp - 1}")
-    mine = None
-    for pipeline in dims.group_ranks("pp"):
-        members = [pipeline[s] for s in stages]
-        group = dist.new_group(members)
-        if dist.get_rank() in members:
-            mine = group
-    return mine
+    return group_among([[pipeline[s] for s in stages] for pipeline in dims.group_ranks("pp")])
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshpar.compat.nxd._groups import group_among
 from meshpar.compat.nxd.parallel_layers import _topology
 from meshpar.compat.nxd.parallel_layers._topology import *  # noqa: F403 - NxD's layouts and helper groups
 from meshpar.parallel_dims import get_parallel
@@ -187,12 +188,7 @@ def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group
         groups += [tp_ranks[i : i + kv_shared_group_size] for i in range(0, dims.tp, kv_shared_group_size)]
     if dims.tp % kv_shared_group_size != 0:
         raise ValueError(f"kv_shared_group_size {kv_shared_group_size} must divide tp={dims.tp}")
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    _KV_GROUP[:] = [dims, kv_shared_group_size, mine, groups]
+    _KV_GROUP[:] = [dims, kv_shared_group_size, group_among(groups), groups]
 
 
 def _kv_group_state() -> list[Any]:
@@ -249,16 +245,9 @@ def _singletons() -> list[list[int]]:
 
 def _own_group() -> dist.ProcessGroup:
     """This rank alone: the context-parallel group at size 1, and the expert-parallel one without expert parallelism
-    (made once per parallel state; every rank makes every one-rank group, as c10d requires, the first time any of
-    these getters runs on all ranks)."""
-    dims = get_parallel()
-    if not _SINGLE or _SINGLE[0] is not dims:
-        mine, _ = dist.new_subgroups_by_enumeration(_singletons())
-        _SINGLE[:] = [dims, mine]
-    return _SINGLE[1]
-
-
-_SINGLE: list[Any] = []
+    (every rank makes every one-rank group, as c10d requires, the first time any of these getters runs on all ranks;
+    the same groups after that)."""
+    return group_among(_singletons())
 
 
 def get_context_model_parallel_group(as_list: bool = False) -> Any:
