@@ -239,6 +239,14 @@ def default_store() -> dist.Store | None:
         return None
 
 
+def is_registered_process_group(group: object) -> bool:
+    """Whether ``group`` is a process group torch.distributed made and still holds (so a ``DeviceMesh`` can be built
+    over it), not a stand-in object or a bare ``ProcessGroup(rank, size)``."""
+    from torch.distributed.distributed_c10d import _world
+
+    return isinstance(group, dist.ProcessGroup) and group in _world.pg_group_ranks
+
+
 def abort_all_process_groups() -> None:
     """Abort every process group of this process and forget them (``dist.is_initialized()`` is false after).
 

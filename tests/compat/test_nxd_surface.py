@@ -41,9 +41,6 @@ NOT_PROVIDED: dict[str, str] = {
         for name in (
             "PP_GROUP_PG_GLOO",
             "destroy_token_shuffle_group",
-            "get_next_rank_group",
-            "get_pipeline_model_parallel_sr_group",
-            "get_prev_rank_group",
             "get_speculative_draft_group",
             "get_speculative_draft_replica_groups",
             "get_token_shuffle_group",

@@ -146,3 +146,47 @@ def test_helper_groups_follow_meshpars_pipeline_groups() -> None:
         assert got["pp_sum"] == got["shared_sum"] == rank + partner
         assert got["in_last"] == ([max(rank, partner)] if rank % 2 == 1 else False)
         assert got["store"] == ["0", "10", "20", "30"] and got["available"]
+
+
+def send_receive_groups_case() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=4)
+    try:
+        rank = dist.get_rank()
+        groups = {"next": parallel_state.get_next_rank_group(), "prev": parallel_state.get_prev_rank_group()}
+        # the pairs starting at even stages reduce first, then those starting at odd ones (each rank is in one pair
+        # of each set, so no rank waits in one pair while its partner waits in another)
+        order = ["next", "prev"] if rank % 2 == 0 else ["prev", "next"]
+        sums = {}
+        for name in order:
+            value = torch.tensor([float(rank)])
+            dist.all_reduce(value, group=groups[name])
+            sums[name] = (dist.get_process_group_ranks(groups[name]), value.item())
+        return {
+            "all": parallel_state.get_pipeline_model_parallel_sr_group(),
+            "even": parallel_state.get_pipeline_model_parallel_sr_group(False),
+            "odd": parallel_state.get_pipeline_model_parallel_sr_group(True),
+            "next_list": parallel_state.get_next_rank_group(as_list=True),
+            "prev_list": parallel_state.get_prev_rank_group(as_list=True),
+            **sums,
+            "same": parallel_state.get_next_rank_group() is parallel_state.get_next_rank_group(),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_send_receive_pairs_join_each_stage_with_its_neighbours() -> None:
+    """pp4: the pairs of adjacent stages (the last with the first), split by parity as NxD splits them, and each
+    rank's next / previous group holding it and that neighbour (made once)."""
+    for rank, got in enumerate(run_distributed(send_receive_groups_case, 4)):
+        assert got["all"] == [[0, 1], [1, 2], [2, 3], [3, 0]]
+        assert got["even"] == [[0, 1], [2, 3]] and got["odd"] == [[1, 2], [3, 0]]
+        nxt, prev = (rank + 1) % 4, (rank - 1) % 4
+        assert got["next"] == (sorted([rank, nxt]), float(rank + nxt))
+        assert got["prev"] == (sorted([rank, prev]), float(rank + prev))
+        assert got["next_list"] == (got["odd"] if rank % 2 else got["even"])
+        assert got["prev_list"] == (got["even"] if rank % 2 else got["odd"])
+        assert got["same"]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import default_store
-from meshpar.compat.nxd._groups import group_among
+from meshpar.compat.nxd._groups import group_among, groups_over
 from meshpar.parallel_dims import ParallelDims, get_parallel
 
 ParallelGroups = namedtuple(
@@ -199,6 +199,40 @@ def create_pg_with_ranks(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     return group_among([[pipeline[s] for s in stages] for pipeline in dims.group_ranks("pp")])
 
 
+def get_pipeline_model_parallel_sr_group(parity: bool | None = None) -> list[list[int]]:
+    """The send / receive pairs of every pipeline, ``[stage i's rank, stage i+1's rank]`` (the last stage paired with
+    the first): all of them, or with ``parity`` those starting at the stages of that parity (``True``: odd), NxD's
+    way of splitting them into two sets of disjoint pairs."""
+    dims = get_parallel()
+    starts = range(dims.pp) if parity is None else range(int(bool(parity)), dims.pp, 2)
+    return [[ranks[i], ranks[(i + 1) % dims.pp]] for ranks in dims.group_ranks("pp") for i in starts]
+
+
+def _pair_group(offset: int, as_list: bool) -> Any:
+    """The group of this rank and the pipeline rank ``offset`` stages on (1: next, -1: previous), over gloo as NxD
+    makes them on CPU; ``as_list``: the pairs of that direction, NxD's replica-group form."""
+    dims = get_parallel()
+    start = dims.pp_rank if offset == 1 else (dims.pp_rank - 1) % dims.pp
+    if as_list:
+        return get_pipeline_model_parallel_sr_group(bool(start % 2))
+    if dims.pp == 1:
+        raise RuntimeError("the next / previous rank groups exist at pipeline parallel size > 1 only (as in NxD)")
+    pipeline = next(i for i, ranks in enumerate(dims.group_ranks("pp")) if dist.get_rank() in ranks)
+    return groups_over(get_pipeline_model_parallel_sr_group(), backend="gloo")[pipeline * dims.pp + start]
+
+
+def get_next_rank_group(as_list: bool = False) -> Any:
+    """The group of this rank and the next pipeline stage's rank (``as_list``: the pairs starting at stages of this
+    stage's parity)."""
+    return _pair_group(1, as_list)
+
+
+def get_prev_rank_group(as_list: bool = False) -> Any:
+    """The group of the previous pipeline stage's rank and this rank (``as_list``: the pairs starting at stages of
+    the previous stage's parity)."""
+    return _pair_group(-1, as_list)
+
+
 __all__ = [
     "PG_Group_Logic",
     "ParallelGroups",
@@ -206,6 +240,9 @@ __all__ = [
     "ascending_ring_PG_group",
     "create_pg_with_ranks",
     "get_logic_chosen",
+    "get_next_rank_group",
+    "get_pipeline_model_parallel_sr_group",
+    "get_prev_rank_group",
     "get_pp_gloo_group",
     "get_tcp_store",
     "initialize_pp_gloo_groups",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx
 
 from meshpar._compat import DeviceMesh
+from meshpar._compat import is_registered_process_group as is_registered_group
 from meshpar.expert_parallel import all_to_all
 from meshpar.parallel_dims import get_parallel
 from meshpar.tensor_parallel._collectives import (
@@ -63,14 +64,6 @@ def group_mesh(process_group: dist.ProcessGroup | None) -> DeviceMesh:
             "groups): the collectives cannot run over it"
         )
     return DeviceMesh.from_group(process_group, dims.device.type)
-
-
-def is_registered_group(group: Any) -> bool:
-    """A process group torch.distributed made (a mesh can be built over it), not a stand-in object or a bare
-    ``ProcessGroup(rank, size)``."""
-    from torch.distributed.distributed_c10d import _world
-
-    return isinstance(group, dist.ProcessGroup) and group in _world.pg_group_ranks
 
 
 def nonzero_partition_dim_swap(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
