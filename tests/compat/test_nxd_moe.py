@@ -217,9 +217,65 @@ def refusals_case() -> None:
     with pytest.raises(NotImplementedError, match="early_expert_affinity_modulation"):
         ExpertMLPs(E, 1, H, INTER, "silu", True, None, early_expert_affinity_modulation=True)
     ExpertMLPs(E, 1, H, INTER, "silu", True, None, use_torch_block_wise=True, logical_nc_config=2)  # kernel knobs
-    with pytest.raises(NotImplementedError, match="token shuffling"):
+    with pytest.raises(ValueError, match="divisor of the data parallel size 1"):  # tp2 on 2 ranks: dp is 1
         MoE(RouterTopK(E, 1, H), ExpertMLPs(E, 1, H, INTER, "silu", True, None), token_shuffle_group_size=2)
 
 
 def test_nxd_moe_refusals() -> None:
     run_distributed(refusals_case, 2)
+
+
+def token_shuffle_case(sp: bool) -> None:
+    """tp2 x dp2, shuffle groups of the two dp ranks: tokens really move between the dp ranks and come back exactly;
+    an MoE layer with token shuffling gives the output and input grad of the same layer without it (dropless: each
+    token's output is its own), and its weight grads summed over dp equal the unshuffled layer's."""
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.modules.moe import ExpertMLPs, MoE, RouterTopK, token_shuffling
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    dp_rank, tp_rank = parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    parallel_state.initialize_token_shuffle_group(2)
+    assert parallel_state.get_token_shuffle_group_size() == 2
+    assert sorted(map(sorted, parallel_state.get_token_shuffle_replica_groups())) == sorted(
+        map(sorted, parallel_state.get_data_parallel_replica_groups())
+    )
+    marked = (1000.0 * dp_rank + torch.arange(16.0)).reshape(2, 8, 1)
+    shuffled, permutation = token_shuffling.token_shuffle(marked)
+    assert (shuffled >= 1000).any() and (shuffled < 1000).any()  # rows of both dp ranks on each
+    torch.testing.assert_close(token_shuffling.token_unshuffle(shuffled, permutation), marked, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        token_shuffling.token_shuffle(torch.zeros(1, 3, 1))
+
+    def build(shuffle: int) -> MoE:
+        torch.manual_seed(7)
+        router = RouterTopK(E, 2, H, sequence_parallel_enabled=sp)
+        experts = ExpertMLPs(E, 2, H, INTER, "silu", True, None, normalize_top_k_affinities=True)
+        return MoE(router, experts, sequence_parallel_enabled=sp, token_shuffle_group_size=shuffle)
+
+    plain, shuffling = build(1), build(2)
+    torch.manual_seed(100 + dp_rank)  # each dp rank its own tokens
+    x = torch.randn(8, 2, H) if sp else torch.randn(2, 8, H)
+    local = x.chunk(2, dim=0)[tp_rank] if sp else x
+    torch.manual_seed(50 + tp_rank)  # the tp ranks' generators differ: their permutations must still agree
+    outs, grads = [], []
+    for layer in (plain, shuffling):
+        xp = local.clone().requires_grad_()
+        out = layer(xp)[0]
+        out.backward(torch.ones_like(out) * (1 + torch.arange(out.numel()).reshape(out.shape) % 3))
+        outs.append(out.detach())
+        grads.append(xp.grad)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+    dp_group = parallel_state.get_data_parallel_group()
+    for (name, p_plain), p_shuffled in zip(plain.named_parameters(), shuffling.parameters(), strict=True):
+        summed = [p_plain.grad.clone(), p_shuffled.grad.clone()]
+        for g in summed:
+            dist.all_reduce(g, group=dp_group)
+        torch.testing.assert_close(summed[1], summed[0], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_token_shuffling_moves_tokens_across_dp_and_changes_no_numbers(sp: bool) -> None:
+    run_distributed(token_shuffle_case, 4, sp)

@@ -40,14 +40,9 @@ NOT_PROVIDED: dict[str, str] = {
         f"parallel_layers.parallel_state.{name}": _TOPOLOGY
         for name in (
             "PP_GROUP_PG_GLOO",
-            "destroy_token_shuffle_group",
             "get_speculative_draft_group",
             "get_speculative_draft_replica_groups",
-            "get_token_shuffle_group",
-            "get_token_shuffle_group_size",
-            "get_token_shuffle_replica_groups",
             "initialize_speculative_draft_group",
-            "initialize_token_shuffle_group",
         )
     },
     **{

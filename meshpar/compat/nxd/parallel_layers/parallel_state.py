@@ -216,6 +216,53 @@ def destroy_kv_group() -> None:
     _KV_GROUP.clear()
 
 
+# the token-shuffle groups made for the current parallel state: (its ParallelDims, size, the groups' rank lists)
+_TOKEN_SHUFFLE: list[Any] = []
+
+
+def initialize_token_shuffle_group(token_shuffle_group_size: int = 1) -> None:
+    """The groups MoE layers shuffle tokens within (``MoE(token_shuffle_group_size=...)``): blocks of
+    ``token_shuffle_group_size`` consecutive data-parallel ranks of each dp group (1: no shuffling). One size for all
+    layers; every rank must call it (the groups are made once)."""
+    dims = get_parallel()
+    if _TOKEN_SHUFFLE and _TOKEN_SHUFFLE[0] is dims:
+        if _TOKEN_SHUFFLE[1] != token_shuffle_group_size:
+            raise ValueError(f"a token shuffle group of size {_TOKEN_SHUFFLE[1]} exists; one size for all layers")
+        return
+    if token_shuffle_group_size < 1 or dims.dp % token_shuffle_group_size != 0:
+        raise ValueError(
+            f"token_shuffle_group_size {token_shuffle_group_size} must be a divisor of the data parallel size {dims.dp}"
+        )
+    size = token_shuffle_group_size
+    groups = [ranks[i : i + size] for ranks in dims.group_ranks("dp") for i in range(0, dims.dp, size)]
+    group_among(groups)
+    _TOKEN_SHUFFLE[:] = [dims, size, groups]
+
+
+def _token_shuffle_state() -> list[Any]:
+    if not _TOKEN_SHUFFLE or _TOKEN_SHUFFLE[0] is not get_parallel():
+        raise RuntimeError("the token shuffle group is not initialized (initialize_token_shuffle_group)")
+    return _TOKEN_SHUFFLE
+
+
+def get_token_shuffle_group(as_list: bool = False) -> Any:
+    """This rank's token shuffle group (``as_list``: every group's ranks)."""
+    groups = _token_shuffle_state()[2]
+    return groups if as_list else group_among(groups)
+
+
+def get_token_shuffle_replica_groups() -> list[list[int]]:
+    return _token_shuffle_state()[2]
+
+
+def get_token_shuffle_group_size() -> int:
+    return _token_shuffle_state()[1]
+
+
+def destroy_token_shuffle_group() -> None:
+    _TOKEN_SHUFFLE.clear()
+
+
 def get_rank_info_str() -> str:
     if not model_parallel_is_initialized():
         return "model_parallel_uninitialized"
@@ -397,4 +444,9 @@ __all__ = [
     "get_next_rank_replica_groups",
     "get_prev_rank_replica_groups",
     "get_zero1_sharding_groups",
+    "initialize_token_shuffle_group",
+    "get_token_shuffle_group",
+    "get_token_shuffle_replica_groups",
+    "get_token_shuffle_group_size",
+    "destroy_token_shuffle_group",
 ]

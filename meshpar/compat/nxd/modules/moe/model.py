@@ -6,7 +6,9 @@ along ``sequence_dimension``, NxD's ``[S/tp, B, H]`` by default), routes every t
 ``(output, [router_logits], [expert_index])`` as ``return_router_logits`` / ``return_expert_index`` ask, the output
 in the input's layout. The experts' tp-partial output is summed over tp once at the end (reduce-scattered back to
 the sequence shard under sequence parallelism), and the affinities enter the tp region there, so their grads are
-summed over tp too (NxD's delayed all-reduce).
+summed over tp too (NxD's delayed all-reduce). With ``token_shuffle_group_size`` > 1 the tokens are shuffled across
+that many data-parallel ranks first and brought back after (:mod:`.token_shuffling`); the returned router logits and
+expert indices are those of the shuffled tokens, as in NxD.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshpar.compat.nxd.modules.moe import token_shuffling
 from meshpar.compat.nxd.modules.moe.expert_mlps import ExpertMLPs
 from meshpar.compat.nxd.modules.moe.routing import RouterBase
 from meshpar.compat.nxd.parallel_layers import mappings, parallel_state
@@ -49,14 +52,15 @@ class MoE(nn.Module):
             if router.sequence_dimension != sequence_dimension:
                 raise ValueError(f"Inconsistent sequence_dimension across MoE and router modules, "
                                  f"{router.sequence_dimension} != {sequence_dimension}")  # fmt: skip
-        if token_shuffle_group_size != 1:
-            raise NotImplementedError("token shuffling (a Neuron dp-group load balancer) is not provided")
         if init_tkg_module:
             raise NotImplementedError("the fused token-generation module is Neuron inference; not provided")
         self.router, self.expert_mlps, self.shared_experts, self.rmsnorm = router, expert_mlps, shared_experts, rmsnorm
         self.sequence_parallel_enabled, self.sequence_dimension = sequence_parallel_enabled, sequence_dimension
         self.return_router_logits, self.return_expert_index = return_router_logits, return_expert_index
         self.token_shuffle_group_size, self.token_shuffle_seed = token_shuffle_group_size, token_shuffle_seed
+        self.shuffle_permutation: torch.Tensor | None = None  # the last one, kept when a seed is given (as NxD)
+        if token_shuffle_group_size > 1:
+            parallel_state.initialize_token_shuffle_group(token_shuffle_group_size)
         self.ep_enabled = parallel_state.get_expert_model_parallel_size() > 1
         self.tensor_parallel_group = (
             tensor_model_parallel_group
@@ -80,6 +84,11 @@ class MoE(nn.Module):
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if self.rmsnorm is not None:
             hidden_states = self.rmsnorm(hidden_states)
+        permutation = None
+        if self.token_shuffle_group_size > 1:
+            hidden_states, permutation = token_shuffling.token_shuffle(hidden_states, seed=self.token_shuffle_seed)
+            if self.token_shuffle_seed is not None:
+                self.shuffle_permutation = permutation
         if self.sequence_parallel_enabled:
             full = mappings.gather_from_sequence_parallel_region(
                 hidden_states, self.sequence_dimension, to_model_parallel=False,
@@ -100,6 +109,8 @@ class MoE(nn.Module):
             )
         else:
             output = mappings.reduce_from_tensor_model_parallel_region(output, self.tensor_parallel_group)
+        if permutation is not None:
+            output = token_shuffling.token_unshuffle(output, permutation)
         result: tuple[torch.Tensor, ...] = (output,)
         if self.return_router_logits:
             result += (logits,)
