@@ -16,7 +16,6 @@ DOCS = HERE.parents[1] / "docs" / "compat.md"
 
 _RUNTIME = "NxD's own XLA pipeline runtime (meshpar runs pipelines as schedule data: meshpar.pipeline)"
 _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
-_TOPOLOGY = "Neuron-topology process groups (rings, token shuffling, speculative drafts) with no CPU/CUDA meaning"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 MODULES_NOT_PROVIDED: dict[str, str] = {}
 # single names meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
@@ -37,9 +36,8 @@ NOT_PROVIDED: dict[str, str] = {
     "parallel_layers.mappings.scatter_to_process_group_spmd": _INFERENCE,
     "parallel_layers.mappings.round_robin_scatter_to_process_group_spmd": _INFERENCE,
     **{
-        f"parallel_layers.parallel_state.{name}": _TOPOLOGY
+        f"parallel_layers.parallel_state.{name}": _INFERENCE  # speculative decoding's draft-model groups
         for name in (
-            "PP_GROUP_PG_GLOO",
             "get_speculative_draft_group",
             "get_speculative_draft_replica_groups",
             "initialize_speculative_draft_group",

@@ -105,9 +105,11 @@ def helper_groups_case() -> dict[str, object]:
     try:
         with pytest.raises(RuntimeError, match="initialize_pp_gloo_groups"):
             parallel_state.get_pp_gloo_group()
+        assert parallel_state.PP_GROUP_PG_GLOO is None  # NxD's module global, before the groups exist
         parallel_state.initialize_pp_gloo_groups()
         parallel_state.initialize_pp_gloo_groups()  # once per state
         pp_group = parallel_state.get_pp_gloo_group()
+        assert parallel_state.PP_GROUP_PG_GLOO is pp_group
         rank = dist.get_rank()
         value = torch.tensor([float(rank)])
         dist.all_reduce(value, group=pp_group)

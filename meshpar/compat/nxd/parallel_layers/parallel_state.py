@@ -402,6 +402,17 @@ def get_prev_rank_replica_groups() -> list[list[int]]:
     return _pipeline_neighbour_groups(-1)
 
 
+def __getattr__(name: str) -> Any:
+    """NxD's module global ``PP_GROUP_PG_GLOO``: this rank's gloo pipeline group once ``initialize_pp_gloo_groups``
+    ran under the current parallel state, ``None`` before (read at each access, so it follows the state)."""
+    if name == "PP_GROUP_PG_GLOO":
+        try:
+            return _topology.get_pp_gloo_group()
+        except RuntimeError:
+            return None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     *_topology.__all__,
     "arrange_kv_groups",
