@@ -1,8 +1,8 @@
 """NxD's manually partitioned pipeline (a model given as a list of layers, ``manual_pp_partition=True``) against a
 dense single-process run: NxD's even split (remainder on the last stage) and a custom ``partition_fn``, at pp2 x dp2
-and pp4, losses and the parameters after SGD steps equal to dense; refusals for shared weights across stages, a
-non-contiguous partition and a list without ``manual_pp_partition``; the scheduler-free surface of
-``PipelineStageModule``."""
+and pp4, losses and the parameters after SGD steps equal to dense, also with a weight shared by layers on two stages
+(``mark_weight_sharing``: kept one weight); refusals for two marked tensors on one stage, a non-contiguous partition
+and a list without ``manual_pp_partition``; the scheduler-free surface of ``PipelineStageModule``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,51 @@ def test_nxd_manual_pipeline_trains_like_dense(pp: int, custom: bool) -> None:
     run_distributed(manual_case, 4, pp, custom)
 
 
+def shared_weight_case(pp: int) -> None:
+    """The first and the fifth layer share their weight (a tied embedding / head in miniature), on different stages:
+    the later stage's copy starts from the first stage's values (the layers were built apart, with different values)
+    and both copies follow the dense tied weight through SGD steps, the grads of its two uses summed."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    dense, layers = nn.Sequential(*_layers()), _layers()
+    dense[4].weight = dense[0].weight
+    # not tied in this process: the fifth layer's own initial weight differs until the pipeline copies stage 0's
+    assert not torch.equal(layers[4].weight, layers[0].weight)
+    PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[4], "weight")], "tied")
+    model = NxDPPModel(layers, num_microbatches=2, manual_pp_partition=True, manual_pp_loss_fn=nn.CrossEntropyLoss(),
+                       broadcast_and_average_loss=True)  # fmt: skip
+    holds = {0: 0, 4: 4 * pp // 8}  # layer -> stage: eight layers, evenly
+    expected = ["tied"] if parallel_state.get_pipeline_model_parallel_rank() in holds.values() else []
+    assert list(model.manually_shared_weights) == expected
+    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    for step in range(3):
+        torch.manual_seed(step)
+        inputs, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
+        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+        loss = model.run_train(inputs=inputs[mine], labels=labels[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
+        dense_loss = torch.stack([nn.functional.cross_entropy(dense(inputs[p]), labels[p]) for p in pieces]).mean()
+        dense_loss.backward()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
+    dense_params = {name: p for name, p in dense.named_parameters(remove_duplicate=False)}
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.detach(), dense_params[name.removeprefix("layers.")].detach(), msg=name)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_nxd_manual_pipeline_keeps_a_weight_shared_across_stages_one_weight(pp: int) -> None:
+    run_distributed(shared_weight_case, 4, pp)
+
+
 def refusal_case(kind: str) -> None:
     from meshpar.compat.nxd.parallel_layers import parallel_state
     from meshpar.compat.nxd.pipeline import NxDPPModel
@@ -78,8 +123,8 @@ def refusal_case(kind: str) -> None:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     layers = [nn.Linear(H, H) for _ in range(4)]
     kwargs = {"num_microbatches": 2, "manual_pp_partition": True, "manual_pp_loss_fn": nn.MSELoss()}
-    if kind == "shared":
-        PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[-1], "weight")], "tied")
+    if kind == "shared_on_one_stage":  # layers 0 and 1 both sit on stage 0 but hold two tensors
+        PipelineStageModule.mark_weight_sharing([(layers[0], "weight"), (layers[1], "weight")], "tied")
         NxDPPModel(layers, **kwargs)
     elif kind == "scattered":
         NxDPPModel(layers, manual_pp_stage_partition_fn=lambda ls, n: {m: i % 2 for i, m in enumerate(ls)}, **kwargs)
@@ -89,7 +134,11 @@ def refusal_case(kind: str) -> None:
 
 @pytest.mark.parametrize(
     "kind,message",
-    [("shared", "share weights"), ("scattered", "contiguous"), ("list_without_manual", "manual_pp_partition=True")],
+    [
+        ("shared_on_one_stage", "hold different tensors"),
+        ("scattered", "contiguous"),
+        ("list_without_manual", "manual_pp_partition=True"),
+    ],
 )
 def test_nxd_manual_pipeline_refusals(kind: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):

@@ -1,9 +1,10 @@
 """``neuronx_distributed.pipeline.manual_pipe_stage``: a pipeline stage made of a slice of a model given as a list of
 layers (``NxDPPModel(layers, manual_pp_partition=True)``), NxD's even partition and its weight-sharing marks.
 
-Weights shared between layers placed on different stages (``mark_weight_sharing``) are not kept in sync by meshpar's
-manual pipeline: ``NxDPPModel`` refuses such a model (:func:`refuse_weight_sharing`) instead of training two copies
-that drift apart. Shared layers on the same stage share the tensor itself and need no mark.
+Weights shared between layers placed on different stages (``mark_weight_sharing``, e.g. a tied embedding and LM
+head) are kept one weight by ``NxDPPModel``: the first stage's values are copied to the others when it is built, and
+after each ``run_train`` the stages' grads of it are summed (:func:`shared_weight_groups` says which layers share
+what where). Layers on one stage share the tensor itself; marking two different tensors there is refused.
 """
 
 from __future__ import annotations
@@ -99,13 +100,24 @@ class PipelineStageModule(nn.Module):
             shape = weight.shape
 
 
-def refuse_weight_sharing(layers: Sequence[nn.Module]) -> None:
-    marked = [type(layer).__name__ for layer in layers if getattr(layer, WEIGHT_SHARING_ATTR_NAME, None)]
-    if marked:
-        raise NotImplementedError(
-            f"NxDPPModel(manual_pp_partition=True): layers {marked} share weights (mark_weight_sharing); meshpar's "
-            "manual pipeline does not keep weights shared across stages in sync"
-        )
+def shared_weight_groups(layers: Sequence[nn.Module], mapping: dict[Any, int]) -> dict[str, list[tuple[int, int, str]]]:
+    """Every weight-sharing group of ``layers`` (placed on stages by ``mapping``): its ``(stage, layer index, weight
+    path)`` entries in layer order. Two marked layers on one stage must hold the same tensor (a shared weight is
+    one tensor within a process)."""
+    groups: dict[str, list[tuple[int, int, str]]] = {}
+    for index, layer in enumerate(layers):
+        for group, path in getattr(layer, WEIGHT_SHARING_ATTR_NAME, {}).items():
+            groups.setdefault(group, []).append((mapping[layer], index, path))
+    for group, entries in groups.items():
+        by_stage: dict[int, Any] = {}
+        for stage, index, path in entries:
+            weight = operator.attrgetter(path)(layers[index])
+            if by_stage.setdefault(stage, weight) is not weight:
+                raise ValueError(
+                    f"weight sharing group {group!r}: two layers on stage {stage} hold different tensors; layers on "
+                    "one stage share a weight by holding the same tensor"
+                )
+    return groups
 
 
-__all__ = ["WEIGHT_SHARING_ATTR_NAME", "PipelineStageModule", "refuse_weight_sharing"]
+__all__ = ["WEIGHT_SHARING_ATTR_NAME", "PipelineStageModule", "shared_weight_groups"]

@@ -30,6 +30,7 @@ from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
 from meshpar.pipeline.trace import traced_stages
+from meshpar.recipe import has_parameter
 from meshpar.replicas import make_replicas_equal
 
 _log = logging.getLogger(__name__)
@@ -133,12 +134,16 @@ class _UnwrappingSequential(nn.Sequential):
         return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
 
 
-def _manual_cuts(layers: Sequence[nn.Module], stages: int, partition_fn: Callable[..., Any] | None) -> list[str]:
-    """The cut after each stage's last layer: ``partition_fn(layers, stages)`` maps each layer to its stage (NxD's
-    default: ``len(layers) // stages`` layers each, the remainder on the last stage); stages must be contiguous."""
+def _manual_placement(layers: Sequence[nn.Module], stages: int, partition_fn: Callable[..., Any] | None) -> dict:
+    """``partition_fn(layers, stages)``: each layer's stage (NxD's default: ``len(layers) // stages`` layers each,
+    the remainder on the last stage)."""
     from meshpar.compat.nxd.pipeline.manual_pipe_stage import PipelineStageModule
 
-    mapping = (partition_fn or PipelineStageModule._partition_evenly)(layers, stages)
+    return (partition_fn or PipelineStageModule._partition_evenly)(layers, stages)
+
+
+def _manual_cuts(layers: Sequence[nn.Module], stages: int, mapping: dict) -> list[str]:
+    """The cut after each stage's last layer of the placement ``mapping``; stages must be contiguous."""
     order = [mapping[layer] for layer in layers]
     if order != sorted(order) or sorted(set(order)) != list(range(stages)):
         raise ValueError(
@@ -245,15 +250,17 @@ class NxDPPModel(PipelineModel):
         if pipeline_cuts is not None and auto_partition:
             raise ValueError("NxDPPModel: pass pipeline_cuts or auto_partition=True, not both (as in NxD)")
         original = module
+        shared_groups: dict[str, list[tuple[int, int, str]]] = {}
         if manual_pp_partition:
             if not isinstance(module, (list, tuple)):
                 raise ValueError("NxDPPModel(manual_pp_partition=True) takes the model as a list of layers")
-            from meshpar.compat.nxd.pipeline.manual_pipe_stage import refuse_weight_sharing
+            from meshpar.compat.nxd.pipeline.manual_pipe_stage import shared_weight_groups
 
-            refuse_weight_sharing(module)
             layers = list(module)
             dims_for_cuts = dims if dims is not None else get_parallel()
-            pipeline_cuts = _manual_cuts(layers, dims_for_cuts.pp, manual_pp_stage_partition_fn)
+            placement = _manual_placement(layers, dims_for_cuts.pp, manual_pp_stage_partition_fn)
+            pipeline_cuts = _manual_cuts(layers, dims_for_cuts.pp, placement)
+            shared_groups = shared_weight_groups(layers, placement)
             module = _ManualStages(layers)
             input_names = [INPUTS_ARG_NAME]
             if manual_pp_loss_fn is not None and loss_fn is None:
@@ -333,6 +340,7 @@ class NxDPPModel(PipelineModel):
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
         self.timeline = PPTimeline(trace_file_path, dims.pp_rank)  # NxD's trace file: a timeline of the steps
+        self.manually_shared_weights = self._share_weights_across_stages(shared_groups)
 
     # -- NxD's step-by-step partitioning: trace, cut, partition (before the first step) ---------------------------
     def trace(
@@ -405,6 +413,36 @@ class NxDPPModel(PipelineModel):
         """This rank's stage modules (NxD's name for :meth:`local_modules`)."""
         return self.local_modules()
 
+    def _share_weights_across_stages(self, groups: dict[str, list[tuple[int, int, str]]]) -> dict[str, list]:
+        """For each weight-sharing group spanning stages (``mark_weight_sharing``): the group of those stages'
+        ranks (made by every rank, group by group in name order) and this rank's copy of the weight, set to the first
+        stage's values. ``{name: [process group, parameter]}`` for the groups this rank takes part in."""
+        from meshpar.compat.nxd.parallel_layers.parallel_state import create_pg_with_ranks
+
+        shared: dict[str, list] = {}
+        for name in sorted(groups):
+            stages = sorted({stage for stage, _, _ in groups[name]})
+            if len(stages) == 1:
+                continue  # one stage: one tensor
+            group = create_pg_with_ranks(stages)
+            mine = [(index, path) for stage, index, path in groups[name] if stage == self.dims.pp_rank]
+            if group is None or not mine:
+                continue
+            index, path = mine[0]
+            param = next(m.get_parameter(f"layers.{index}.{path}") for m in self.local_modules()
+                         if has_parameter(m, f"layers.{index}.{path}"))  # fmt: skip
+            with torch.no_grad():
+                torch.distributed.broadcast(param, group=group, group_src=0)
+            shared[name] = [group, param]
+        return shared
+
+    def _sum_shared_weight_grads(self) -> None:
+        """The stages' grads of each shared weight summed (what the one weight's grad is in the whole model)."""
+        for group, param in self.manually_shared_weights.values():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            torch.distributed.all_reduce(param.grad, group=group)
+
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
         if self._tracing is not None and not self.partitioned:
             raise RuntimeError(
@@ -414,6 +452,8 @@ class NxDPPModel(PipelineModel):
         self.partitioned = True  # NxD partitions at the first step at the latest
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
             loss = super()._run(forward_only, inputs, keep_outputs)
+            if not forward_only:
+                self._sum_shared_weight_grads()
         self.timeline.mark_step_end()
         result = self.last_losses if self.return_mb_loss else loss
         if self.return_loss_on_cpu and result is not None:
