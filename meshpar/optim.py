@@ -166,6 +166,8 @@ class DistributedOptimizer:
         dp-sharded (FSDP2) parameters are refused."""
         refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
         experts = [i for i, (_, p) in enumerate(self.named_params) if is_expert_parallel(p)]
+        if self.dims is not None and self.dims.ep == 1:
+            experts = []  # no ep dim: every dp rank holds the same experts (NxD marks them at ep 1 too), dense ones
         expert_mesh = self.dims.expert_dp_mesh if self.dims is not None else None
         if experts and expert_mesh is None:
             raise ValueError(

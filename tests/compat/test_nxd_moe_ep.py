@@ -349,3 +349,36 @@ def init_case() -> None:
 
 def test_experts_are_built_per_rank_as_the_unsplit_layer_builds_them() -> None:
     run_distributed(init_case, 4)
+
+
+def zero1_marked_experts_without_ep_case() -> None:
+    """NxD marks expert weights ``expert_model_parallel`` whatever the ep size: at ep 1 (dp 4 here) they are
+    replicated over dp like every other weight, and NxD's ZeRO-1 optimizer steps them so: after AdamW steps on
+    per-rank grads every rank holds what torch's AdamW gives on the dp-averaged grads."""
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(4)]
+    for p in params[2:]:
+        p.expert_model_parallel = True
+    dense = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = NeuronZero1Optimizer(params, torch.optim.AdamW, lr=1e-2, grad_clipping=False)
+    reference = torch.optim.AdamW(dense, lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        grads = [torch.randn(world, 6, 4) for _ in params]
+        for p, d, g in zip(params, dense, grads, strict=True):
+            p.grad, d.grad = g[rank].clone(), g.mean(0)
+        optimizer.step()
+        reference.step()
+    for p, d in zip(params, dense, strict=True):
+        torch.testing.assert_close(p.detach(), d.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_nxd_zero1_steps_marked_experts_as_dense_weights_without_expert_parallelism() -> None:
+    run_distributed(zero1_marked_experts_without_ep_case, 4)
