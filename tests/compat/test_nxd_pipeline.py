@@ -21,6 +21,30 @@ def _layers() -> list[nn.Module]:
     return [linears[0], nn.Tanh(), linears[1], nn.ReLU(), linears[2], nn.Tanh(), linears[3], nn.Identity()]
 
 
+def _train_like_dense(model: nn.Module, dense: nn.Module, dp: int, dp_rank: int) -> None:
+    """Three SGD steps of the pipeline (this dp rank's four samples, two microbatches) and of the dense model (every
+    dp rank's samples, the same microbatch means): the losses of every step, then every local parameter, equal."""
+    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    for step in range(3):
+        torch.manual_seed(step)
+        inputs, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
+        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+        loss = model.run_train(inputs=inputs[mine], labels=labels[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
+        dense_loss = torch.stack([nn.functional.cross_entropy(dense(inputs[p]), labels[p]) for p in pieces]).mean()
+        dense_loss.backward()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        assert loss.device.type == "cpu"  # return_loss_on_cpu, NxD's default
+        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
+    dense_params = dict(dense.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.detach(), dense_params[name.removeprefix("layers.")].detach(), msg=name)
+
+
 def manual_case(pp: int, custom: bool) -> None:
     from meshpar.compat.nxd.parallel_layers import parallel_state
     from meshpar.compat.nxd.pipeline import NxDPPModel
@@ -44,25 +68,7 @@ def manual_case(pp: int, custom: bool) -> None:
         manual_pp_loss_fn=nn.CrossEntropyLoss(),
         broadcast_and_average_loss=True,
     )  # fmt: skip  (at pp4: fewer microbatches than stages, as NxD's own manual-pipeline test runs)
-    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
-    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
-    for step in range(3):
-        torch.manual_seed(step)
-        inputs, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
-        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
-        loss = model.run_train(inputs=inputs[mine], labels=labels[mine])
-        optimizer.step()
-        optimizer.zero_grad()
-        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
-        dense_loss = torch.stack([nn.functional.cross_entropy(dense(inputs[p]), labels[p]) for p in pieces]).mean()
-        dense_loss.backward()
-        dense_optimizer.step()
-        dense_optimizer.zero_grad()
-        assert loss.device.type == "cpu"  # return_loss_on_cpu, NxD's default
-        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
-    dense_params = dict(dense.named_parameters())
-    for name, param in model.local_named_parameters():
-        torch.testing.assert_close(param.detach(), dense_params[name.removeprefix("layers.")].detach(), msg=name)
+    _train_like_dense(model, dense, dp, dp_rank)
 
 
 @pytest.mark.parametrize("pp,custom", [(2, False), (4, False), (2, True), (4, True)])
@@ -90,24 +96,7 @@ def shared_weight_case(pp: int) -> None:
     holds = {0: 0, 4: 4 * pp // 8}  # layer -> stage: eight layers, evenly
     expected = ["tied"] if parallel_state.get_pipeline_model_parallel_rank() in holds.values() else []
     assert list(model.manually_shared_weights) == expected
-    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
-    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
-    for step in range(3):
-        torch.manual_seed(step)
-        inputs, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
-        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
-        loss = model.run_train(inputs=inputs[mine], labels=labels[mine])
-        optimizer.step()
-        optimizer.zero_grad()
-        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
-        dense_loss = torch.stack([nn.functional.cross_entropy(dense(inputs[p]), labels[p]) for p in pieces]).mean()
-        dense_loss.backward()
-        dense_optimizer.step()
-        dense_optimizer.zero_grad()
-        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
-    dense_params = {name: p for name, p in dense.named_parameters(remove_duplicate=False)}
-    for name, param in model.local_named_parameters():
-        torch.testing.assert_close(param.detach(), dense_params[name.removeprefix("layers.")].detach(), msg=name)
+    _train_like_dense(model, dense, dp, dp_rank)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
