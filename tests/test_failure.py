@@ -242,3 +242,32 @@ def test_workers_that_grew_many_threads_are_recycled_and_others_kept() -> None:
     assert all(threads > _harness._RECYCLE_THREADS for _, threads in grown), grown
     fresh = run_distributed(pid_case, 2)
     assert set(fresh).isdisjoint(first), (first, fresh)
+
+
+def silent_peer_case() -> None:
+    """Rank 1 fails before sending what rank 0 waits for (a case raising on one rank outside meshpar's failure
+    paths: its peer is left in a receive that only gloo's timeout would end)."""
+    if dist.get_rank() == 1:
+        raise InjectedError("rank 1 failed before sending")
+    dist.recv(torch.empty(1), src=1)
+
+
+def test_a_rank_failing_while_a_lower_rank_waits_on_it_is_reported_without_waiting_out_the_answer_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The harness takes the ranks' answers as they come: rank 1's error is seen while rank 0 still waits in its
+    receive, and from then on rank 0 has only the after-failure time (shortened here) to answer, not the answer
+    time (an hour here: reading the ranks in order, the harness would wait it out, past pytest's per-test limit)."""
+    from meshpar.testing import _harness
+
+    monkeypatch.setattr(_harness, "_AFTER_FAILURE_TIMEOUT_S", 2.0)
+    pool = DistributedPool(2)
+    try:
+        with pytest.raises(AssertionError) as caught:
+            pool.run(silent_peer_case, timeout=3600.0)
+    finally:
+        pool.close(force=True)
+    report = str(caught.value)
+    assert "InjectedError: rank 1 failed before sending" in report, report
+    assert "rank 0: no answer in time (hang or deadlock, after a failure)" in report, report
+    assert report.index("rank 0:") < report.index("rank 1:")  # reported in rank order

@@ -29,10 +29,12 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 import types
 import warnings
 from collections.abc import Callable
+from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -233,30 +235,41 @@ class DistributedPool:
         for conn in self._conns:
             conn.send((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
-        errors: list[str] = []
+        failures: dict[int, str] = {}
         hung = aborted = crashed = False
-        for rank, conn in enumerate(self._conns):
-            wait = timeout if not errors else min(timeout, _AFTER_FAILURE_TIMEOUT_S)
-            if not conn.poll(wait):
-                errors.append(f"rank {rank}: no answer after {wait:.0f}s (hang or deadlock)")
-                hung = True
-                continue
-            try:
-                status, payload, threads = conn.recv()
-                self.threads = max(self.threads, threads)
-            except (EOFError, ConnectionError):  # the process died (a signal, an abort in native code)
-                self._procs[rank].join(timeout=5)
-                code = self._procs[rank].exitcode
-                errors.append(f"rank {rank}: the process died ({_exit_reason(code)})")
-                hung, crashed = True, crashed or (code is not None and code < 0)
-                continue
-            if status.startswith("ok"):
-                results[rank] = payload
-                aborted = aborted or status != "ok"
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                # a gloo timeout or meshpar's abort leaves the group unusable
-                hung = hung or "Timed out waiting" in payload or "[process groups aborted]" in payload
+        # answers are taken as they come, so a rank that fails is seen at once even while a lower rank waits on it in
+        # a collective; from the first failure on, the others get the after-failure time left, not the full timeout
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = mp_connection.wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for rank in [r for r, conn in pending.items() if conn in ready]:
+                conn = pending.pop(rank)
+                try:
+                    status, payload, threads = conn.recv()
+                    self.threads = max(self.threads, threads)
+                except (EOFError, ConnectionError):  # the process died (a signal, an abort in native code)
+                    self._procs[rank].join(timeout=5)
+                    code = self._procs[rank].exitcode
+                    failures[rank] = f"rank {rank}: the process died ({_exit_reason(code)})"
+                    hung, crashed = True, crashed or (code is not None and code < 0)
+                else:
+                    if status.startswith("ok"):
+                        results[rank] = payload
+                        aborted = aborted or status != "ok"
+                        continue
+                    failures[rank] = f"rank {rank}:\n{payload}"
+                    # a gloo timeout or meshpar's abort leaves the group unusable
+                    hung = hung or "Timed out waiting" in payload or "[process groups aborted]" in payload
+                deadline = min(deadline, time.monotonic() + _AFTER_FAILURE_TIMEOUT_S)
+        for rank in pending:
+            failures[rank] = (
+                f"rank {rank}: no answer in time (hang or deadlock{', after a failure' if failures else ''})"
+            )
+            hung = True
+        errors = [failures[rank] for rank in sorted(failures)]
         if errors:
             if hung:  # a rank may be stuck in a collective: the process group cannot be trusted any more
                 self.close(force=True)
