@@ -169,8 +169,46 @@ def arrange_kv_groups(
     return groups
 
 
-# the kv-shared groups made for the current parallel state: (its ParallelDims, size, this rank's group, all groups)
-_KV_GROUP: list[Any] = []
+class _SizedGroups:
+    """Groups of one size made for the current parallel state (the kv-shared and the token-shuffle groups): made
+    once by every rank (their process groups by :func:`~meshpar.compat.nxd._groups.group_among`), one size for all
+    layers, read back by the getters; a new parallel state needs them made again."""
+
+    def __init__(self, what: str, made_by: str) -> None:
+        self.what, self.made_by = what, made_by
+        self._made: tuple[Any, int, list[list[int]]] | None = None  # (the ParallelDims, size, every group's ranks)
+
+    def made_with(self, size: int) -> bool:
+        """Whether they are made for this state already (refused at another size)."""
+        if self._made is None or self._made[0] is not get_parallel():
+            return False
+        if self._made[1] != size:
+            raise ValueError(f"a {self.what} group of size {self._made[1]} exists; one size for all layers")
+        return True
+
+    def make(self, size: int, rank_lists: list[list[int]]) -> None:
+        group_among(rank_lists)
+        self._made = (get_parallel(), size, rank_lists)
+
+    def _state(self) -> tuple[Any, int, list[list[int]]]:
+        if self._made is None or self._made[0] is not get_parallel():
+            raise RuntimeError(f"the {self.what} group is not initialized ({self.made_by})")
+        return self._made
+
+    def size(self) -> int:
+        return self._state()[1]
+
+    def rank_lists(self) -> list[list[int]]:
+        return self._state()[2]
+
+    def group(self) -> dist.ProcessGroup | None:
+        return group_among(self.rank_lists())
+
+    def destroy(self) -> None:
+        self._made = None
+
+
+_KV = _SizedGroups("kv-shared", "initialize_kv_group, or a GQAQKVColumnParallelLinear")
 
 
 def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = True) -> None:
@@ -178,89 +216,66 @@ def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group
     They are blocks of adjacent tp ranks, the layout ``GQAQKVColumnParallelLinear`` replicates heads in."""
     if not sequential_ranks_in_group:
         raise NotImplementedError("initialize_kv_group: meshpar replicates each kv head on adjacent tp ranks only")
-    dims = get_parallel()
-    if _KV_GROUP and _KV_GROUP[0] is dims:
-        if _KV_GROUP[1] != kv_shared_group_size:
-            raise ValueError(f"a kv group of size {_KV_GROUP[1]} exists; one size for all layers")
+    if _KV.made_with(kv_shared_group_size):
         return
-    groups = []
-    for tp_ranks in dims.group_ranks("tp"):
-        groups += [tp_ranks[i : i + kv_shared_group_size] for i in range(0, dims.tp, kv_shared_group_size)]
+    dims = get_parallel()
     if dims.tp % kv_shared_group_size != 0:
         raise ValueError(f"kv_shared_group_size {kv_shared_group_size} must divide tp={dims.tp}")
-    _KV_GROUP[:] = [dims, kv_shared_group_size, group_among(groups), groups]
-
-
-def _kv_group_state() -> list[Any]:
-    if not _KV_GROUP or _KV_GROUP[0] is not get_parallel():
-        raise RuntimeError(
-            "the kv-shared group is not initialized (initialize_kv_group, or a GQAQKVColumnParallelLinear)"
-        )
-    return _KV_GROUP
+    size = kv_shared_group_size
+    _KV.make(size, [ranks[i : i + size] for ranks in dims.group_ranks("tp") for i in range(0, dims.tp, size)])
 
 
 def get_kv_shared_group(as_list: bool = False) -> Any:
-    state = _kv_group_state()
-    return state[3] if as_list else state[2]
+    return _KV.rank_lists() if as_list else _KV.group()
 
 
 def get_kv_shared_replica_groups() -> list[list[int]]:
-    return _kv_group_state()[3]
+    return _KV.rank_lists()
 
 
 def get_kv_shared_group_size() -> int:
-    return _kv_group_state()[1]
+    return _KV.size()
 
 
 def destroy_kv_group() -> None:
-    _KV_GROUP.clear()
+    _KV.destroy()
 
 
-# the token-shuffle groups made for the current parallel state: (its ParallelDims, size, the groups' rank lists)
-_TOKEN_SHUFFLE: list[Any] = []
+_TOKEN_SHUFFLE = _SizedGroups("token shuffle", "initialize_token_shuffle_group")
 
 
 def initialize_token_shuffle_group(token_shuffle_group_size: int = 1) -> None:
     """The groups MoE layers shuffle tokens within (``MoE(token_shuffle_group_size=...)``): blocks of
     ``token_shuffle_group_size`` consecutive data-parallel ranks of each dp group (1: no shuffling). One size for all
     layers; every rank must call it (the groups are made once)."""
-    dims = get_parallel()
-    if _TOKEN_SHUFFLE and _TOKEN_SHUFFLE[0] is dims:
-        if _TOKEN_SHUFFLE[1] != token_shuffle_group_size:
-            raise ValueError(f"a token shuffle group of size {_TOKEN_SHUFFLE[1]} exists; one size for all layers")
+    if _TOKEN_SHUFFLE.made_with(token_shuffle_group_size):
         return
+    dims = get_parallel()
     if token_shuffle_group_size < 1 or dims.dp % token_shuffle_group_size != 0:
         raise ValueError(
             f"token_shuffle_group_size {token_shuffle_group_size} must be a divisor of the data parallel size {dims.dp}"
         )
     size = token_shuffle_group_size
-    groups = [ranks[i : i + size] for ranks in dims.group_ranks("dp") for i in range(0, dims.dp, size)]
-    group_among(groups)
-    _TOKEN_SHUFFLE[:] = [dims, size, groups]
-
-
-def _token_shuffle_state() -> list[Any]:
-    if not _TOKEN_SHUFFLE or _TOKEN_SHUFFLE[0] is not get_parallel():
-        raise RuntimeError("the token shuffle group is not initialized (initialize_token_shuffle_group)")
-    return _TOKEN_SHUFFLE
+    _TOKEN_SHUFFLE.make(
+        size, [ranks[i : i + size] for ranks in dims.group_ranks("dp") for i in range(0, dims.dp, size)]
+    )
 
 
 def get_token_shuffle_group(as_list: bool = False) -> Any:
     """This rank's token shuffle group (``as_list``: every group's ranks)."""
-    groups = _token_shuffle_state()[2]
-    return groups if as_list else group_among(groups)
+    return _TOKEN_SHUFFLE.rank_lists() if as_list else _TOKEN_SHUFFLE.group()
 
 
 def get_token_shuffle_replica_groups() -> list[list[int]]:
-    return _token_shuffle_state()[2]
+    return _TOKEN_SHUFFLE.rank_lists()
 
 
 def get_token_shuffle_group_size() -> int:
-    return _token_shuffle_state()[1]
+    return _TOKEN_SHUFFLE.size()
 
 
 def destroy_token_shuffle_group() -> None:
-    _TOKEN_SHUFFLE.clear()
+    _TOKEN_SHUFFLE.destroy()
 
 
 def get_rank_info_str() -> str:
