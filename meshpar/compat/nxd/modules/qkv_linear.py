@@ -31,6 +31,9 @@ from meshpar.compat.nxd.modules.qkv_linear_utils import (
 )
 from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.parallel_layers.layers import BaseParallelLinear, create_local_weight
+
+# the weight and bias grads of a matmul, in NxD's namespace here (its tests patch it)
+from meshpar.compat.nxd.parallel_layers.layers_utils import _compute_gradients
 from meshpar.compat.nxd.parallel_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -47,14 +50,6 @@ from meshpar.compat.nxd.parallel_layers.utils import (
 def _linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     output = torch.matmul(input, weight.t())
     return output + bias if bias is not None else output
-
-
-def _compute_gradients(
-    input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, use_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias grads of ``input @ weight^T + bias`` (``input``: the ``[rows, in]`` input rows)."""
-    rows = grad_output.reshape(-1, grad_output.shape[-1])
-    return rows.t().matmul(input), rows.sum(dim=0) if use_bias else None
 
 
 class GQAQKVLinearWithAsyncCommunication(torch.autograd.Function):

@@ -38,6 +38,7 @@ from meshpar.compat.nxd.parallel_layers import layers_utils
 
 # the steps LinearWithAsyncCommunication is built from, in this module's namespace as in NxD's (its tests patch them)
 from meshpar.compat.nxd.parallel_layers.layers_utils import (  # noqa: F401
+    _compute_gradients,
     _gather_along_dim,
     _linear_autograd_base_setup_bwd,
     _linear_autograd_base_setup_fwd,
@@ -345,9 +346,9 @@ class LinearWithAsyncCommunication(torch.autograd.Function):
                 return _linear_autograd_bwd_no_weight_grad(ctx, grad_input, dtype), None, None, *rest
             return layers_utils._reduced_input_grad(ctx, grad_input, handle, dtype), None, None, *rest
         # the weight grad's matmul runs while the input grad's all-reduce is under way
-        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_bias = flat_grad.sum(dim=0) if ctx.use_bias else None
+        grad_weight, grad_bias = _compute_gradients(
+            total.reshape(-1, total.shape[-1]), weight, grad_output, ctx.use_bias
+        )
         shard, grad_input = _linear_autograd_bwd_input_grad(ctx, grad_input, handle, dtype)
         return shard if ctx.sequence_parallel_enabled else grad_input, grad_weight, grad_bias, *rest
 

@@ -36,6 +36,15 @@ def _reduce_scatter_along_dim(x: torch.Tensor, dim: int, process_group: dist.Pro
     return comm.reduce_scatter("sum", x, 1, dim, size, groups=process_group).contiguous()
 
 
+def _compute_gradients(
+    input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, use_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias grads of ``input @ weight^T + bias`` (``input``: the ``[rows, in]`` input rows; the grad
+    is flattened to rows alike)."""
+    rows = grad_output.reshape(-1, grad_output.shape[-1])
+    return rows.t().matmul(input), rows.sum(dim=0) if use_bias else None
+
+
 def _linear_autograd_base_setup_fwd(
     ctx: Any,
     input: torch.Tensor,
