@@ -115,7 +115,8 @@ _INKLING2 = {"unpadded_vocab_size": 64, "swa_head_dim": 8, "rel_extent": 16}
 # families whose sizes the generic keys miss: Gemma-3n / Gemma-4 embed per-layer inputs from full-size vocabularies;
 # Cohere-Compass keeps rotary parameters per layer type and ships none by default (its checkpoints do); LongCat-Flash
 # counts layers of two sublayers (``num_layers``; its ``num_hidden_layers`` is twice that) and defaults to 256
-# identity experts, which would take nearly every route; LFM2-MoE's config has no layer types by default (its
+# identity experts, which would take nearly every route (here 8 routed and 4 identity experts, its checkpoints' 2:1,
+# each count split evenly over the 4 ranks of ep2 x tp2); LFM2-MoE's config has no layer types by default (its
 # checkpoints list them): one convolution, one attention layer
 _FAMILY_SIZES = {
     "gemma4_text": _PER_LAYER_INPUTS,
@@ -124,7 +125,7 @@ _FAMILY_SIZES = {
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": _ROPE, "full_attention": _ROPE},
     },
-    "longcat_flash": {"num_layers": 2, "zero_expert_num": 2},
+    "longcat_flash": {"num_layers": 2, "n_routed_experts": 8, "zero_expert_num": 4},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": _INKLING2,

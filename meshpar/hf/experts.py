@@ -12,9 +12,12 @@ routes travel to the ep rank holding their expert first), so no forward ever see
 With ``expert_tensor_parallel_size`` 1 (``ExpertsOverTP(split_over_tp=False)``) every tp rank holds all of its ep
 rank's experts and routes every tp-th token instead, the experts' grads summed over tp in backward. Experts handed one
 block of tokens per expert instead of routes (Llama-4) run their own blocks, all-gathered back in expert order.
-Experts that cannot be split whole (LongCat-Flash: identity experts with rows in one weight only) are split by
-features instead, each packed weight per part and kept in the model's shapes in checkpoints (see
-:class:`ExpertsOverTP`).
+Identity ("zero-computation") experts (LongCat-Flash: routed after the real ones, with rows in the fused gate/up
+weight only, which its forward never reads) run on the rank their tokens are on, never sent anywhere; that weight is
+kept as one group per rank of its real experts' rows and an equal share of the identity rows
+(:class:`meshpar._stored_layout.GroupedRows`, the model's shape in checkpoints). Where the identity experts do not
+split evenly over the ranks, tensor parallelism alone splits every expert by features instead, each packed weight
+per part (see :class:`ExpertsOverTP`); expert parallelism refuses.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Replicate, Shard
 from meshpar._in_place import mix_into
+from meshpar._stored_layout import GroupedRows
 from meshpar.expert_parallel import capacity_keep, combine, dispatch, experts_touched, without_dropped
 from meshpar.hf.capacity import TokenLayout, dense_token_order
 from meshpar.parallel_dims import ParallelDims
@@ -59,6 +63,10 @@ class _LocalExperts:
     # pre-hook on the layer (meshpar.hf.capacity.record_token_layouts)
     token_layout_recorded: bool = False
     token_layout: TokenLayout | None = None
+    # identity experts (ids num_experts .. num_experts + identity_experts - 1), run where their tokens are; the
+    # weights that also hold their rows (GroupedRows), by name: how many of each group's rows are real experts'
+    identity_experts: int = 0
+    routed_slots: dict[str, int]
 
     def forward(
         self,
@@ -133,6 +141,9 @@ class _LocalExperts:
                 top_k_weights[tokens],
             )
             shards = dict(zip(shards, _GradsSummedOverTP.apply(tp_mesh, *shards.values()), strict=True))
+        # a weight that also holds identity experts' rows: the forward gets its real experts' rows only
+        slots = self.routed_slots
+        shards = {n: s[:, : slots[n]].flatten(0, 1) if n in slots else s for n, s in shards.items()}
         rows, local_index, weights, routes = dispatch(
             hidden_states, top_k_index, top_k_weights, num_experts=self.num_experts, ep_mesh=ep_mesh,
             tp_rank=tp_rank, tp=tp,
@@ -146,6 +157,8 @@ class _LocalExperts:
             empty = rows + weights.unsqueeze(-1).to(rows.dtype)
             out = experts_touched(empty, list(shards.values()))
         out = combine(out, routes, ep_mesh)
+        if self.identity_experts and tp_rank == 0:  # once per token: the first tp coordinate (or this rank's share)
+            out = out + self._identity_forward(hidden_states, top_k_index, top_k_weights)
         if tokens is None:
             return out
         return out.new_zeros((all_tokens, *out.shape[1:])).index_copy(0, tokens, out)  # the others': summed over tp
@@ -164,15 +177,41 @@ class _LocalExperts:
             return self._local_blocks_forward(rows * weights.to(rows.dtype), local_index.squeeze(-1), local, shards)
         return self._own_forward(local, shards, rows, local_index, weights)
 
-    def _own_forward(self, local: int, shards: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-        """The family's own experts forward as if the module held ``local`` experts, the weights ``shards``."""
-        previous = self.num_experts
+    def _identity_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The identity experts' (weighted) output per token, computed here by the family's own forward on their
+        routes alone, one route per row (it reads no weight for them): nothing to send, nothing to hold."""
+        k, flat = top_k_index.shape[-1], top_k_index.reshape(-1)
+        picked = torch.nonzero(flat >= self.num_experts).squeeze(-1)
+        tokens = picked // k
+        rows, ids = hidden_states[tokens], (flat[picked] - self.num_experts).unsqueeze(-1)
+        weights = top_k_weights.reshape(-1)[picked].unsqueeze(-1)
+        out = self._own_forward(0, {}, rows, ids, weights, identity=self.identity_experts)
+        return out.new_zeros((hidden_states.shape[0], *out.shape[1:])).index_add(0, tokens, out)
+
+    def _own_forward(
+        self, local: int, shards: dict[str, torch.Tensor], *args: torch.Tensor, identity: int = 0
+    ) -> torch.Tensor:
+        """The family's own experts forward as if the module held ``local`` experts (the weights ``shards``) and
+        ``identity`` identity experts after them."""
+        counts = {"num_experts": local}
+        if self.identity_experts:  # LongCat-Flash's names for its counts
+            # its forward squeezes the routes dim of one expert's mask, which fails for one route per row: each row
+            # also gets a route of weight 0 to an identity expert, which adds exactly nothing
+            rows, index, weights = args
+            identity = max(identity, 1)
+            args = (rows, torch.cat([index, torch.full_like(index, local)], -1), torch.cat([weights, weights * 0], -1))
+            counts.update(num_routed_experts=local, total_experts=local + identity, zero_expert_num=identity)
+        previous = {name: getattr(self, name) for name in counts}
         try:
-            self.num_experts = local
+            for name, value in counts.items():
+                setattr(self, name, value)
             with parameters_replaced(self, shards):
                 return super().forward(*args)  # type: ignore[misc]
         finally:
-            self.num_experts = previous
+            for name, value in previous.items():
+                setattr(self, name, value)
 
     def _route_blocks(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Experts handed one block of (already weighted) tokens per expert, under expert parallelism: each non-zero
@@ -242,9 +281,9 @@ class ExpertsOverTP(ParallelStyle):
     into whole experts per tp rank; see the module docstring.
 
     ``features`` (the plan's entries for the module's weights: parameter name -> ``(dim, parts)``, ``None`` where the
-    plan's style gives no feature split) is the layout for experts that cannot be split into whole experts:
-    LongCat-Flash's, whose fused gate/up weights also hold rows for
-    its identity ("zero-computation") experts, so its two weights count different experts. Then every rank keeps
+    plan's style gives no feature split) is the layout for experts that cannot be split into whole experts under
+    tensor parallelism alone: LongCat-Flash's when its identity ("zero-computation") experts, whose rows its fused
+    gate/up weight holds too, do not split evenly over tp. Then every rank keeps
     every expert with ``1 / tp`` of its intermediate features (transformers' ``moe_tp_experts`` meaning): the output
     is a partial sum, all-reduced (:class:`meshpar.tensor_parallel.style.LocalParameters` with ``partial_output``),
     and the identity experts' output is divided by tp inside it, so that the sum counts it once."""
@@ -276,23 +315,32 @@ class ExpertsOverTP(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         expert_parallel = device_mesh.ndim == 2  # ("ep", "tp"): see ParallelDims.expert_mesh
         tp_mesh = device_mesh["tp"] if expert_parallel else device_mesh
-        experts, tp = getattr(module, "num_experts", None), device_mesh.size()
+        experts, identity, tp = routed_experts(module), identity_experts(module), device_mesh.size()
         cls = type(module)
         takes_blocks = takes_token_blocks(module)
         if takes_blocks and self.capacity_factor is not None:
             raise ValueError(capacity_refusal(module))
+        if identity and self.capacity_factor is not None:
+            raise ValueError(identity_capacity_refusal(module))
+        # the ranks the experts are split over: ep x tp (whole experts per rank), or ep alone (whole on each tp rank)
+        split = tp if self.split_over_tp else (device_mesh["ep"].size() if expert_parallel else 1)
         if expert_parallel and takes_blocks and not _zero_rows_inert(module):
             raise ValueError(
                 f"{cls.__name__}: its forward takes blocks of tokens per expert (every token in every expert's block), "
                 "and a zero row does not stay zero through it (biases?), so the rows of experts a token was not "
                 "routed to cannot be left out; use expert_parallel_size 1"
             )
-        whole = _whole_experts_possible(module, experts)
-        if expert_parallel and not whole:
+        stacked = _stacked_over_experts(module, experts, identity)
+        # identity experts' rows go with the real experts' rows, an equal share per rank (GroupedRows)
+        identity_split = not identity or (experts % split == 0 and identity % split == 0)
+        whole = stacked and identity_split
+        if expert_parallel and not stacked:
             raise ValueError(
-                f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight (identity experts, "
-                "or weights not stacked over the experts, cannot be routed); use expert_parallel_size 1"
+                f"{cls.__name__}: expert parallelism needs experts stacked whole in every weight (weights not stacked "
+                "over the experts cannot be routed); use expert_parallel_size 1"
             )
+        if expert_parallel and not identity_split:
+            raise ValueError(identity_split_refusal(module, experts, identity, split))
         if not self.split_over_tp and (takes_blocks or not whole):
             raise ValueError(
                 f"{cls.__name__}: expert_tensor_parallel_size 1 keeps routed experts whole on every tp rank; these "
@@ -305,8 +353,6 @@ class ExpertsOverTP(ParallelStyle):
                     "'sequence_parallel' off"
                 )
             return _experts_by_features(module, device_mesh, self.features, self.src_data_rank)
-        # the ranks the experts are split over: ep x tp (whole experts per rank), or ep alone (whole on each tp rank)
-        split = tp if self.split_over_tp else (device_mesh["ep"].size() if expert_parallel else 1)
         if not isinstance(experts, int) or experts % split:
             over = f"ep x tp = {tp}" if expert_parallel else f"tp={tp}"
             over = over if self.split_over_tp else f"ep={split}"
@@ -314,9 +360,9 @@ class ExpertsOverTP(ParallelStyle):
                 f"{cls.__name__}: {experts} experts cannot be split into whole experts over {over}; use sizes whose "
                 "product divides the number of experts"
             )
-        others = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != experts]
-        others += [n for n, child in module.named_children() if any(True for _ in child.parameters())]
-        if others:
+        if not stacked:
+            others = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 0 or p.shape[0] != experts]
+            others += [n for n, child in module.named_children() if any(True for _ in child.parameters())]
             raise ValueError(
                 f"{cls.__name__}: only modules whose parameters are all stacked over the experts can be sharded "
                 f"into whole experts ({others} are not)"
@@ -325,9 +371,16 @@ class ExpertsOverTP(ParallelStyle):
             placements = [Shard(0)] * device_mesh.ndim
         else:  # ep blocks of experts, each whole on every tp rank
             placements = [Shard(0), Replicate()] if expert_parallel else [Replicate()]
+        routed_slots = {}
         for name, param in list(module.named_parameters(recurse=False)):
+            if identity and param.shape[0] == experts + identity:  # one group per rank: its experts, its identities
+                layout = GroupedRows((experts // split, identity // split), 1, tuple(param.shape))
+                module.__dict__.setdefault("checkpoint_shapes", {})[name] = layout
+                param = nn.Parameter(layout.pack(param.detach()), param.requires_grad)
+                routed_slots[name] = experts // split
             setattr(module, name, distribute_parameter(param, device_mesh, placements, self.src_data_rank))
         mix_into(module, _LocalExperts, "TensorParallel")
+        module.num_experts, module.identity_experts, module.routed_slots = experts, identity, routed_slots
         module.tp_mesh, module.sequence_parallel = tp_mesh, self.sequence_parallel
         module.ep_mesh = device_mesh["ep"] if expert_parallel else None
         module.split_over_tp, module.takes_blocks = self.split_over_tp, takes_blocks
@@ -370,11 +423,51 @@ def _zero_rows_inert(module: nn.Module) -> bool:
     return not out.detach().any() and not grad.any()
 
 
-def _whole_experts_possible(module: nn.Module, experts: object) -> bool:
-    """Whether every weight of ``module`` is stacked over its ``num_experts`` experts and none is an identity."""
-    if not isinstance(experts, int) or getattr(module, "zero_expert_num", 0):
+def routed_experts(module: nn.Module) -> int | None:
+    """How many real (weighted) experts an experts module routes to: ``num_experts``, or LongCat-Flash's
+    ``num_routed_experts`` (its identity experts come after them)."""
+    count = getattr(module, "num_experts", None)
+    return count if isinstance(count, int) else getattr(module, "num_routed_experts", None)
+
+
+def identity_experts(module: nn.Module) -> int:
+    """How many identity ("zero-computation") experts an experts module routes to after its real ones
+    (LongCat-Flash's ``zero_expert_num``, run by an ``nn.Identity`` child); 0 for the rest."""
+    count = getattr(module, "zero_expert_num", 0)
+    if not isinstance(count, int) or count <= 0:
+        return 0
+    if not any(isinstance(child, nn.Identity) for child in module.children()):
+        raise ValueError(
+            f"{type(module).__name__}: it names {count} identity experts (zero_expert_num) but holds no nn.Identity "
+            "to run them; meshpar does not know what they compute"
+        )
+    return count
+
+
+def identity_capacity_refusal(module: nn.Module) -> str:
+    return (
+        f"{type(module).__name__}: token dropping with identity (zero-computation) experts is not supported (which "
+        "routes an identity expert keeps is not defined by the capacity rule); leave expert_capacity_factor unset"
+    )
+
+
+def identity_split_refusal(module: nn.Module, experts: int | None, identity: int, split: int) -> str:
+    return (
+        f"{type(module).__name__}: its {experts} experts and {identity} identity experts (whose rows its fused "
+        f"weight holds too) cannot each be split evenly over {split} ranks; use an ep x tp (or ep, with "
+        "expert_tensor_parallel_size 1) that divides both counts"
+    )
+
+
+def _stacked_over_experts(module: nn.Module, experts: object, identity: int) -> bool:
+    """Whether every weight of ``module`` is stacked over its ``experts`` real experts (or over those and its
+    ``identity`` identity experts: a weight that holds rows for them too, LongCat-Flash's fused gate/up)."""
+    if not isinstance(experts, int):
         return False
-    return all(p.dim() > 0 and p.shape[0] == experts for p in module.parameters(recurse=False))
+    counts = {experts, experts + identity}
+    if any(any(True for _ in child.parameters()) for child in module.children()):
+        return False
+    return all(p.dim() > 0 and p.shape[0] in counts for p in module.parameters(recurse=False))
 
 
 def _experts_by_features(

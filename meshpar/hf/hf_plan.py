@@ -143,6 +143,13 @@ def expert_count(config: object) -> int | None:
     return next((getattr(text, n) for n in _EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
 
 
+def identity_expert_count(config: object) -> int:
+    """How many identity ("zero-computation") experts a config routes to after its real ones (LongCat-Flash's
+    ``zero_expert_num``); 0 for the rest."""
+    count = getattr(text_config(config), "zero_expert_num", 0)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
 def text_config(config: object) -> object:
     """The language-model part of a composite config (the config itself for plain LMs)."""
     getter = getattr(config, "get_text_config", None)

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, ParallelStyle
-from meshpar.hf.experts import ExpertsOverTP, capacity_refusal, takes_token_blocks
+from meshpar.hf.experts import (
+    ExpertsOverTP,
+    capacity_refusal,
+    identity_capacity_refusal,
+    identity_split_refusal,
+    takes_token_blocks,
+)
 from meshpar.hf.hf_plan import (
     attention_heads,
     base_model_name,
@@ -25,6 +31,7 @@ from meshpar.hf.hf_plan import (
     expert_count,
     fqn_matches,
     hf_tp_plan,
+    identity_expert_count,
     kv_group_fixup,
     layer_container,
     resolve_entries,
@@ -352,13 +359,17 @@ def _check_expert_parallel(model: nn.Module, plan: HFPlan, ep: int, tp: int, dro
     for name, module in model.named_modules() if dropping else ():
         if any(fqn_matches(pattern, name) for pattern in experts) and takes_token_blocks(module):
             raise ValueError(capacity_refusal(module))
-    count = expert_count(model.config)
+    count, identity = expert_count(model.config), identity_expert_count(model.config)
     if count is not None and count % (ep * tp):
         raise ValueError(
             f"{type(model).__name__}: {count} experts cannot be split into whole experts over ep x tp = {ep} x {tp}; "
             "use an ep x tp that divides the number of experts"
             + (" (or expert_tensor_parallel_size 1: experts split over ep only)" if tp > 1 else "")
         )
+    if identity and dropping:
+        raise ValueError(identity_capacity_refusal(model))
+    if identity and ep > 1 and identity % (ep * tp):
+        raise ValueError(identity_split_refusal(model, count, identity, ep * tp))
 
 
 def plan_summary(model: nn.Module, styles: dict[str, ParallelStyle]) -> str:

@@ -62,12 +62,19 @@ GENERIC = {
     ),
     # per-head gates computed from every local value head (dt_proj) and per-head q/k norms: meshpar's amendment
     "doge": ("DogeConfig", "DogeForCausalLM", {"keep_window_size": 4}),
-    # identity ("zero-computation") experts next to routed ones, whose fused gate/up weights also hold their rows:
-    # split by features, the identity output counted once; layers of two sublayers (4 hidden layers = 2 layers)
+    # identity ("zero-computation") experts next to routed ones, whose fused gate/up weights also hold their rows
+    # (4 experts, 2 identity experts: whole experts and an identity expert per rank at 2 ranks); layers of two
+    # sublayers (4 hidden layers = 2 layers)
     "longcat_flash": (
         "LongcatFlashConfig",
         "LongcatFlashForCausalLM",
         {**_MLA, "zero_expert_num": 2, "num_hidden_layers": 4, "attn_implementation": "eager"},
+    ),
+    # one identity expert, which no 2 ranks can share evenly: tp splits every expert by features instead
+    "longcat_flash_one_identity": (
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        {**_MLA, "zero_expert_num": 1, "num_hidden_layers": 4, "attn_implementation": "eager"},
     ),
     # routed experts next to a gated shared expert that runs on flattened tokens
     "qwen2_moe": (

@@ -12,7 +12,7 @@ import torch
 import meshpar
 from meshpar import checkpoint
 from meshpar._compat import DTensor
-from meshpar._shards import in_parameter_layout, local_slice
+from meshpar._shards import in_model_layout, in_parameter_layout, local_slice
 from meshpar.grad_clip import total_grad_norm
 from meshpar.optim import DistributedOptimizer
 from meshpar.testing import run_distributed, setup_parallel
@@ -204,18 +204,34 @@ def test_expert_tensor_parallel_size_one_keeps_experts_whole_on_every_tp_rank(
         assert all(r["expert_layouts"] == {("Shard", "Replicate")} for r in results), results
 
 
+@pytest.mark.parametrize(
+    "ep,tp,pp,cp,extra",
+    [(2, 1, 1, 1, {}), (2, 2, 1, 1, {"expert_tensor_parallel_size": 1}), _slow(2, 1, 2, 1, {}),
+     _slow(2, 1, 1, 1, {"fsdp": True}), _slow(2, 1, 1, 2, {})],
+    ids=["ep2", "ep2xtp2-etp1", "ep2xpp2", "ep2-fsdp", "ep2-from-dp-x-cp"],
+)  # fmt: skip
+def test_identity_experts_under_expert_parallelism(ep: int, tp: int, pp: int, cp: int, extra: dict) -> None:
+    """LongCat-Flash's identity ("zero-computation") experts under expert parallelism: the real experts split over
+    ep (the fused gate/up weight as one group per ep rank: its experts' rows and an equal share of the identity
+    rows, which nothing reads), the identity experts' routes run on the rank their tokens are on (never sent);
+    loss, every grad and the AdamW step equal dense, with each tp rank routing every tp-th token
+    (``expert_tensor_parallel_size: 1``), under pp, FSDP2 and with ep carved from dp x cp."""
+    results = run_distributed(expert_parallel_case, 4, "longcat_flash", ep, tp, pp, 4, None, extra, "", cp)
+    assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
+
+
 def save_case(
-    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False
+    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False, family: str = "mixtral"
 ) -> dict[str, torch.Tensor] | None:
     """One AdamW step at (ep, tp), saved; the whole parameters and Adam moments (rank 0; under ZeRO-1 the moments
     it owns)."""
     setup_parallel(tp=tp, ep=ep)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp}
-    model = meshpar.parallelize(build("mixtral"), config)
+    model = meshpar.parallelize(build(family), config)
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     dims = model.dims
     share = 4 // dims.dp
-    data = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in batch("mixtral").items()}
+    data = {k: v[dims.dp_rank * share : (dims.dp_rank + 1) * share] for k, v in batch(family).items()}
     model.train_step(**data)
     optimizer.step()
     checkpoint.save(directory, model, optimizer, step=1)
@@ -223,22 +239,26 @@ def save_case(
 
 
 def load_case(
-    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False
+    directory: str, ep: int, tp: int, zero1: bool = False, fsdp: bool = False, family: str = "mixtral"
 ) -> dict[str, torch.Tensor] | None:
     setup_parallel(tp=tp, ep=ep)
     config = {"tensor_parallel_size": tp, "expert_parallel_size": ep, "fsdp": fsdp}
-    model = meshpar.parallelize(build("mixtral"), config)
+    model = meshpar.parallelize(build(family), config)
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, lr=0.01, zero1=zero1)
     checkpoint.load(directory, model, optimizer)
     return _whole(model, optimizer)
 
 
 def _whole(model: torch.nn.Module, optimizer: DistributedOptimizer) -> dict[str, torch.Tensor] | None:
+    """Every parameter and Adam moment whole, in the model's own shapes (whatever layout this run keeps it in)."""
     module = model.local_modules()[0]
-    whole = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.named_parameters()}
+
+    def whole_of(t: torch.Tensor, name: str) -> torch.Tensor:
+        return in_model_layout(t.full_tensor() if isinstance(t, DTensor) else t, module, name)
+
+    whole = {n: whole_of(p, n) for n, p in module.named_parameters()}
     for name, entry in optimizer.state_dict()["state"].items():
-        moment = entry["exp_avg"]
-        whole[f"{name}.exp_avg"] = moment.full_tensor() if isinstance(moment, DTensor) else moment
+        whole[f"{name}.exp_avg"] = whole_of(entry["exp_avg"], name)
     return {k: v.detach().clone() for k, v in whole.items()} if torch.distributed.get_rank() == 0 else None
 
 
@@ -249,6 +269,20 @@ def test_expert_parallel_checkpoints_reshard(tmp_path) -> None:
     assert any("experts" in name for name in saved)
     for world, ep, tp in [(4, 1, 4), (1, 1, 1), (4, 4, 1)]:
         loaded = run_distributed(load_case, world, str(tmp_path), ep, tp)[0]
+        assert loaded.keys() == saved.keys()
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{name} at ep={ep} tp={tp}")
+
+
+def test_identity_expert_checkpoints_reshard(tmp_path) -> None:
+    """LongCat-Flash saved at ep2 (the fused gate/up weight kept as one group per ep rank of its two experts and its
+    identity expert's row), loaded at tp4 (2 identity experts over 4 ranks: every expert split by features
+    instead), at tp2 (the groups over tp) and in one process: every parameter and Adam moment equals the saved one,
+    in the model's own shapes."""
+    saved = run_distributed(save_case, 4, str(tmp_path), 2, 1, False, False, "longcat_flash")[0]
+    assert saved["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 6  # 4 experts and 2 identity experts
+    for world, ep, tp in [(4, 1, 4), (2, 1, 2), (1, 1, 1)]:
+        loaded = run_distributed(load_case, world, str(tmp_path), ep, tp, False, False, "longcat_flash")[0]
         assert loaded.keys() == saved.keys()
         for name, value in loaded.items():
             torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"{name} at ep={ep} tp={tp}")
@@ -392,6 +426,12 @@ def _refusal(family: str, config: dict) -> str:
         ("mixtral", {"expert_capacity_factor": -1.0}, "must be a positive number"),
         ("mixtral", {"expert_capacity_factor": 1.0, "expert_drop_policy": "random"}, "'probs' or 'position'"),
         ("llama", {"expert_capacity_factor": 1.0}, "expert_capacity_factor: LlamaForCausalLM has no experts module"),
+        # LongCat-Flash's identity experts: split evenly per rank with the real ones, and never dropped (was: the
+        # capacity factor silently ignored at tp2)
+        ("longcat_flash_one_identity", {"expert_parallel_size": 2}, "cannot each be split evenly over 2 ranks"),
+        ("longcat_flash", {"expert_parallel_size": 2, "tensor_parallel_size": 2}, "evenly over 4 ranks"),
+        ("longcat_flash", {"expert_capacity_factor": 1.0}, "token dropping with identity"),
+        ("longcat_flash", {"tensor_parallel_size": 2, "expert_capacity_factor": 1.0}, "token dropping with identity"),
     ],
 )
 def test_bad_expert_parallel_layouts_are_refused_before_any_group(family: str, config: dict, says: str) -> None:

@@ -308,13 +308,35 @@ def test_plans_that_shard_only_the_experts_get_the_attention_sharded_too() -> No
     run_distributed(family_case, 2, "granitemoe", 2, None, None, True)
 
 
-def test_identity_experts_and_experts_split_by_features_match_dense() -> None:
-    """LongCat-Flash: its fused gate/up weights hold rows for its identity experts too, so its two expert weights
-    count different experts and cannot be split into whole experts; each rank keeps every expert with half its
-    features (the plan's packed_colwise / rowwise entries), the identity experts' output is counted once in the sum
-    over tp (transformers' ``moe_identity_expert``); tp=2 and tp=2 x pp=2 equal dense."""
-    run_distributed(family_case, 2, "longcat_flash", 2)
-    run_distributed(pipeline_case, 4, "longcat_flash", 2, 2)
+def experts_placements_case(family: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The placements and local shapes of the first experts module's weights at tp=2."""
+    setup_parallel(tp=2)
+    model = meshpar.parallelize(build(family), {"tensor_parallel_size": 2})
+    experts = next(m for name, m in model.module.named_modules() if name.endswith("mlp.experts"))
+    return {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in experts.named_parameters()}
+
+
+_ROWS, _FEAT = "(Shard(dim=0),)", "(Shard(dim=2),)"
+
+
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        # 4 experts and 2 identity experts: gate_up_proj as 2 groups (2 experts' rows and 1 identity row each)
+        ("longcat_flash", {"gate_up_proj": (_ROWS, (1, 3, 32, 32)), "down_proj": (_ROWS, (2, 32, 16))}),
+        # one identity expert: every expert with half its features ([gate | up] split per part)
+        ("longcat_flash_one_identity", {"gate_up_proj": (_FEAT, (5, 2, 8, 32)), "down_proj": (_FEAT, (4, 32, 8))}),
+    ],
+)  # fmt: skip
+def test_identity_experts_match_dense(family: str, layout: dict) -> None:
+    """LongCat-Flash: its fused gate/up weights hold rows for its identity experts too. Where both counts split
+    over tp, each rank holds whole experts and runs the identity experts of its tokens itself (first tp rank only:
+    counted once); where they do not, every expert keeps half its features and the identity output is divided by
+    tp inside the sum (transformers' ``moe_identity_expert``). tp=2 (and tp=2 x pp=2) equal dense."""
+    assert run_distributed(experts_placements_case, 2, family) == [layout, layout]
+    run_distributed(family_case, 2, family, 2)
+    if family == "longcat_flash":
+        run_distributed(pipeline_case, 4, family, 2, 2)
 
 
 def test_latent_attention_and_shared_experts_match_dense() -> None:
