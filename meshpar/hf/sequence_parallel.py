@@ -13,6 +13,11 @@ its router runs on the shards (its parameters' grads summed over tp, as a norm's
 the tokens with their routes and reduce-scatters its output back into shards (:class:`ExpertsOverTP` with
 ``sequence_parallel``), and sharded modules inside the block (shared experts) form regions of their own.
 
+A layer may hold its sublayers in lists (LongCat-Flash: two attentions, two MLPs and their norms per layer); a list
+is never called itself, so each of its items is a region or a norm. A replicated child of a mixture-of-experts block
+(a router) runs on the shards whole, whatever of its children holds the weights (LongCat-Flash's router reads its
+classifier's weight itself).
+
 A region module's own per-head parameters (an attention's ``sinks``, transformers' ``local_params``) stay sharded with
 its heads (:class:`GatherSequenceInput` with ``own_parameters``): they meet the gathered, head-sharded activations.
 
@@ -30,6 +35,7 @@ from torch import nn
 from meshpar._compat import DeviceMesh, ParallelStyle
 from meshpar.hf.conv1d import Conv1DColumn, Conv1DRow
 from meshpar.hf.experts import ExpertsOverTP
+from meshpar.hf.hf_plan import fqn_matches
 from meshpar.tensor_parallel import (
     ColumnParallel,
     GatherSequenceInput,
@@ -117,7 +123,9 @@ def sequence_parallel_styles(
         # inside a mixture-of-experts block, its children are the regions (shared experts); so are the children of
         # a post-norm sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum)
         depth = 2 if path[0] in moe and len(path) > 1 else 1
-        while depth < len(path) and ".".join(path[:depth]) in post_norm:
+        while depth < len(path) and (
+            ".".join(path[:depth]) in post_norm or _is_container(layer_list[0], path[:depth])
+        ):  # a list of sublayers (LongCat-Flash's two attentions per layer) is not called: its items are the units
             depth += 1
         region = ".".join(path[:depth])
         in_region = len(path) > depth
@@ -152,7 +160,7 @@ def sequence_parallel_styles(
         units = list(layer.named_children())
         while units:
             child_name, child = units.pop(0)
-            if child_name in post_norm:  # its children are the units
+            if child_name in post_norm or isinstance(child, _CONTAINERS):  # its children are the units
                 units += [(f"{child_name}.{n}", m) for n, m in child.named_children()]
                 continue
             if child_name in moe:
@@ -160,7 +168,7 @@ def sequence_parallel_styles(
                 if any(True for _ in child.parameters(recurse=False)):
                     refused.append(f"{layers}.{index}.{child_name}: parameters of the experts block itself")
                 continue
-            if child_name in regions | direct or not any(True for _ in child.parameters()):
+            if _matches_any(regions | direct, child_name) or not any(True for _ in child.parameters()):
                 continue
             if _is_per_token(child):
                 norms.add(child_name)
@@ -256,16 +264,34 @@ def _unplanned_in_regions(layer_list: nn.Module, regions: set[str], planned: set
     found = set()
     for layer in layer_list:
         for region in regions:
-            try:
-                block = layer.get_submodule(region)
-            except AttributeError:  # a layer of another structure (hybrid models)
-                continue
+            # the region's modules in this layer (none in a layer of another structure: hybrid models); a region
+            # inside a list of sublayers names its items by ``*``
+            blocks = [block for name, block in layer.named_modules() if name and fqn_matches(region, name)]
             found |= {
                 f"{region}.{sub}"
+                for block in blocks
                 for sub, module in block.named_modules()
                 if sub and f"{region}.{sub}" not in planned and any(True for _ in module.parameters(recurse=False))
             }
     return found
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _is_container(layer: nn.Module, path: list[str]) -> bool:
+    """Whether ``path`` (relative to ``layer``, ``*`` for any item) names a list or dict of modules."""
+    module: nn.Module | None = layer
+    for atom in path:
+        children = dict(module.named_children())
+        module = next(iter(children.values()), None) if atom == "*" else children.get(atom)
+        if module is None:
+            return False
+    return isinstance(module, _CONTAINERS)
+
+
+def _matches_any(patterns: set[str], name: str) -> bool:
+    return any(fqn_matches(pattern, name) for pattern in patterns)
 
 
 def _replicated_in_block(block: nn.Module, name: str, experts: str, sharded: set[str]) -> set[str]:
@@ -277,9 +303,8 @@ def _replicated_in_block(block: nn.Module, name: str, experts: str, sharded: set
         key = f"{name}.{child_name}"
         if child_name == experts or key in sharded:
             continue
-        found |= {
-            f"{key}.{sub}".rstrip(".")
-            for sub, module in child.named_modules()
-            if any(True for _ in module.parameters(recurse=False))
-        }
+        # the child whole: its forward may read a submodule's weight itself (LongCat-Flash's router reads its
+        # classifier's), so it runs on the shards in DTensor with everything it holds
+        if any(True for _ in child.parameters()):
+            found.add(key)
     return found

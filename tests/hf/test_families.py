@@ -339,6 +339,22 @@ def test_identity_experts_match_dense(family: str, layout: dict) -> None:
         run_distributed(pipeline_case, 4, family, 2, 2)
 
 
+def test_lists_of_sublayers_and_routers_reading_their_childs_weight_under_sequence_parallelism() -> None:
+    """LongCat-Flash's layers hold their two attentions, MLPs and norms in lists (never called themselves): each
+    item is a region or a norm; its router reads its classifier's weight itself, so the router runs on the shards
+    whole, its grads summed over tp. The plan says so, and tp=2 with sequence parallelism equals dense."""
+    from meshpar.hf import plan_for
+    from meshpar.hf.config import load_config
+
+    plan = plan_for(build("longcat_flash"), load_config({"tensor_parallel_size": 2, "sequence_parallel": True}))
+    kinds = {pattern: type(style).__name__ for pattern, style in plan.styles.items()}
+    inside = "model.layers.*."
+    assert kinds[inside + "self_attn.*"] == kinds[inside + "mlps.*"] == "GatherSequenceInput", kinds
+    assert kinds[inside + "input_layernorm.1"] == kinds[inside + "post_attention_layernorm.0"] == "SequenceParallelNorm"
+    assert kinds[inside + "mlp.router"] == "ReplicatedGradSum" and inside + "mlp.router.classifier" not in kinds
+    run_distributed(family_case, 2, "longcat_flash", 2, None, None, True)
+
+
 def test_latent_attention_and_shared_experts_match_dense() -> None:
     """DeepSeek-V3: transformers ships no attention entries for it; meshpar's amendment shards its latent attention
     as V2's plan does (the rope features of ``kv_a_proj_with_mqa`` feed every rank's heads: their grad is summed over
