@@ -207,15 +207,17 @@ def test_expert_tensor_parallel_size_one_keeps_experts_whole_on_every_tp_rank(
 @pytest.mark.parametrize(
     "ep,tp,pp,cp,extra",
     [(2, 1, 1, 1, {}), (2, 2, 1, 1, {"expert_tensor_parallel_size": 1}), _slow(2, 1, 2, 1, {}),
-     _slow(2, 1, 1, 1, {"fsdp": True}), _slow(2, 1, 1, 2, {})],
-    ids=["ep2", "ep2xtp2-etp1", "ep2xpp2", "ep2-fsdp", "ep2-from-dp-x-cp"],
+     _slow(2, 1, 1, 1, {"fsdp": True}), _slow(2, 1, 1, 2, {}),
+     _slow(2, 2, 1, 1, {"expert_tensor_parallel_size": 1, "sequence_parallel": True})],
+    ids=["ep2", "ep2xtp2-etp1", "ep2xpp2", "ep2-fsdp", "ep2-from-dp-x-cp", "ep2xtp2-etp1-sp"],
 )  # fmt: skip
 def test_identity_experts_under_expert_parallelism(ep: int, tp: int, pp: int, cp: int, extra: dict) -> None:
     """LongCat-Flash's identity ("zero-computation") experts under expert parallelism: the real experts split over
     ep (the fused gate/up weight as one group per ep rank: its experts' rows and an equal share of the identity
     rows, which nothing reads), the identity experts' routes run on the rank their tokens are on (never sent);
     loss, every grad and the AdamW step equal dense, with each tp rank routing every tp-th token
-    (``expert_tensor_parallel_size: 1``), under pp, FSDP2 and with ep carved from dp x cp."""
+    (``expert_tensor_parallel_size: 1``, with sequence parallelism too), under pp, FSDP2 and with ep carved from
+    dp x cp."""
     results = run_distributed(expert_parallel_case, 4, "longcat_flash", ep, tp, pp, 4, None, extra, "", cp)
     assert all(r["expert_params"] > 0 and r["checked"] > 0 for r in results), results
 
