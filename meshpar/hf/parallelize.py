@@ -27,6 +27,7 @@ from torch import nn
 
 from meshpar import checkpoint, rebind
 from meshpar._compat import local_tensor
+from meshpar._same_batch import check_same_batch
 from meshpar.context_parallel import gather_sequence
 from meshpar.data_parallel import DataParallelGrads, choose_dp_mode
 from meshpar.failure import agree, first_failure_on_any_rank, shared_refusal, stop_all_ranks_on_error
@@ -591,6 +592,8 @@ class ParallelizedModel(nn.Module):
         """:meth:`_check_inputs`, then :meth:`_on_device`, then an encoder-decoder's decoder inputs from the labels
         where none are given: what every entry point does with a batch."""
         self._check_inputs(inputs)
+        tensors = {k: v for k, v in (*inputs.items(), ("labels", labels)) if isinstance(v, torch.Tensor)}
+        check_same_batch(tensors, self.dims, type(self).__name__)
         labels, inputs = self._on_device(labels, inputs)
         if (
             self.plan.task == "seq2seq_lm"
