@@ -200,12 +200,18 @@ def context_parallel_attention(
     implementation: str = "all_gather",
     softcap: float | None = None,
     layout: str = "balanced",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole sequence's keys and values.
 
     ``q`` ``[batch, heads, local, head_dim]``, ``k`` / ``v`` ``[batch, kv_heads, local, head_dim]``: this rank's
     tokens in ``layout`` (:func:`local_positions`). Returns ``[batch, heads, local, head_dim]`` in ``q``'s dtype,
-    equal to the rows of one device's attention over the whole sequence for these queries (computed in fp32)."""
+    equal to the rows of one device's attention over the whole sequence for these queries (computed in fp32).
+
+    ``sinks`` (``[heads]``, GPT-OSS's attention sinks): one more logit per head in every query's softmax, whose
+    value is zero; it only adds ``exp(sink)`` to the normaliser. The ring starts each query's running softmax from
+    it; the all-gather scales each query's output by ``sigmoid(lse - sink)`` (its scores then kept, as the models'
+    own eager attention keeps them)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown context-parallel attention {implementation!r}; one of {IMPLEMENTATIONS}")
     check_layout(layout)
@@ -224,6 +230,10 @@ def context_parallel_attention(
             if piece.kind == "none":  # a query with no permitted key: 0, as the ring gives
                 parts.append(q.new_zeros(*qp.shape[:-1], v.shape[-1]))
                 continue
+            if sinks is not None:  # each query's log-sum-exp is needed: the scores' own path
+                out, lse = _attend(qp, kp, vp, mask.allowed(q_pos[piece.rows], k_pos[piece.cols]), scale, softcap)
+                parts.append((out * torch.sigmoid(lse - sinks.float().view(1, -1, 1, 1))).to(q.dtype))
+                continue
             if softcap is None and piece.kind == "full":  # torch's fused attention, no mask to build
                 parts.append(torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, scale=scale))
                 continue
@@ -234,7 +244,7 @@ def context_parallel_attention(
                 out = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=allow, scale=scale)
                 parts.append(torch.nan_to_num(out, nan=0.0))  # a query with no permitted key: 0
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-    return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap, layout)
+    return _RingAttention.apply(q, k, v, mesh, mask, scale, softcap, layout, sinks)
 
 
 def _masked_scores(
@@ -417,15 +427,18 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         softcap: float | None,
         layout: str,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cp, rank = mesh.size(), mesh.get_local_rank()
         batch, heads, local, _ = q.shape
-        ctx.mesh = mesh
+        ctx.mesh, ctx.has_sinks = mesh, sinks is not None
         _RingAttention.keep(ctx, q, cp, rank, mask, scale, softcap, [k.shape[-1], v.shape[-1]], layout)
         # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
         kv = torch.cat([k, v], dim=-1)
         acc = torch.zeros(batch, heads, local, v.shape[-1], dtype=torch.float32, device=q.device)
         acc_lse = torch.full((batch, heads, local, 1), float("-inf"), dtype=torch.float32, device=q.device)
+        if sinks is not None:  # a sink is a key of value zero: the running softmax starts from its logit
+            acc_lse = acc_lse.clone().copy_(sinks.float().view(1, heads, 1, 1).expand_as(acc_lse))
         blocks = []
         for step in range(cp):
             incoming = _Shift(kv, mesh, +1) if step < cp - 1 else None  # the next block, while this one computes
@@ -434,7 +447,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         total = torch.where(torch.isinf(acc_lse), torch.zeros_like(acc_lse), acc_lse)  # a query with no key: 0
-        ctx.save_for_backward(q, acc, total, torch.stack(blocks))
+        ctx.save_for_backward(q, acc, total, torch.stack(blocks), *([sinks] if sinks is not None else []))
         return acc.to(q.dtype)
 
     @staticmethod
@@ -464,7 +477,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, out, lse, blocks = ctx.saved_tensors
+        q, out, lse, blocks, *sinks = ctx.saved_tensors
         mesh, cp, rank = ctx.mesh, ctx.cp, ctx.rank
         batch, heads, local, _ = q.shape
         kv_heads = blocks.shape[2]  # blocks: [cp, batch, kv_heads, local, k_dim + v_dim]
@@ -485,4 +498,9 @@ class _RingAttention(torch.autograd.Function):
                 acc = acc + in_flight.wait()
             in_flight = _Shift(acc, mesh, -1) if step > 0 else None
         dk, dv = acc.to(blocks.dtype).split(ctx.split, dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        d_sinks = None
+        if sinks:  # d sink = -sum over queries of its probability times softmax's backward term (its value is 0)
+            delta = grads["delta"] if "delta" in grads else (grad_out.float() * out).sum(-1, keepdim=True)
+            d_sinks = -(torch.exp(sinks[0].float().view(1, heads, 1, 1) - lse) * delta).sum((0, 2, 3))
+            d_sinks = d_sinks.to(sinks[0].dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks

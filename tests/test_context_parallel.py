@@ -364,3 +364,41 @@ def test_the_ring_keeps_nothing_of_size_queries_by_keys_for_backward(softcap: fl
     for shapes, local in ((short, 32), (long, 64)):
         assert shapes and not any(shape[-2:] == (local, local) for shape in shapes), shapes
     assert sum(math.prod(s) for s in long) == 2 * sum(math.prod(s) for s in short)
+
+
+def sinks_case(kind: str, implementation: str) -> None:
+    """Attention sinks (GPT-OSS's ``s_aux``: one logit per head in every query's softmax, its value zero) through
+    both implementations against one device's eager attention with the sinks: the output and the grads of q, k, v
+    and the sinks. Left padding leaves the first queries of a row without a permitted key: output 0, as dense."""
+    import torch.distributed as dist
+
+    from meshpar._compat import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    q, k, v, cotangent = _inputs()
+    sinks = torch.linspace(-1.0, 2.0, H)
+    mask = _mask(kind) if kind != "left_padding" else AttentionMask(key_padding=torch.arange(S).expand(B, S) >= 3)
+    mine = [shard_sequence(t, 2, mesh).clone().requires_grad_() for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_()
+    out = context_parallel_attention(*mine, mesh, mask, implementation=implementation, sinks=my_sinks)
+    (out * shard_sequence(cotangent, 2, mesh)).sum().backward()
+    dense = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    rep = H // KV
+    scores = dense[0] @ dense[1].repeat_interleave(rep, 1).transpose(-1, -2) * D**-0.5
+    scores = scores.masked_fill(~mask.allowed(torch.arange(S), torch.arange(S)), float("-inf"))
+    logits = torch.cat([scores, dense[3].view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+    want = torch.softmax(logits, dim=-1)[..., :-1] @ dense[2].repeat_interleave(rep, 1)
+    (want * cotangent).sum().backward()
+    positions = local_positions(S, mesh.size(), mesh.get_local_rank())
+    torch.testing.assert_close(out, want.detach()[:, :, positions], atol=1e-5, rtol=1e-5)
+    for name, got, full in zip("qkv", (t.grad for t in mine), dense[:3], strict=True):
+        torch.testing.assert_close(got, full.grad[:, :, positions], atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+    dist.all_reduce(my_sinks.grad)  # each cp rank's share: its queries' part of the sum
+    torch.testing.assert_close(my_sinks.grad, dense[3].grad, atol=1e-5, rtol=1e-5, msg="grad of the sinks")
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "ring"])
+@pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "left_padding"])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_attention_sinks_match_one_device(cp: int, kind: str, implementation: str) -> None:
+    run_distributed(sinks_case, cp, kind, implementation)

@@ -103,7 +103,8 @@ def _attention(
         )
     if dropout and module.training:
         raise ValueError(f"{type(module).__name__}: attention dropout under context parallelism is not supported")
-    unsupported = [name for name in ("s_aux", "sinks", "position_bias", "alibi") if kwargs.get(name) is not None]
+    sinks = kwargs.get("s_aux")  # attention sinks (GPT-OSS and kin): one logit per head, value zero
+    unsupported = [name for name in ("sinks", "position_bias", "alibi") if kwargs.get(name) is not None]
     if attention_mask is not None:  # transformers' mask functions give none here: the model built a mask of its own
         unsupported.append("a mask the model builds itself")
     if unsupported:
@@ -115,8 +116,9 @@ def _attention(
         key_padding=inputs.key_padding,
     )
     out = context_parallel_attention(
-        query, key, value, inputs.mesh, mask, scale=scaling, implementation=inputs.implementation, softcap=softcap
-    )
+        query, key, value, inputs.mesh, mask, scale=scaling, implementation=inputs.implementation, softcap=softcap,
+        sinks=sinks,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -128,6 +128,20 @@ def test_context_parallel_matches_dense(family: str, window: int | None, impleme
     run_distributed(context_parallel_case, 4, family, 2, 1, implementation, window)
 
 
+@pytest.mark.parametrize(
+    "family,cp,tp,implementation",
+    [("gpt_oss", 2, 1, "ring"), _slow("gpt_oss", 2, 1, "all_gather"), _slow("gpt_oss", 2, 2, "ring"),
+     _slow("granite_swa", 2, 1, "all_gather")],
+    ids=str,
+)  # fmt: skip
+def test_attention_sinks_under_context_parallelism_match_dense(family: str, cp: int, tp: int, implementation: str):
+    """GPT-OSS's attention sinks (one logit per head in every softmax, its value zero; sliding and full layers in
+    turn) and Granite-SWA's: the ring starts each query's softmax from the sink, the all-gather scales each output by
+    ``sigmoid(lse - sink)``; under tp each rank's sinks are its heads'. Loss, grads (the sinks' too), the AdamW step,
+    eval loss and logits equal dense."""
+    run_distributed(context_parallel_case, 4, family, cp, tp, implementation, None)
+
+
 @pytest.mark.parametrize("cp,tp", [(2, 2), _slow(4, 1)])
 def test_context_parallel_composes_with_tp(cp: int, tp: int) -> None:
     run_distributed(context_parallel_case, 4, "qwen3", cp, tp, "ring", None)
@@ -188,7 +202,7 @@ def refusal_case(family: str, config: dict, seq: int = S, forward_raises: bool =
     [
         ("qwen3", {"context_parallel_size": 2}, 18, "pad the sequences to a multiple of 4"),
         ("t5", {"context_parallel_size": 2}, S, "T5ForConditionalGeneration is a seq2seq lm model"),
-        ("gpt_oss", {"context_parallel_size": 2}, S, "does not compute ['s_aux']"),
+        ("inkling2_text", {"context_parallel_size": 2}, S, "does not compute ['sinks'"),  # per-token sinks
         # Llama-4's chunks of 8 tokens: a 16-token row crosses one (the probe of 4 cp tokens once did not, and the
         # chunked mask was silently taken for a causal one)
         ("llama4_text", {"context_parallel_size": 2}, S, "chunked local attention (attention_chunk_size)"),
