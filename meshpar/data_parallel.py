@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, local_tensor
+from meshpar._compat import DeviceMesh, DTensor, local_tensor
 from meshpar._dp_checks import is_dp_sharded, is_expert_parallel
 from meshpar._in_place import mix_into
 from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
@@ -84,7 +84,9 @@ class DataParallelGrads:
     Under context parallelism ``dp_mesh`` is dp x cp (:attr:`ParallelDims.grad_mesh`) and ``divisor`` dp: the cp
     ranks' grads are parts of one replica's, summed. Under expert parallelism (``expert_dp_mesh``: the
     expert-data-parallel group, see :mod:`meshpar.parallel_dims`) the expert weights, DTensors over a mesh with an
-    ``"ep"`` dim, are summed over that group after backward and divided by dp, in the all-reduce modes; under FSDP2
+    ``"ep"`` dim (or plain weights NxD marks ``expert_model_parallel``), are summed over that group after backward
+    and divided by dp, in the all-reduce modes (``expert_dp_mesh`` ``None``: no expert parallelism, and such a marked
+    plain weight is a dense one); under FSDP2
     they are their own units over that group (:func:`apply_fsdp`); in the optimizer's mode the optimizer reduces them
     (:class:`meshpar.optim.DistributedOptimizer` owns their state within that group).
     """
@@ -123,14 +125,19 @@ class DataParallelGrads:
         )
 
     def _chunk_parameters(self, experts: bool = False) -> list[list[torch.nn.Parameter]]:
-        """Each chunk's own parameters: the dense ones, or (``experts``) the expert-parallel ones."""
+        """Each chunk's own parameters: the dense ones, or (``experts``) the expert-parallel ones. Without an
+        expert-data-parallel group (no ep dim) a plain weight marked as NxD marks experts, whatever the ep size, is
+        held alike by every dp rank: a dense one."""
         claimed: set[int] = set()
         per_chunk = []
         for chunk in self.chunks:
             own = [p for p in chunk.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in own)
-            per_chunk.append([p for p in own if is_expert_parallel(p) == experts])
+            per_chunk.append([p for p in own if self._is_expert(p) == experts])
         return per_chunk
+
+    def _is_expert(self, param: torch.Tensor) -> bool:
+        return is_expert_parallel(param) and (isinstance(param, DTensor) or self.expert_dp_mesh is not None)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backwards inside accumulate grads locally without starting dp reductions (gradient accumulation: every

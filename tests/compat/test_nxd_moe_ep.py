@@ -382,3 +382,34 @@ def zero1_marked_experts_without_ep_case() -> None:
 
 def test_nxd_zero1_steps_marked_experts_as_dense_weights_without_expert_parallelism() -> None:
     run_distributed(zero1_marked_experts_without_ep_case, 4)
+
+
+def marked_experts_without_ep_grads_case() -> None:
+    """At dp 4 without expert parallelism, the weights NxD marks ``expert_model_parallel`` (whatever the ep size) are
+    held alike by every dp rank: a pipeline's grad reduction averages them over dp like the dense ones (it used to
+    refuse them for want of an expert-data-parallel group)."""
+    import torch.distributed as dist
+
+    from meshpar.compat.nxd.parallel_layers import parallel_state as ps
+    from meshpar.data_parallel import DataParallelGrads
+    from meshpar.parallel_dims import get_parallel
+
+    rank = dist.get_rank()
+    ps.initialize_model_parallel()
+    try:
+        dims = get_parallel()
+        module = _Net(True, 1, None)
+        for p in module.experts.parameters():  # as NxD's own layers mark them at any ep size
+            p.expert_model_parallel = True
+        for mode in ("allreduce", "overlapped"):
+            for p in module.parameters():
+                p.grad = torch.full_like(p, float(rank + 1))
+            DataParallelGrads(mode, dims.dp_mesh, [module], expert_dp_mesh=dims.expert_dp_mesh).finish()
+            for name, p in module.named_parameters():
+                assert torch.allclose(p.grad, torch.full_like(p, 10 / 4)), (mode, name)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_marked_experts_without_expert_parallelism_are_averaged_over_dp() -> None:
+    run_distributed(marked_experts_without_ep_grads_case, 4)
