@@ -33,14 +33,27 @@ def batch_fingerprint(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
             flat = flat.to(torch.uint8)
         elif flat.is_floating_point() or flat.is_complex():
             flat = flat.contiguous().view(_INTEGER_VIEWS[flat.element_size()])
-        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 1_000_003 + 1
-        content = (flat.to(torch.int64) * weights).sum()
+        content = _content(flat)
         header = zlib.crc32(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         value = content * 1_000_003 + header
         acc = value if acc is None else acc * 31 + value
     if acc is None:
         return torch.zeros((), dtype=torch.int64)
     return torch.remainder(acc, _MODULUS)
+
+
+_CHUNK = 1 << 20  # elements per step: a large batch (inputs_embeds) is never copied whole into int64
+
+
+def _content(flat: torch.Tensor) -> torch.Tensor:
+    """A position-weighted int64 sum of a flat integer tensor, chunk by chunk (each chunk's sum folded into the
+    running value, so the order of the chunks counts too)."""
+    weights = torch.arange(1, min(flat.numel(), _CHUNK) + 1, device=flat.device, dtype=torch.int64)
+    content = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start : start + _CHUNK].to(torch.int64)
+        content = content * 1_000_003 + (part * weights[: part.numel()]).sum()
+    return content
 
 
 def check_same_batch(tensors: Mapping[str, torch.Tensor], dims: ParallelDims, entry: str) -> None:

@@ -75,3 +75,17 @@ def test_a_batch_that_differs_inside_a_replica_is_refused_on_every_rank(
         assert all("(dp rank 0)" in o or "(dp rank 0, dp rank 1)" in o for o in outcomes), outcomes
     else:
         assert outcomes == ["ran"] * 4, outcomes
+
+
+def test_fingerprints_of_tensors_larger_than_a_chunk_see_every_element_and_the_chunks_order(monkeypatch) -> None:
+    import meshpar._same_batch as same_batch
+
+    monkeypatch.setattr(same_batch, "_CHUNK", 8)  # 29 elements: four chunks, the last one short
+    ids = torch.arange(29) * 7 % 11
+    base = batch_fingerprint({"input_ids": ids})
+    assert base == batch_fingerprint({"input_ids": ids.clone()})
+    last = ids.clone()
+    last[-1] += 1
+    swapped_chunks = torch.cat([ids[8:16], ids[:8], ids[16:]])
+    assert batch_fingerprint({"input_ids": last}) != base
+    assert batch_fingerprint({"input_ids": swapped_chunks}) != base
