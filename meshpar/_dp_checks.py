@@ -27,6 +27,13 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_model_parallel", False))
 
 
+def holds_different_experts(param: torch.Tensor, expert_parallel: bool) -> bool:
+    """Whether dp ranks hold different experts under ``param``'s name: a DTensor over an ``ep`` dim, or a plain
+    weight NxD marks ``expert_model_parallel`` where expert parallelism is on. NxD marks its experts whatever the ep
+    size; without ep every dp rank holds them alike, as dense weights."""
+    return is_expert_parallel(param) and (isinstance(param, DTensor) or expert_parallel)
+
+
 def refuse_dp_sharded(parameters: Iterable[torch.Tensor], who: str) -> None:
     """Raise if a parameter is already sharded over the ``dp`` mesh dim (FSDP2 reduce-scatters its own grads)."""
     for param in parameters:

@@ -431,14 +431,14 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         cp, rank = mesh.size(), mesh.get_local_rank()
         batch, heads, local, _ = q.shape
-        ctx.mesh, ctx.has_sinks = mesh, sinks is not None
+        ctx.mesh = mesh
         _RingAttention.keep(ctx, q, cp, rank, mask, scale, softcap, [k.shape[-1], v.shape[-1]], layout)
         # K and V travel as one block, joined along the feature dim (latent attention's V is narrower than its K)
         kv = torch.cat([k, v], dim=-1)
         acc = torch.zeros(batch, heads, local, v.shape[-1], dtype=torch.float32, device=q.device)
         acc_lse = torch.full((batch, heads, local, 1), float("-inf"), dtype=torch.float32, device=q.device)
         if sinks is not None:  # a sink is a key of value zero: the running softmax starts from its logit
-            acc_lse = acc_lse.clone().copy_(sinks.float().view(1, heads, 1, 1).expand_as(acc_lse))
+            acc_lse.copy_(sinks.float().view(1, heads, 1, 1).expand_as(acc_lse))
         blocks = []
         for step in range(cp):
             incoming = _Shift(kv, mesh, +1) if step < cp - 1 else None  # the next block, while this one computes

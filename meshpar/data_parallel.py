@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from meshpar._compat import DeviceMesh, DTensor, local_tensor
-from meshpar._dp_checks import is_dp_sharded, is_expert_parallel
+from meshpar._compat import DeviceMesh, local_tensor
+from meshpar._dp_checks import holds_different_experts, is_dp_sharded, is_expert_parallel
 from meshpar._in_place import mix_into
 from meshpar.grad_sync import OverlappedGradSync, grad_buffer, pack_grads, unpack_grads
 
@@ -133,11 +133,8 @@ class DataParallelGrads:
         for chunk in self.chunks:
             own = [p for p in chunk.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in own)
-            per_chunk.append([p for p in own if self._is_expert(p) == experts])
+            per_chunk.append([p for p in own if holds_different_experts(p, self.expert_dp_mesh is not None) == experts])
         return per_chunk
-
-    def _is_expert(self, param: torch.Tensor) -> bool:
-        return is_expert_parallel(param) and (isinstance(param, DTensor) or self.expert_dp_mesh is not None)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backwards inside accumulate grads locally without starting dp reductions (gradient accumulation: every

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshpar._compat import DTensor, Partial, Replicate, local_tensor
-from meshpar._dp_checks import is_expert_parallel
+from meshpar._dp_checks import holds_different_experts
 from meshpar.parallel_dims import ParallelDims
 
 _SHARED_COPY = "_meshpar_shared_copy"
@@ -78,7 +78,7 @@ def total_grad_norm(
             groups.setdefault(key, []).append(grad.to_local())
         else:  # a plain tensor: summed over the dims it is a part of (its attributes say which)
             over_tp = _plain_tp_shard(param) and dims is not None and dims.tp > 1
-            over_ep = is_expert_parallel(param) and dims is not None and dims.ep > 1
+            over_ep = holds_different_experts(param, dims is not None and dims.ep > 1)
             groups.setdefault(("plain", over_tp, over_ep), []).append(grad)
     device = _device(dims)
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshpar._compat import DeviceMesh, DTensor, dist_all_gather_single, dist_reduce_scatter_single, local_tensor
-from meshpar._dp_checks import check_same_across_dp, is_expert_parallel, refuse_dp_sharded
+from meshpar._dp_checks import check_same_across_dp, holds_different_experts, refuse_dp_sharded
 from meshpar._fqn import original_named_parameters
 from meshpar.grad_clip import clip_grad_norm, partitioned_grad_norm, scale_to_max_norm
 from meshpar.parallel_dims import ParallelDims
@@ -165,9 +165,9 @@ class DistributedOptimizer:
         Each partition's ranks must list the same parameters (checked once; its collectives pair their segments);
         dp-sharded (FSDP2) parameters are refused."""
         refuse_dp_sharded([p for _, p in self.named_params], "DistributedOptimizer(zero1=True)")
-        experts = [i for i, (_, p) in enumerate(self.named_params) if is_expert_parallel(p)]
-        if self.dims is not None and self.dims.ep == 1:
-            experts = []  # no ep dim: every dp rank holds the same experts (NxD marks them at ep 1 too), dense ones
+        # without dims, whether ep is on is unknown: a marked weight then needs the expert-data-parallel group
+        expert_parallel = self.dims is None or self.dims.ep > 1
+        experts = [i for i, (_, p) in enumerate(self.named_params) if holds_different_experts(p, expert_parallel)]
         expert_mesh = self.dims.expert_dp_mesh if self.dims is not None else None
         if experts and expert_mesh is None:
             raise ValueError(
