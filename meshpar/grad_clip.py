@@ -13,7 +13,7 @@ Every rank gets the same total norm.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def _counts_here(param: torch.Tensor, dims: ParallelDims | None) -> bool:
 def partitioned_grad_norm(
     owned: list[tuple[torch.Tensor, torch.Tensor]],
     norm_type: float = 2.0,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
     *,
     dims: ParallelDims | None,
 ) -> torch.Tensor:
@@ -119,13 +119,16 @@ def partitioned_grad_norm(
     ``owned`` pairs each parameter this rank owns with its reduced local grad. Ranks own different sets, so grouping
     grads by placement (as :func:`total_grad_norm` does) would issue different collectives on different ranks;
     instead each rank adds up what it alone counts (see :func:`_counts_here`) and one scalar all-reduce over every
-    rank of ``group`` (default: the world, i.e. the whole dp x pp x tp mesh) sums the shares."""
+    rank of ``group`` (default: the world, i.e. the whole dp x pp x tp mesh) sums the shares. ``group`` may also be a
+    sequence of groups, reduced over one after the other (tp, then pp, then a ZeRO-1 group, say): together they must
+    span the ranks whose shares make up the norm."""
     norm_type = float(norm_type)
     device = _device(dims)
     counted = [grad for param, grad in owned if _counts_here(param, dims) and not getattr(param, _SHARED_COPY, False)]
     value = _local_power(counted, norm_type).to(device)
     is_max = norm_type == float("inf")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
+    for each in group if isinstance(group, Sequence) else [group]:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=each)
     return value if is_max else value ** (1.0 / norm_type)
 
 

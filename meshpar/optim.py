@@ -72,6 +72,7 @@ class DistributedOptimizer:
         zero1: bool = False,
         reduce_scatter_grads: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        free_local_grads: bool = True,
         master_weights: bool = False,
         dp_mesh: DeviceMesh | None = None,
         dims: ParallelDims | None = None,
@@ -103,6 +104,7 @@ class DistributedOptimizer:
         self.zero1 = zero1 and self._replica_mesh is not None and self._replica_mesh.size() > 1
         self.reduce_scatter_grads = reduce_scatter_grads and self.zero1
         self.reduce_dtype = reduce_dtype
+        self.free_local_grads = free_local_grads
         sizes = [local_tensor(p).numel() for _, p in self.named_params]
         self.owners = [0] * len(sizes)  # each parameter's owner: a rank of its partition's group
         self._partitions = self._partition() if self.zero1 else []
@@ -125,13 +127,24 @@ class DistributedOptimizer:
             else:
                 self._leaves[i] = local
         group_of, options = self._group_of(param_groups)
-        # the inner optimizer's parameter order (its state_dict numbering): group by group, owned ones only
-        self._inner_order = [i for g in range(len(options)) for i in self.owned if group_of[i] == g]
+        # the inner optimizer's parameter order (its state_dict numbering): group by group, every parameter, each
+        # one this rank does not own as an empty tensor (its share of it: nothing), so the inner groups pair one to
+        # one with the caller's, as torch_xla's ZeRO-1 shards do (code that zips the two stays right); an empty
+        # tensor never has a grad, so no optimizer steps it or gives it state
+        self._inner_order = [i for g in range(len(options)) for i in range(len(self.named_params)) if group_of[i] == g]
         inner_groups = [
-            {"params": [self._leaves[i] for i in self._inner_order if group_of[i] == g], **group_options}
+            {"params": [self._leaf_or_nothing(i) for i in self._inner_order if group_of[i] == g], **group_options}
             for g, group_options in enumerate(options)
         ]
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
+
+    def _leaf_or_nothing(self, i: int) -> torch.Tensor:
+        """What the inner optimizer steps for parameter ``i``: this rank's leaf, or an empty tensor where another
+        rank owns it."""
+        if i in self._leaves:
+            return self._leaves[i]
+        local = local_tensor(self.named_params[i][1])
+        return torch.empty(0, dtype=local.dtype, device=local.device)
 
     def _group_of(self, param_groups: Sequence[dict[str, Any]] | None) -> tuple[list[int], list[dict[str, Any]]]:
         """Each parameter's group index and each group's options (torch's param-group format: ``params`` holds the
@@ -243,8 +256,9 @@ class DistributedOptimizer:
         missing on some ranks counts as zeros in the mean, and a parameter no rank has a grad for gets none (the step
         skips it, as the dense step does, instead of decaying it with a zero grad). The flags are read back (a device
         sync) only on an owner that lacks some of its grads itself. The averaged grads are kept by the optimizer and
-        every ``param.grad`` is freed: the local, un-averaged grads are no longer what the step uses. Called by
-        :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
+        every ``param.grad`` is freed: the local, un-averaged grads are no longer what the step uses (with
+        ``free_local_grads=False`` they stay until the caller's ``zero_grad``, as torch_xla's ZeRO-1 leaves them).
+        Called by :meth:`step` and :meth:`clip_grad_norm` (once per step); a no-op otherwise."""
         if not self.reduce_scatter_grads or self._reduced is not None:
             return
         dp = self.dims.dp if self.dims is not None else self.dp_mesh.size()  # each group's sum is divided by dp
@@ -272,8 +286,9 @@ class DistributedOptimizer:
                 for i, flag in zip(lacking, received[list(lacking.values())].tolist(), strict=True):
                     if flag == 0:
                         del self._reduced[i]
-        for param in params:
-            param.grad = None
+        if self.free_local_grads:
+            for param in params:
+                param.grad = None
 
     def _layouts(self) -> Iterator[tuple[_Partition, torch.dtype, tuple[list[list[int]], int]]]:
         """Every partition's owner layout per dtype, in one order on every rank."""
@@ -309,10 +324,9 @@ class DistributedOptimizer:
             grad = self._grad_for(i)
             leaf.grad = None if grad is None else (grad.to(leaf.dtype) if leaf.dtype != grad.dtype else grad)
         self.optimizer.step()
-        for i in self.owned:
-            if i in self._has_master:  # other leaves share the parameter's storage: the step already updated it
-                local_tensor(self.named_params[i][1]).copy_(self._leaves[i])
-            self._leaves[i].grad = None
+        for i in self._has_master:  # other leaves share the parameter's storage: the step already updated it
+            local_tensor(self.named_params[i][1]).copy_(self._leaves[i])
+        self.optimizer.zero_grad(set_to_none=True)  # the leaves' grads (torch_xla's order: step, then zero_grad)
         self._reduced = None
         if self.zero1:
             self._gather_updated_params()
@@ -377,6 +391,8 @@ class DistributedOptimizer:
         inner = self.optimizer.state_dict()
         state = {}
         for position, i in enumerate(self._inner_order):
+            if i not in self._leaves:
+                continue  # another rank owns it
             name, param = self.named_params[i]
             entry = {k: self._wrap_like(v, param) for k, v in inner["state"].get(position, {}).items()}
             if i in self._has_master:
@@ -388,6 +404,8 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         inner_state = {}
         for position, i in enumerate(self._inner_order):
+            if i not in self._leaves:
+                continue  # another rank owns it
             name, _ = self.named_params[i]
             if name not in state_dict["state"]:
                 raise KeyError(f"optimizer state for parameter {name!r} is missing from the checkpoint")

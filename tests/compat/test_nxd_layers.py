@@ -309,8 +309,11 @@ def test_nxd_layers_over_a_stand_in_group() -> None:
     run_distributed(stand_in_group_case, 1)
 
 
-def grad_norm_case(zero1: bool) -> None:
-    """NxD's clip_grad_norm over tp-sharded plain parameters and replicated ones equals torch's on the dense model."""
+def grad_norm_case(zero1: str | None) -> None:
+    """NxD's clip_grad_norm over tp-sharded plain parameters and replicated ones equals torch's on the dense model;
+    with ``zero1`` each dp rank holds half of the grads, and the shares are summed over the world (``"world"``) or,
+    as NxD does given ``zero1_optimizer_groups``, over tp and pp and then those groups (``"dp_groups"``; with
+    single-rank groups, ``"own_groups"``, that is the norm of this dp rank's half)."""
     from meshpar.compat.nxd.parallel_layers import grads, layers, parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -331,11 +334,19 @@ def grad_norm_case(zero1: bool) -> None:
     dense_norm_layer(dense2(torch.relu(dense1(x)))).pow(2).sum().backward()
     params = [column.weight, column.bias, row.weight, row.bias, *norm_layer.parameters()]
     dense_params = [*dense1.parameters(), *dense2.parameters(), *dense_norm_layer.parameters()]
+    dp_rank = parallel_state.get_data_parallel_rank()
+    # this dp rank's half alone: what the shares sum to over tp and pp when the ZeRO-1 groups are single ranks
+    half = torch.stack([p.grad.norm() for i, p in enumerate(dense_params) if i % 2 == dp_rank]).norm()
     expected = torch.nn.utils.clip_grad_norm_(dense_params, 0.5)
     if zero1:  # disjoint parts per dp rank: with dp=2, each rank keeps half of the parameters' grads
-        dp_rank = parallel_state.get_data_parallel_rank()
         mine = [p for i, p in enumerate(params) if i % 2 == dp_rank]
-        norm = grads.get_grad_norm(mine, zero1_optimizer=True)
+        groups = {
+            "world": None,
+            "dp_groups": parallel_state.get_data_parallel_replica_groups(),
+            "own_groups": [[rank] for rank in range(4)],
+        }[zero1]
+        norm = grads.get_grad_norm(mine, zero1_optimizer=True, zero1_optimizer_groups=groups)
+        expected = half if zero1 == "own_groups" else expected
     else:
         norm = grads.clip_grad_norm(params, 0.5)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -343,9 +354,97 @@ def grad_norm_case(zero1: bool) -> None:
     torch.testing.assert_close(norm.reshape(()), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("zero1", [False, True])
-def test_nxd_grad_norm_counts_tp_shards_and_replicas_once(zero1: bool) -> None:
+@pytest.mark.parametrize("zero1", [None, "world", "dp_groups", "own_groups"])
+def test_nxd_grad_norm_counts_tp_shards_and_replicas_once(zero1: str | None) -> None:
     run_distributed(grad_norm_case, 4, zero1)
+
+
+def zero1_groups_under_ep_case() -> str:
+    """Under expert parallelism the shares are summed right only over the dp (ZeRO-1 sharding) groups: those are
+    accepted, other groups refused."""
+    from meshpar.compat.nxd.parallel_layers import grads, parallel_state
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    param = nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    norm = grads.get_grad_norm([param], zero1_optimizer=True,
+                               zero1_optimizer_groups=parallel_state.get_zero1_sharding_groups())  # fmt: skip
+    assert norm.item() == pytest.approx(8**0.5)  # four ranks' disjoint shares of two ones
+    with pytest.raises(NotImplementedError, match="under expert parallelism") as refused:
+        grads.get_grad_norm([param], zero1_optimizer=True, zero1_optimizer_groups=[[r] for r in range(4)])
+    return str(refused.value)
+
+
+def test_nxd_zero1_norm_groups_other_than_dp_are_refused_under_expert_parallelism() -> None:
+    assert len(set(run_distributed(zero1_groups_under_ep_case, 4))) == 1
+
+
+def zero1_shards_case(tp: int) -> None:
+    """NxD's ZeRO-1 optimizer as torch_xla's presents it: ``base_optimizer``'s groups pair one to one with the
+    model's (this rank's share of each parameter: all of it or an empty tensor), the shares keep their clipped
+    averaged grads when ``base_optimizer.zero_grad`` is replaced (NxD's grads test does this), the model keeps its
+    raw grads until ``zero_grad``, and NxD's norm over the shares (tp attributes copied from the parameters, summed
+    over the dp groups) is the dense clipped norm. The step equals SGD on the dense model's clipped dp-mean grads."""
+    from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
+    from meshpar.compat.nxd.parallel_layers import grads, layers, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp_rank, dp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_size()
+    torch.manual_seed(6)
+    column = layers.ColumnParallelLinear(H, OUT, gather_output=False, keep_master_weight=True)
+    row = layers.RowParallelLinear(OUT, H, input_is_parallel=True, keep_master_weight=True)  # replicated bias
+    full_bias = torch.cat(mappings_all_gather(column.bias.detach(), tp))
+    dense1, dense2 = nn.Linear(H, OUT), nn.Linear(OUT, H)
+    with torch.no_grad():
+        dense1.weight.copy_(column.master_weight)
+        dense1.bias.copy_(full_bias)
+        dense2.weight.copy_(row.master_weight)
+        dense2.bias.copy_(row.bias)
+    inputs = [torch.randn(B, S, H, generator=torch.Generator().manual_seed(10 + d)) for d in range(dp)]
+    row(torch.relu(column(inputs[parallel_state.get_data_parallel_rank()]))).pow(2).sum().backward()
+    for x in inputs:  # the dense grads: the mean over the dp ranks' batches
+        (dense2(torch.relu(dense1(x))).pow(2).sum() / dp).backward()
+    params = [column.weight, column.bias, row.weight, row.bias]
+    raw = [p.grad.clone() for p in params]
+    dense_params = [*dense1.parameters(), *dense2.parameters()]
+    max_norm = 0.5
+    opt = NeuronZero1Optimizer(params, torch.optim.SGD, lr=0.1, max_norm=max_norm, grad_clipping=True,
+                               sharding_groups=parallel_state.get_data_parallel_replica_groups())  # fmt: skip
+    opt.base_optimizer.zero_grad = lambda set_to_none=True: None
+    opt.step()
+    expected = torch.nn.utils.clip_grad_norm_(dense_params, max_norm)
+    torch.testing.assert_close(opt.grad_norm.reshape(()), expected, atol=1e-5, rtol=1e-5)
+    for param, grad in zip(params, raw, strict=True):
+        torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)  # NxD's model keeps its raw grads
+    shards = []
+    for group, shard_group in zip(opt.param_groups, opt.base_optimizer.param_groups, strict=True):
+        for param, shard in zip(group["params"], shard_group["params"], strict=True):
+            assert shard.numel() in (0, param.numel()) and (shard.grad is None) == (shard.numel() == 0)
+            if hasattr(param, "tensor_model_parallel"):
+                shard.tensor_model_parallel = param.tensor_model_parallel
+            shards.append(shard)
+    held = torch.tensor([float(s.numel() > 0) for s in shards])
+    torch.distributed.all_reduce(held, group=parallel_state.get_data_parallel_group())
+    assert held.tolist() == [1.0] * len(params), "each parameter is held whole by exactly one dp rank"
+    after = grads.get_grad_norm(shards, zero1_optimizer=True,
+                                zero1_optimizer_groups=parallel_state.get_data_parallel_replica_groups())  # fmt: skip
+    dense_after = torch.stack([p.grad.norm() for p in dense_params]).norm()
+    torch.testing.assert_close(after.reshape(()), dense_after, atol=1e-5, rtol=1e-5)
+    assert after.item() <= max_norm + 1e-5
+    with torch.no_grad():
+        for p in dense_params:
+            p.sub_(0.1 * p.grad)
+    torch.testing.assert_close(column.weight, _shard(dense1.weight, 0, tp, tp_rank), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(column.bias, _shard(dense1.bias, 0, tp, tp_rank), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(row.weight, _shard(dense2.weight, 1, tp, tp_rank), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(row.bias, dense2.bias, atol=1e-6, rtol=1e-5)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_nxd_zero1_shards_pair_with_the_parameters_and_keep_clipped_grads(tp: int) -> None:
+    run_distributed(zero1_shards_case, 4, tp)
 
 
 def xm_case() -> None:

@@ -86,7 +86,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         named = [(f"param_{i}", p) for i, p in enumerate(p for group in groups for p in group["params"])]
         master = optimizer_dtype is not None or higher_cc_precision
         self.zero = DistributedOptimizer(
-            named, optimizer_class, zero1=True, reduce_scatter_grads=dims.dp > 1, master_weights=master,
+            named, optimizer_class, zero1=True, reduce_scatter_grads=dims.dp > 1, free_local_grads=False,
+            master_weights=master,
             reduce_dtype=torch.float32 if higher_cc_precision else None, dims=dims, param_groups=groups, **defaults,
         )  # fmt: skip
         self.grad_clipping, self.max_norm = grad_clipping, 1.0 if max_norm is None else max_norm

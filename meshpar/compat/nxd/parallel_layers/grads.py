@@ -5,7 +5,8 @@ The norm is meshpar's (:func:`meshpar.grad_clip.total_grad_norm`), which reads N
 a ``tensor_model_parallel`` parameter is this rank's part (summed over tp), any other plain grad is a copy every tp
 rank holds (counted once), DTensor grads are counted by their placements; parameters marked ``shared`` (NxD) or as
 a shared pipeline copy (meshpar) are skipped; stage totals are summed over pp. With ``zero1_optimizer`` the grads
-are disjoint ZeRO-1 parts and the shares are summed over the world (or over ``zero1_optimizer_groups``).
+are disjoint ZeRO-1 parts and the shares are summed over the world (given ``zero1_optimizer_groups``: over
+tp, pp and then those groups, as NxD does).
 """
 
 from __future__ import annotations
@@ -48,8 +49,32 @@ def get_grad_norm(
     dims = get_parallel() if is_initialized() else None
     if not zero1_optimizer:
         return grad_clip.total_grad_norm(params, norm_type, dims=dims)
-    group = _my_group(zero1_optimizer_groups) if zero1_optimizer_groups is not None else None
-    return grad_clip.partitioned_grad_norm([(p, p.grad) for p in params], norm_type, group, dims=dims)
+    groups = _zero1_norm_groups(zero1_optimizer_groups) if zero1_optimizer_groups is not None else None
+    return grad_clip.partitioned_grad_norm([(p, p.grad) for p in params], norm_type, groups, dims=dims)
+
+
+def _zero1_norm_groups(zero1_groups: list[list[int]]) -> list[dist.ProcessGroup] | None:
+    """The groups a ZeRO-1 norm's shares are summed over given ``zero1_optimizer_groups``: NxD sums them over tp, then
+    pp, then those groups. With the groups NxD's optimizer shards over (dp; dp x cp at cp > 1) those three span the
+    world, so one world all-reduce (``None``) does it; other groups are reduced over in NxD's order. Expert weights'
+    shares under expert parallelism are summed right only over the world, so other groups are refused there."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    def same(a: list[list[int]], b: list[list[int]]) -> bool:
+        return sorted(map(sorted, a)) == sorted(map(sorted, b))
+
+    dims = get_parallel()
+    if same(zero1_groups, parallel_state.get_zero1_sharding_groups()) or (
+        dims.cp == 1 and same(zero1_groups, parallel_state.get_data_parallel_replica_groups())
+    ):
+        return None
+    if dims.ep > 1:
+        raise NotImplementedError(
+            "get_grad_norm(zero1_optimizer=True, zero1_optimizer_groups=...) under expert parallelism takes the "
+            "data-parallel (ZeRO-1 sharding) groups only: parallel_state.get_zero1_sharding_groups()"
+        )
+    model_groups = [(dims.tp, dims.tp_mesh), (dims.pp, dims.pp_mesh)]
+    return [mesh.get_group() for size, mesh in model_groups if size > 1] + [_my_group(zero1_groups)]
 
 
 def _my_group(groups: list[list[int]]) -> dist.ProcessGroup:
