@@ -32,6 +32,7 @@ ranks' grads: the grads are the dense ones.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -156,6 +157,46 @@ def padding_counted_positions(model: nn.Module) -> int | None:
     embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
     table, pad = getattr(embeddings, "position_embeddings", None), getattr(embeddings, "padding_idx", None)
     return pad if isinstance(table, nn.Embedding) and table.padding_idx is not None and pad is not None else None
+
+
+def count_positions_over_whole_sequences(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks for position embeddings that their decoder feeds with positions it counts itself from its own input's
+    length (BART and its kin: ``arange(length) + cache length``, whatever ``position_ids`` it is given): under
+    context parallelism that length is this rank's chunk, so each chunk would restart at 0. The hooks hand such a
+    table this rank's tokens' positions in the whole sequence instead, plus the decoder's offset (its cache length),
+    and only in a forward that carries context-parallel inputs (generation decodes densely). Returns the handles."""
+    handles = []
+    for decoder in model.modules():
+        table = getattr(decoder, "embed_positions", None)
+        if not isinstance(table, nn.Module) or not _takes(table, "position_ids") or _takes(decoder, "position_ids"):
+            continue
+        # the cp mesh of this decoder's current forward (set at each call: None when it carries no cp inputs)
+        current: dict[str, DeviceMesh | None] = {"mesh": None}
+
+        def enter(module: nn.Module, args: Any, kwargs: dict[str, Any], current: dict = current) -> None:
+            context = kwargs.get(INPUTS_KEY)
+            current["mesh"] = context.mesh if isinstance(context, ContextParallelInputs) else None
+
+        def whole(
+            module: nn.Module, args: Any, kwargs: dict[str, Any], current: dict = current
+        ) -> tuple[Any, dict[str, Any]] | None:
+            positions, mesh = kwargs.get("position_ids"), current["mesh"]
+            if mesh is None or not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+                return None
+            cp = mesh.size()
+            mine = local_positions(positions.shape[0] * cp, cp, mesh.get_local_rank(), positions.device)
+            return args, {**kwargs, "position_ids": mine + positions[:1]}
+
+        handles += [
+            decoder.register_forward_pre_hook(enter, with_kwargs=True),
+            table.register_forward_pre_hook(whole, with_kwargs=True),
+        ]
+    return handles
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward names the parameter ``name``."""
+    return name in inspect.signature(type(module).forward).parameters
 
 
 def _whole_positions(tokens: torch.Tensor, ids: Any, padding_idx: int | None) -> torch.Tensor:

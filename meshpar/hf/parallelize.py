@@ -38,6 +38,7 @@ from meshpar.hf.config import ParallelConfig, load_config
 from meshpar.hf.context_parallel import (
     GATHER_POINTS,
     POOLED_TASKS,
+    count_positions_over_whole_sequences,
     dense_probe_logits,
     gather_module,
     local_key_padding,
@@ -256,6 +257,7 @@ class ParallelizedModel(nn.Module):
         self._pool_point = GATHER_POINTS[0]
         if self.dims.cp > 1:
             use_context_parallel_attention(model)
+            count_positions_over_whole_sequences(model)  # BART and its kin count positions from the chunk's length
             if task in POOLED_TASKS:  # whole sequences gathered at the first point the probe proves (see below)
                 self._pool_hooks = self._pool_at(model, GATHER_POINTS[0])
         if self.dims.pp == 1:

@@ -118,13 +118,15 @@ def context_parallel_case(
 
 @pytest.mark.parametrize(
     "family,window,implementation",
-    [("llama", None, "all_gather"), ("mistral", 6, "ring"), ("gemma2", 5, "ring"), _slow("llama", None, "ring"),
+    [("llama", None, "all_gather"), ("mistral", 6, "ring"), ("gemma2", 5, "ring"), ("bart_causal", None, "ring"),
+     _slow("llama", None, "ring"),
      _slow("qwen3", None, "all_gather"), _slow("qwen3", None, "ring"), _slow("mistral", 6, "all_gather"),
      _slow("gemma2", 5, "all_gather")],
     ids=str,
 )  # fmt: skip
 def test_context_parallel_matches_dense(family: str, window: int | None, implementation: str) -> None:
-    """cp2 x dp2 on 4 ranks: each replica's rows split over 2 cp ranks."""
+    """cp2 x dp2 on 4 ranks: each replica's rows split over 2 cp ranks. BART's causal LM counts its learned
+    positions from its input's length: each chunk gets its tokens' positions in the whole sequence."""
     run_distributed(context_parallel_case, 4, family, 2, 1, implementation, window)
 
 
@@ -149,7 +151,7 @@ def test_context_parallel_composes_with_tp(cp: int, tp: int) -> None:
 
 @pytest.mark.parametrize(
     "family,window,implementation",
-    [("qwen3", None, "all_gather"), _slow("mistral", 6, "ring")],
+    [("qwen3", None, "all_gather"), _slow("mistral", 6, "ring"), _slow("bart_causal", None, "all_gather")],
 )  # fmt: skip
 def test_context_parallel_composes_with_pipelines(family: str, window: int | None, implementation: str) -> None:
     """cp2 x pp2 (two microbatches): each microbatch's rows keep their chunks' positions, padding and document
@@ -330,8 +332,12 @@ def generation_case(family: str, cp: int, tp: int, pp: int = 1) -> None:
     torch.testing.assert_close(model.train_step(**mine), first, atol=1e-6, rtol=1e-6)  # same weights: same loss
 
 
-@pytest.mark.parametrize("family,cp,tp,pp", [("qwen3", 2, 1, 1), _slow("llama", 2, 2, 1), _slow("qwen3", 2, 1, 2)])
+@pytest.mark.parametrize(
+    "family,cp,tp,pp",
+    [("qwen3", 2, 1, 1), ("bart_causal", 2, 1, 1), _slow("llama", 2, 2, 1), _slow("qwen3", 2, 1, 2)],
+)
 def test_generation_under_context_parallelism_matches_dense(family: str, cp: int, tp: int, pp: int) -> None:
+    """BART's causal LM too: its positions are the whole sequence's under cp only, the prompt's when decoding."""
     run_distributed(generation_case, 4, family, cp, tp, pp)
 
 
