@@ -21,10 +21,17 @@ classifier's weight itself).
 A region module's own per-head parameters (an attention's ``sinks``, transformers' ``local_params``) stay sharded with
 its heads (:class:`GatherSequenceInput` with ``own_parameters``): they meet the gathered, head-sharded activations.
 
+A region whose plan gathers a column projection's output or splits a row projection's input itself (OLMo-2's
+attention: ``colwise_gather_output`` q / k / v under norms spanning every head, ``rowwise_split_input`` o) computes
+on whole, replicated activations between them. It runs as in plain tensor parallelism on the gathered sequence: its
+column layers all-reduce their own input grads, so the grad reaching its gather is whole and the gather's backward
+keeps this rank's chunk (``GatherSequenceInput(complete_grads=True)``), its replicated modules' grads are whole (not
+summed), and its row layer reduce-scatters into sequence shards.
+
 transformers' plans say which projections are column- and row-parallel, not what runs on the residual stream, so the
 plan is converted only where each layer is regions plus per-token modules whose parameters are vectors (norms);
-anything else (gathered outputs, partial-sum outputs, bare parameters of the layer, replicated key/value heads) is
-refused with the modules named. The converted plan is proven by the same one-block verification
+anything else (partial-sum outputs, bare parameters of the layer, replicated key/value heads) is refused with the
+modules named. The converted plan is proven by the same one-block verification
 as the plan without sequence parallelism, on sequence shards.
 """
 
@@ -70,6 +77,28 @@ def _as_sequence_parallel(style: ParallelStyle, in_region: bool) -> ParallelStyl
     return style if in_region and per_head else None
 
 
+def _needs_whole_grads(style: ParallelStyle) -> bool:
+    """A projection that gathers its output features or splits a replicated input itself (OLMo-2's attention:
+    ``colwise_gather_output`` q / k / v, ``rowwise_split_input`` o): what follows it runs on whole, replicated
+    activations, so its region runs as in plain tensor parallelism (see :func:`_in_whole_grads_region`)."""
+    return (type(style) is ColumnParallel and style.gather_output) or (
+        type(style) is RowParallel and not style.input_is_parallel
+    )
+
+
+def _in_whole_grads_region(style: ParallelStyle) -> ParallelStyle | None:
+    """The style inside a region that runs as in plain tensor parallelism on the gathered sequence (its gather's
+    backward keeps this rank's chunk of a whole grad: ``GatherSequenceInput(complete_grads=True)``): column layers
+    unchanged (each all-reduces its input grad), row layers reduce-scattering their output into sequence shards,
+    per-head styles unchanged; ``None`` for anything else."""
+    if type(style) is RowParallel:
+        return RowParallel(input_is_parallel=style.input_is_parallel, sequence_parallel=True)
+    if type(style) is ColumnParallel and not style.sequence_parallel and not style.input_gathered:
+        return style
+    per_head = isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output)
+    return style if per_head else None
+
+
 def _describe(style: ParallelStyle) -> str:
     """``ColumnParallel(gather_output=True)``: the style and the switches that keep it out of sequence parallelism."""
     switches = {"gather_output": True, "input_is_parallel": False, "partial_output": True}
@@ -112,6 +141,25 @@ def sequence_parallel_styles(
     rows = {p[len(inside) :] for p, st in styles.items() if p.startswith(inside) and isinstance(st, _ROWS)}
     planned = {p[len(inside) :] for p in styles if p.startswith(inside)}
     post_norm = _post_norm_modules(layer_list[0], rows, planned)
+
+    def region_of(path: list[str]) -> tuple[str, bool]:
+        """(the region a plan entry inside the layers falls in, whether it is inside it rather than the region)."""
+        # inside a mixture-of-experts block, its children are the regions (shared experts); so are the children of
+        # a post-norm sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum)
+        depth = 2 if path[0] in moe and len(path) > 1 else 1
+        while depth < len(path) and (
+            ".".join(path[:depth]) in post_norm or _is_container(layer_list[0], path[:depth])
+        ):  # a list of sublayers (LongCat-Flash's two attentions per layer) is not called: its items are the units
+            depth += 1
+        return ".".join(path[:depth]), len(path) > depth
+
+    # regions holding a projection that gathers its output or splits its input: run as in plain tensor parallelism
+    whole_grads = set()
+    for pattern, style in styles.items():
+        if pattern.startswith(inside) and _needs_whole_grads(style):
+            region, in_region = region_of(pattern[len(inside) :].split("."))
+            if in_region:
+                whole_grads.add(region)
     for pattern, style in styles.items():
         if not pattern.startswith(inside):
             out[pattern] = style  # embedding, head: full sequence
@@ -120,21 +168,17 @@ def sequence_parallel_styles(
         if path[0] in moe and len(path) == 2 and path[1] == moe[path[0]]:
             out[pattern] = ExpertsOverTP(style.features, sequence_parallel=True)
             continue
-        # inside a mixture-of-experts block, its children are the regions (shared experts); so are the children of
-        # a post-norm sublayer (BERT's attention and its output: a row projection, then the norm of the residual sum)
-        depth = 2 if path[0] in moe and len(path) > 1 else 1
-        while depth < len(path) and (
-            ".".join(path[:depth]) in post_norm or _is_container(layer_list[0], path[:depth])
-        ):  # a list of sublayers (LongCat-Flash's two attentions per layer) is not called: its items are the units
-            depth += 1
-        region = ".".join(path[:depth])
-        in_region = len(path) > depth
+        region, in_region = region_of(path)
         if not in_region and isinstance(style, LocalParameters) and not style.partial_output:  # its own sinks
             own[region] = style
             continue
-        converted = _as_sequence_parallel(style, in_region)
-        if isinstance(converted, RopeGradSum):  # its output's grad is partial as a whole now: see _unplanned_in_regions
-            converted = ReplicatedGradSum()
+        if region in whole_grads:  # plain tensor parallelism inside: every style keeps its meaning
+            converted = _in_whole_grads_region(style)
+        else:
+            converted = _as_sequence_parallel(style, in_region)
+            # a rope slice's output grad is partial as a whole now: see _unplanned_in_regions
+            if isinstance(converted, RopeGradSum):
+                converted = ReplicatedGradSum()
         if converted is None:
             refused.append(f"{pattern}: {_describe(style)}")
             continue
@@ -150,7 +194,7 @@ def sequence_parallel_styles(
         key = f"{inside}{region}"
         if region not in with_rows and not (post_norm and direct_rows):  # BERT's intermediate: output.dense's
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
-        out[key] = GatherSequenceInput(own.pop(region, None))
+        out[key] = GatherSequenceInput(own.pop(region, None), complete_grads=region in whole_grads)
     refused += [f"{inside}{name}: {_describe(style)} outside an attention / MLP region" for name, style in own.items()]
     norms: set[str] = set()
     routers: set[str] = set()  # replicated modules of a mixture-of-experts block, run on shards
@@ -178,8 +222,10 @@ def sequence_parallel_styles(
         out[f"{inside}{norm}"] = SequenceParallelNorm()
     for router in sorted(routers):
         out[f"{inside}{router}"] = ReplicatedGradSum()
-    for module in sorted(
-        _unplanned_in_regions(layer_list, regions, {p[len(inside) :] for p in out if p.startswith(inside)})
+    for module in sorted(  # a region run as in plain tensor parallelism has whole grads everywhere
+        _unplanned_in_regions(
+            layer_list, regions - whole_grads, {p[len(inside) :] for p in out if p.startswith(inside)}
+        )
     ):
         out[f"{inside}{module}"] = ReplicatedGradSum()
     # post-norm layers end in a norm of their own: what follows them (BERT's pooler, heads) runs on the gathered

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle, Shard
-from meshpar.tensor_parallel._collectives import copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_tp
+from meshpar.tensor_parallel._collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+)
 from meshpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -139,7 +145,13 @@ class RowParallel(ParallelStyle):
 
     ``local_output``: the reduced output features are split over tp and each rank keeps its chunk (its grad
     all-gathered in backward): a per-head quantity computed from every local head's features, such as Doge's
-    ``dt_proj`` (value heads -> one gate per head), whose consumers hold only this rank's heads."""
+    ``dt_proj`` (value heads -> one gate per head), whose consumers hold only this rank's heads.
+
+    ``input_is_parallel=False`` with ``sequence_parallel``: the input is the whole sequence with every feature, the
+    same on every rank (a region run as in plain tensor parallelism on the gathered sequence, see
+    :class:`GatherSequenceInput`); each rank takes its features' slice (backward: all-gathered) and the output is
+    reduce-scattered into sequence shards. (:class:`RowParallelLinear` itself refuses the pair, as Megatron's does:
+    there the input of a sequence-parallel row layer is a sequence shard.)"""
 
     def __init__(
         self, *, input_is_parallel: bool = True, sequence_parallel: bool = False, local_output: bool = False
@@ -153,13 +165,16 @@ class RowParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _require(module, nn.Linear, type(self).__name__)
+        split_here = self.sequence_parallel and not self.input_is_parallel  # a whole input, split before the layer
         layer = RowParallelLinear.from_linear(
             module,
             device_mesh,
-            input_is_parallel=self.input_is_parallel,
+            input_is_parallel=self.input_is_parallel or split_here,
             sequence_parallel_enabled=self.sequence_parallel,
             src_data_rank=self.src_data_rank,
         )
+        if split_here:
+            layer.register_forward_pre_hook(lambda _m, args: (scatter_to_tp(args[0], device_mesh, -1), *args[1:]))
         if self.local_output:
             if layer.out_features % device_mesh.size():
                 raise ValueError(
@@ -231,22 +246,30 @@ class GatherSequenceInput(ParallelStyle):
     experts run on flattened tokens; a row layer's sequence-parallel reduce-scatter takes the same dim).
 
     ``own_parameters``: the module's own per-head parameters (an attention's ``sinks``), sharded as that style says;
-    they meet the region's gathered, head-sharded activations, as without sequence parallelism."""
+    they meet the region's gathered, head-sharded activations, as without sequence parallelism.
 
-    def __init__(self, own_parameters: LocalParameters | None = None) -> None:
+    ``complete_grads``: the module runs as in plain tensor parallelism on the gathered sequence (its column layers
+    all-reduce their input grads themselves, as a plan whose columns gather their outputs needs: OLMo-2's attention),
+    so the grad reaching the gather is whole on every rank and its backward keeps this rank's chunk of it instead of
+    reduce-scattering."""
+
+    def __init__(self, own_parameters: LocalParameters | None = None, complete_grads: bool = False) -> None:
         super().__init__()
         self.own_parameters = own_parameters
+        self.complete_grads = complete_grads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.own_parameters is not None:
             self.own_parameters.src_data_rank = self.src_data_rank
             module = self.own_parameters._apply(module, device_mesh)
 
+        gather_sequence = gather_from_tp if self.complete_grads else gather_from_sp
+
         def gather(_module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             if "hidden_states" in kwargs:
-                kwargs = {**kwargs, "hidden_states": gather_from_sp(kwargs["hidden_states"], device_mesh, -2)}
+                kwargs = {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"], device_mesh, -2)}
                 return args, kwargs
-            return (gather_from_sp(args[0], device_mesh, -2), *args[1:]), kwargs
+            return (gather_sequence(args[0], device_mesh, -2), *args[1:]), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

@@ -220,18 +220,23 @@ def test_data_parallel_needs_no_plan(family: str) -> None:
     run_distributed(family_case, 2, family, 1)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "phi3", "gpt_neox", "phi"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "phi3", "gpt_neox", "phi", "olmo2"])
 def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) -> None:
     """Sequence parallelism converted from the model's own plan (attention / MLP gather their input once and
     reduce-scatter their output, norms on shards with their grads summed), proven by the one-block verification on
     sequence shards: Qwen3's per-head norms, Gemma2's four norms per layer and a tied embedding over an uneven
-    vocab, Phi-3's packed projections, GPT-NeoX's parallel attention and MLP."""
+    vocab, Phi-3's packed projections, GPT-NeoX's parallel attention and MLP. OLMo-2's attention gathers its q / k /
+    v outputs (its q / k norms span every head) and splits the o projection's input: it runs as in plain tensor
+    parallelism on the gathered sequence, the gather's backward keeping this rank's chunk of a whole grad, its
+    norms' grads not summed."""
     run_distributed(family_case, 2, family, 2, None, None, True)
 
 
 @pytest.mark.parametrize(
-    "family", ["mixtral", "qwen2_moe", "deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow)]
-)
+    "family",
+    ["mixtral", "qwen2_moe", "deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow),
+     pytest.param("olmoe", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
     """Megatron's sequence parallelism around mixture-of-experts blocks: the router runs on the shards (its grads
     summed over tp), the experts all-gather the tokens with their routes and reduce-scatter their output back
@@ -420,9 +425,9 @@ def test_bad_layouts_are_refused_before_any_process_group() -> None:
     assert "1 key/value heads can neither be split over tp=2 nor replicated evenly inside the fused projection" in (
         message
     ), message
-    message = _refusal(build("olmo2"), {"tensor_parallel_size": 2, "sequence_parallel": True})
+    message = _refusal(build("gpt_oss"), {"tensor_parallel_size": 2, "sequence_parallel": True})
     assert "sequence parallelism from the model's tensor-parallel plan" in message, message
-    assert "model.layers.*.self_attn.q_proj: ColumnParallel(gather_output=True)" in message, message
+    assert "model.layers.0.self_attn: neither sharded by the plan nor a norm" in message, message
     message = _refusal(build("qwen2", kv_heads=1), {"tensor_parallel_size": 2, "sequence_parallel": True})
     assert "key/value heads replicated over tp is not supported" in message, message
 
