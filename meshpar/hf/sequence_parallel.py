@@ -28,15 +28,22 @@ column layers all-reduce their own input grads, so the grad reaching its gather 
 keeps this rank's chunk (``GatherSequenceInput(complete_grads=True)``), its replicated modules' grads are whole (not
 summed), and its row layer reduce-scatters into sequence shards.
 
+A module of a layer that the plan leaves whole and that is not a norm (a Mamba or convolution mixer, an attention
+a shipped plan does not shard) runs replicated on the whole sequence, as it does without sequence parallelism: its
+input gathered, its output cut back to this rank's shard, its grads whole (:class:`ReplicatedOnWholeSequence`). What
+follows the layers is one final norm on the shards (its output gathered for the head), or else (post-norm layers'
+heads, a final norm without parameters, a projection after it) runs on the last layer's gathered output.
+
 transformers' plans say which projections are column- and row-parallel, not what runs on the residual stream, so the
-plan is converted only where each layer is regions plus per-token modules whose parameters are vectors (norms);
-anything else (partial-sum outputs, bare parameters of the layer, replicated key/value heads) is refused with the
-modules named. The converted plan is proven by the same one-block verification
+plan is converted only where each layer is regions, norms and such whole modules; anything else (partial-sum
+outputs, bare parameters of the layer, replicated key/value heads, the stacks of an encoder-decoder) is refused with
+the modules named. The converted plan is proven by the same one-block verification
 as the plan without sequence parallelism, on sequence shards.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshpar._compat import DeviceMesh, ParallelStyle
@@ -50,7 +57,7 @@ from meshpar.tensor_parallel import (
     RowParallel,
     SequenceParallelNorm,
 )
-from meshpar.tensor_parallel._collectives import gather_from_tp
+from meshpar.tensor_parallel._collectives import gather_from_tp, scatter_to_tp
 from meshpar.tensor_parallel.style import LocalParameters, ReplicatedGradSum, RopeGradSum
 
 # styles inside a region that sequence parallelism leaves as they are (they act on the region's full-sequence
@@ -197,6 +204,7 @@ def sequence_parallel_styles(
         out[key] = GatherSequenceInput(own.pop(region, None), complete_grads=region in whole_grads)
     refused += [f"{inside}{name}: {_describe(style)} outside an attention / MLP region" for name, style in own.items()]
     norms: set[str] = set()
+    whole: set[str] = set()  # modules of a layer the plan leaves whole (not norms)
     routers: set[str] = set()  # replicated modules of a mixture-of-experts block, run on shards
     for index, layer in enumerate(layer_list):
         if any(True for _ in layer.parameters(recurse=False)):
@@ -216,10 +224,12 @@ def sequence_parallel_styles(
                 continue
             if _is_per_token(child):
                 norms.add(child_name)
-            else:
-                refused.append(f"{layers}.{index}.{child_name}: neither sharded by the plan nor a norm")
+            else:  # a mixer or MLP the plan leaves whole: replicated on the whole sequence, as without SP
+                whole.add(child_name)
     for norm in sorted(norms):
         out[f"{inside}{norm}"] = SequenceParallelNorm()
+    for module in sorted(whole):
+        out[f"{inside}{module}"] = ReplicatedOnWholeSequence()
     for router in sorted(routers):
         out[f"{inside}{router}"] = ReplicatedGradSum()
     for module in sorted(  # a region run as in plain tensor parallelism has whole grads everywhere
@@ -228,19 +238,20 @@ def sequence_parallel_styles(
         )
     ):
         out[f"{inside}{module}"] = ReplicatedGradSum()
-    # post-norm layers end in a norm of their own: what follows them (BERT's pooler, heads) runs on the gathered
-    # full sequence, as without sequence parallelism
+    # one final norm runs on the shards and gathers them; anything else after the layers (post-norm layers' pooler
+    # and heads, no final norm, a parameter-free one, a projection after it) runs on the last layer's gathered
+    # output, the whole sequence, as without sequence parallelism
     final_norm_only = len(final) == 1 and _is_per_token(model.get_submodule(final[0]))
-    encoder = bool(post_norm) and not final_norm_only
-    if not encoder and not final_norm_only:
-        refused.append(f"after {layers}: {final or 'nothing'} (one final norm expected)")
+    gather_after_layers = not final_norm_only
+    if gather_after_layers and getattr(model.config, "is_encoder_decoder", False):
+        refused.append(f"{layers}: one stack of an encoder-decoder (sequence parallelism takes one stack of layers)")
     if refused:
         raise ValueError(
             f"{name}: sequence parallelism from the model's tensor-parallel plan needs each layer to be sharded "
             f"attention / MLP modules and norms; not so for: {'; '.join(dict.fromkeys(refused))}. Turn "
             "'sequence_parallel' off, or pass plan={...} with sequence-parallel styles"
         )
-    if encoder:  # the last layer's output is gathered for what follows
+    if gather_after_layers:  # the last layer's output is gathered for what follows
         count = len(layer_list)
         out[f"{layers}.0"] = scatter if count > 1 else _Both(scatter, GatherSequenceOutput())
         if count > 1:
@@ -249,6 +260,28 @@ def sequence_parallel_styles(
     out[f"{layers}.0"] = scatter
     out[final[0]] = final_norm
     return out
+
+
+class ReplicatedOnWholeSequence(ParallelStyle):
+    """A module of a layer that the plan leaves whole (a Mamba or convolution mixer, an attention or MLP the shipped
+    plan does not shard): under sequence parallelism it runs as it does without, on the whole sequence on every
+    rank. Its input is gathered (backward: this rank's chunk of the whole grad, the same on every rank) and its
+    output cut back to this rank's shard (backward: all-gathered), so its parameters' grads are whole and are not
+    summed. The one-block verification proves it per model (a module that reshapes its tokens is refused there)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = GatherSequenceInput(complete_grads=True)._apply(module, device_mesh)
+        module.register_forward_hook(lambda _m, _args, out: _scatter_first(out, device_mesh))
+        return module
+
+
+def _scatter_first(out: object, device_mesh: DeviceMesh) -> object:
+    """This rank's sequence shard of the hidden states (a module's output or its first element)."""
+    if isinstance(out, tuple):
+        return (scatter_to_tp(out[0], device_mesh, -2), *out[1:])
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"a module run on the whole sequence returned {type(out).__name__}, not its hidden states")
+    return scatter_to_tp(out, device_mesh, -2)
 
 
 class GatherSequenceOutput(ParallelStyle):

@@ -187,6 +187,24 @@ GENERIC = {
         },
     ),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None}),
+    # a Mamba mixer and an MLP (layer 0), an attention and experts (layer 1): the mixers left whole by the shipped plan
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "num_experts": 4,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 4,
+            "mamba_dt_rank": 4,
+            "use_mamba_kernels": False,
+        },
+    ),
+    # short convolutions and attention (left whole by the shipped plan, as Jamba's mixers)
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}),
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",
