@@ -215,21 +215,23 @@ def sequence_parallel_styles(
             if child_name in post_norm or isinstance(child, _CONTAINERS):  # its children are the units
                 units += [(f"{child_name}.{n}", m) for n, m in child.named_children()]
                 continue
-            if child_name in moe:
+            # a hybrid's layers may name an experts block and a mixer alike (Nemotron-H's ``mixer``)
+            is_moe_block = child_name in moe and moe[child_name] in dict(child.named_children())
+            if is_moe_block:
                 routers |= _replicated_in_block(child, child_name, moe[child_name], regions | direct)
-                if any(True for _ in child.parameters(recurse=False)):
+                if any(p.requires_grad for p in child.parameters(recurse=False)):  # frozen ones: replicated as is
                     refused.append(f"{layers}.{index}.{child_name}: parameters of the experts block itself")
                 continue
-            if _matches_any(regions | direct, child_name) or not any(True for _ in child.parameters()):
-                continue
+            if _holds_any(regions | direct, child_name) or not any(True for _ in child.parameters()):
+                continue  # sharded (or holding what is: DeepSeek's dense first MLP), or nothing to sync
             if _is_per_token(child):
                 norms.add(child_name)
             else:  # a mixer or MLP the plan leaves whole: replicated on the whole sequence, as without SP
-                whole.add(child_name)
+                whole.add(f"{layers}.{index}.{child_name}" if child_name in moe else f"{inside}{child_name}")
     for norm in sorted(norms):
         out[f"{inside}{norm}"] = SequenceParallelNorm()
-    for module in sorted(whole):
-        out[f"{inside}{module}"] = ReplicatedOnWholeSequence()
+    for key in sorted(whole):
+        out[key] = ReplicatedOnWholeSequence()
     for router in sorted(routers):
         out[f"{inside}{router}"] = ReplicatedGradSum()
     for module in sorted(  # a region run as in plain tensor parallelism has whole grads everywhere
@@ -371,6 +373,16 @@ def _is_container(layer: nn.Module, path: list[str]) -> bool:
 
 def _matches_any(patterns: set[str], name: str) -> bool:
     return any(fqn_matches(pattern, name) for pattern in patterns)
+
+
+def _holds_any(patterns: set[str], name: str) -> bool:
+    """Whether the module ``name`` is one of ``patterns`` or holds one (a pattern under it)."""
+    depth = name.count(".") + 1
+    return any(
+        fqn_matches(".".join(pattern.split(".")[:depth]), name)
+        for pattern in patterns
+        if pattern.count(".") >= depth - 1
+    )
 
 
 def _replicated_in_block(block: nn.Module, name: str, experts: str, sharded: set[str]) -> set[str]:

@@ -203,6 +203,25 @@ GENERIC = {
             "use_mamba_kernels": False,
         },
     ),
+    # a Mamba mixer and an experts block, both named ``mixer`` (its shipped plan shards the experts only)
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            "layers_block_type": ["linear_attention", "moe"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "moe_shared_expert_intermediate_size": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 8,
+            "n_groups": 1,
+            "ssm_state_size": 8,
+            "use_mamba_kernels": False,
+            "use_cache": False,
+        },
+    ),
     # short convolutions and attention (left whole by the shipped plan, as Jamba's mixers)
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}),
     "gptj": (

@@ -241,7 +241,7 @@ def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) ->
 
 @pytest.mark.parametrize(
     "family",
-    ["mixtral", "qwen2_moe", "deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow),
+    ["mixtral", "qwen2_moe", "deepseek_v3", "nemotron_h", pytest.param("deepseek_v2", marks=pytest.mark.slow),
      pytest.param("olmoe", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
@@ -250,7 +250,9 @@ def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
     (Mixtral); Qwen2-MoE's shared expert, run on flattened tokens, is a region of its own and its gate runs on the
     shards; DeepSeek's latent attention keeps ``q_a_proj``, its norms and ``kv_a_proj_with_mqa`` replicated on the
     gathered input, their grads (partial over tp: the column projections after them leave the input grad to the
-    region's reduce-scatter) summed over tp; loss, every grad and the step equal dense."""
+    region's reduce-scatter) summed over tp; Nemotron-H names its Mamba mixers and its experts blocks alike
+    (``mixer``): the experts blocks take the shards' tokens, the Mamba mixers run on the whole sequence; loss, every
+    grad and the step equal dense."""
     run_distributed(family_case, 2, family, 2, None, None, True)
 
 
