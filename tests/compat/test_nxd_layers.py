@@ -109,13 +109,7 @@ def parallel_mlp_case(sequence_dim: int | None, skip_bias_add: bool) -> None:
                                        skip_bias_add=skip_bias_add)  # fmt: skip
         assert column.bias.shape == (OUT // tp,) and column.bias.tensor_model_parallel
         assert row.bias.sequence_parallel_enabled == sp
-        full_bias = torch.cat(mappings_all_gather(column.bias.detach(), tp))
-        dense1, dense2 = nn.Linear(H, OUT), nn.Linear(OUT, H)
-        with torch.no_grad():
-            dense1.weight.copy_(column.master_weight)
-            dense1.bias.copy_(full_bias)
-            dense2.weight.copy_(row.master_weight)
-            dense2.bias.copy_(row.bias)
+        dense1, dense2 = _dense_twins(column, row, tp)
         dim = sequence_dim if sp else 0
         x = torch.randn(S, B, H) if dim == 0 else torch.randn(B, S, H)  # the sequence along ``dim``
         xp = (x.chunk(tp, dim)[rank] if sp else x).clone().requires_grad_()
@@ -143,6 +137,19 @@ def mappings_all_gather(t: torch.Tensor, tp: int) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(tp)]
     torch.distributed.all_gather(out, t, group=parallel_state.get_tensor_model_parallel_group())
     return out
+
+
+def _dense_twins(column: nn.Module, row: nn.Module, tp: int) -> tuple[nn.Linear, nn.Linear]:
+    """Dense ``nn.Linear`` twins of a column-then-row pair of NxD layers, holding their master weights and whole
+    biases (the column bias gathered over tp, the row bias as it is: replicated)."""
+    full_bias = torch.cat(mappings_all_gather(column.bias.detach(), tp))
+    dense1, dense2 = nn.Linear(*column.master_weight.shape[::-1]), nn.Linear(*row.master_weight.shape[::-1])
+    with torch.no_grad():
+        dense1.weight.copy_(column.master_weight)
+        dense1.bias.copy_(full_bias)
+        dense2.weight.copy_(row.master_weight)
+        dense2.bias.copy_(row.bias)
+    return dense1, dense2
 
 
 @pytest.mark.parametrize("sequence_dim,skip_bias_add", [(None, False), (None, True), (0, False), (1, True)])
@@ -321,13 +328,7 @@ def grad_norm_case(zero1: str | None) -> None:
     column = layers.ColumnParallelLinear(H, OUT, gather_output=False, keep_master_weight=True)
     row = layers.RowParallelLinear(OUT, H, input_is_parallel=True, keep_master_weight=True)
     norm_layer = nn.LayerNorm(H)
-    full_bias = torch.cat(mappings_all_gather(column.bias.detach(), 2))
-    dense1, dense2 = nn.Linear(H, OUT), nn.Linear(OUT, H)
-    with torch.no_grad():
-        dense1.weight.copy_(column.master_weight)
-        dense1.bias.copy_(full_bias)
-        dense2.weight.copy_(row.master_weight)
-        dense2.bias.copy_(row.bias)
+    dense1, dense2 = _dense_twins(column, row, 2)
     dense_norm_layer = nn.LayerNorm(H)
     x = torch.randn(B, S, H)
     norm_layer(row(torch.relu(column(x)))).pow(2).sum().backward()
@@ -393,13 +394,7 @@ def zero1_shards_case(tp: int) -> None:
     torch.manual_seed(6)
     column = layers.ColumnParallelLinear(H, OUT, gather_output=False, keep_master_weight=True)
     row = layers.RowParallelLinear(OUT, H, input_is_parallel=True, keep_master_weight=True)  # replicated bias
-    full_bias = torch.cat(mappings_all_gather(column.bias.detach(), tp))
-    dense1, dense2 = nn.Linear(H, OUT), nn.Linear(OUT, H)
-    with torch.no_grad():
-        dense1.weight.copy_(column.master_weight)
-        dense1.bias.copy_(full_bias)
-        dense2.weight.copy_(row.master_weight)
-        dense2.bias.copy_(row.bias)
+    dense1, dense2 = _dense_twins(column, row, tp)
     inputs = [torch.randn(B, S, H, generator=torch.Generator().manual_seed(10 + d)) for d in range(dp)]
     row(torch.relu(column(inputs[parallel_state.get_data_parallel_rank()]))).pow(2).sum().backward()
     for x in inputs:  # the dense grads: the mean over the dp ranks' batches
