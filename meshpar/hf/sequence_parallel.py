@@ -199,6 +199,10 @@ def sequence_parallel_styles(
     direct_rows = any(isinstance(out.get(f"{inside}{name}"), _ROWS) for name in direct)
     for region in sorted(regions):
         key = f"{inside}{region}"
+        if region in whole_grads and region not in with_rows:
+            # its column outputs gathered, no row projection: its output is whole on every rank, cut back to shards
+            out[key] = ReplicatedOnWholeSequence(own.pop(region, None))
+            continue
         if region not in with_rows and not (post_norm and direct_rows):  # BERT's intermediate: output.dense's
             refused.append(f"{key}: sharded, but no row-parallel projection hands back sequence shards")
         out[key] = GatherSequenceInput(own.pop(region, None), complete_grads=region in whole_grads)
@@ -269,10 +273,20 @@ class ReplicatedOnWholeSequence(ParallelStyle):
     plan does not shard): under sequence parallelism it runs as it does without, on the whole sequence on every
     rank. Its input is gathered (backward: this rank's chunk of the whole grad, the same on every rank) and its
     output cut back to this rank's shard (backward: all-gathered), so its parameters' grads are whole and are not
-    summed. The one-block verification proves it per model (a module that reshapes its tokens is refused there)."""
+    summed. The one-block verification proves it per model (a module that reshapes its tokens is refused there).
+
+    ``own_parameters`` as for :class:`GatherSequenceInput`: a region whose column projections all gather their
+    outputs and that has no row projection (Qwen3-Next's linear attention) runs this way too, sharded inside as in
+    plain tensor parallelism, its output whole on every rank."""
+
+    def __init__(self, own_parameters: LocalParameters | None = None) -> None:
+        super().__init__()
+        self.own_parameters = own_parameters
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = GatherSequenceInput(complete_grads=True)._apply(module, device_mesh)
+        entry = GatherSequenceInput(self.own_parameters, complete_grads=True)
+        entry.src_data_rank = self.src_data_rank
+        module = entry._apply(module, device_mesh)
         module.register_forward_hook(lambda _m, _args, out: _scatter_first(out, device_mesh))
         return module
 

@@ -222,6 +222,23 @@ GENERIC = {
             "use_cache": False,
         },
     ),
+    # a gated delta-net whose projections all gather their outputs (no row projection), then attention and experts
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "decoder_sparse_step": 1,
+        },
+    ),
     # short convolutions and attention (left whole by the shipped plan, as Jamba's mixers)
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}),
     "gptj": (

@@ -241,8 +241,8 @@ def test_sequence_parallel_from_transformers_plans_matches_dense(family: str) ->
 
 @pytest.mark.parametrize(
     "family",
-    ["mixtral", "qwen2_moe", "deepseek_v3", "nemotron_h", pytest.param("deepseek_v2", marks=pytest.mark.slow),
-     pytest.param("olmoe", marks=pytest.mark.slow)],
+    ["mixtral", "qwen2_moe", "deepseek_v3", "nemotron_h", "qwen3_next",
+     pytest.param("deepseek_v2", marks=pytest.mark.slow), pytest.param("olmoe", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
     """Megatron's sequence parallelism around mixture-of-experts blocks: the router runs on the shards (its grads
@@ -251,8 +251,10 @@ def test_sequence_parallel_with_experts_matches_dense(family: str) -> None:
     shards; DeepSeek's latent attention keeps ``q_a_proj``, its norms and ``kv_a_proj_with_mqa`` replicated on the
     gathered input, their grads (partial over tp: the column projections after them leave the input grad to the
     region's reduce-scatter) summed over tp; Nemotron-H names its Mamba mixers and its experts blocks alike
-    (``mixer``): the experts blocks take the shards' tokens, the Mamba mixers run on the whole sequence; loss, every
-    grad and the step equal dense."""
+    (``mixer``): the experts blocks take the shards' tokens, the Mamba mixers run on the whole sequence; Qwen3-Next's
+    gated delta-net gathers every projection's output (no row projection): it runs sharded as in plain tensor
+    parallelism on the gathered sequence, its whole output cut back to the shard; loss, every grad and the step
+    equal dense."""
     run_distributed(family_case, 2, family, 2, None, None, True)
 
 
