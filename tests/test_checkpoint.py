@@ -191,7 +191,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow  # fresh processes killed at random times
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seed 0 kills rank 0, seed 1 rank 1, each at a random time; a kill at each step of a save is a test of its own below
+@pytest.mark.parametrize("seed", [0, 1])
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path, seed: int) -> None:
     ready = tmp_path / "ready"
     ctx = mp.get_context("spawn")
