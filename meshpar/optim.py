@@ -131,10 +131,11 @@ class DistributedOptimizer:
         # one this rank does not own as an empty tensor (its share of it: nothing), so the inner groups pair one to
         # one with the caller's, as torch_xla's ZeRO-1 shards do (code that zips the two stays right); an empty
         # tensor never has a grad, so no optimizer steps it or gives it state
-        self._inner_order = [i for g in range(len(options)) for i in range(len(self.named_params)) if group_of[i] == g]
+        members = [[i for i, group in enumerate(group_of) if group == g] for g in range(len(options))]
+        self._inner_order = [i for indices in members for i in indices]
         inner_groups = [
-            {"params": [self._leaf_or_nothing(i) for i in self._inner_order if group_of[i] == g], **group_options}
-            for g, group_options in enumerate(options)
+            {"params": [self._leaf_or_nothing(i) for i in indices], **group_options}
+            for indices, group_options in zip(members, options, strict=True)
         ]
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
 

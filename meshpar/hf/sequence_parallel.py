@@ -80,8 +80,13 @@ def _as_sequence_parallel(style: ParallelStyle, in_region: bool) -> ParallelStyl
         return ColumnParallel(num_heads=style.num_heads, **own)
     if type(style) is RowParallel and style.input_is_parallel:
         return RowParallel(sequence_parallel=True)
-    per_head = isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output)
-    return style if in_region and per_head else None
+    return style if in_region and _is_per_head(style) else None
+
+
+def _is_per_head(style: ParallelStyle) -> bool:
+    """A style inside a region that acts on its full-sequence, head-sharded activations as it is (per-head norms,
+    rope-feature grads, per-head parameters), with or without sequence parallelism."""
+    return isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output)
 
 
 def _needs_whole_grads(style: ParallelStyle) -> bool:
@@ -102,8 +107,7 @@ def _in_whole_grads_region(style: ParallelStyle) -> ParallelStyle | None:
         return RowParallel(input_is_parallel=style.input_is_parallel, sequence_parallel=True)
     if type(style) is ColumnParallel and not style.sequence_parallel and not style.input_gathered:
         return style
-    per_head = isinstance(style, _UNCHANGED) or (isinstance(style, LocalParameters) and not style.partial_output)
-    return style if per_head else None
+    return style if _is_per_head(style) else None
 
 
 def _describe(style: ParallelStyle) -> str:
@@ -383,10 +387,6 @@ def _is_container(layer: nn.Module, path: list[str]) -> bool:
         if module is None:
             return False
     return isinstance(module, _CONTAINERS)
-
-
-def _matches_any(patterns: set[str], name: str) -> bool:
-    return any(fqn_matches(pattern, name) for pattern in patterns)
 
 
 def _holds_any(patterns: set[str], name: str) -> bool:
