@@ -90,13 +90,15 @@ class PipelineModel(nn.Module):
     ``grads_over_cp``: whether the dense grads are summed over dp x cp (meshpar's context parallelism: each cp rank
     computed a part of one replica's grads); ``False`` leaves cp to the caller (NxD averages them over cp in its
     optimizer step) and reduces over dp alone. ``between_forwards_and_backwards``: see
-    :class:`meshpar.pipeline.executor.PipelineExecutor` (schedule ``"gpipe"``)."""
+    :class:`meshpar.pipeline.executor.PipelineExecutor` (schedule ``"gpipe"``). ``chunks=None`` (with ``plan`` and
+    ``dims`` ``None``): the stages are built later, ``dims`` set and :meth:`install_stages` called before the first
+    step (NxD's view traces a pipeline it is given no cuts for at its first step)."""
 
     def __init__(
         self,
-        chunks: Sequence[StageChunk],
-        plan: StagePlan,
-        dims: ParallelDims,
+        chunks: Sequence[StageChunk] | None,
+        plan: StagePlan | None,
+        dims: ParallelDims | None,
         *,
         num_microbatches: int,
         loss_fn: Callable[..., torch.Tensor],
@@ -109,9 +111,6 @@ class PipelineModel(nn.Module):
         between_forwards_and_backwards: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
-        if num_microbatches < dims.pp and len(chunks) > 1:
-            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={dims.pp} with virtual stages")
-        check_pipeline_schedule(schedule, len(chunks))
         self.dims = dims
         self.schedule = schedule
         self.num_microbatches = num_microbatches
@@ -121,15 +120,21 @@ class PipelineModel(nn.Module):
         self.average_grads_over_dp = average_grads_over_dp
         self.between_forwards_and_backwards = between_forwards_and_backwards
         self._dp_mode, self._grads_over_cp = dp_mode, grads_over_cp
-        self.install_stages(chunks, plan)
+        if chunks is not None:
+            self.install_stages(chunks, plan)
         self.last_losses: list[torch.Tensor] = []
         self.last_outputs: list[Any] = []
 
     def install_stages(self, chunks: Sequence[StageChunk], plan: StagePlan) -> None:
         """Run ``chunks`` (this rank's stages of ``plan``) from now on, their grads averaged over dp as configured
-        (called once when built; NxD's view again when a pipeline is re-cut before its first step)."""
+        (called once when built, by :meth:`__init__` or, for ``chunks=None`` there, by the caller once ``dims`` is
+        set; NxD's view again when a pipeline is re-cut before its first step)."""
         if len(chunks) != len(getattr(self, "chunks", chunks)):
             raise ValueError(f"{len(chunks)} stage chunks for a pipeline built with {len(self.chunks)} per rank")
+        dims = self.dims
+        if self.num_microbatches < dims.pp and len(chunks) > 1:
+            raise ValueError(f"num_microbatches={self.num_microbatches} must be >= pp={dims.pp} with virtual stages")
+        check_pipeline_schedule(self.schedule, len(chunks))
         previous = getattr(self, "data_parallel", None)
         for sync in previous.syncs if previous is not None else ():
             sync.remove()  # the replaced stages' grad hooks (the new stages may hold the same parameters)
@@ -137,7 +142,6 @@ class PipelineModel(nn.Module):
         self.chunks = nn.ModuleList(chunks)
         if self.schedule == "zero_bubble":
             refuse_split_backward_with_fsdp(self.chunks)
-        dims = self.dims
         self.data_parallel = DataParallelGrads(
             self._dp_mode,
             dims.grad_mesh if self._grads_over_cp else dims.dp_mesh,

@@ -170,6 +170,16 @@ def _crossing(graph: fx.Graph, stage_of: dict[fx.Node, int], stage: int) -> list
     return crossing
 
 
+def traced_input_names(module: nn.Module, input_names: Sequence[str] | None) -> list[str]:
+    """The arguments of ``module.forward`` a trace takes as inputs: ``input_names``, or (``None``) its arguments
+    without a default."""
+    if input_names is not None:
+        return list(input_names)
+    parameters = inspect.signature(module.forward).parameters.values()
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+
+
 def traced_stages(
     module: nn.Module,
     pp_rank: int,
@@ -187,10 +197,7 @@ def traced_stages(
     device: torch.device | None = None,
 ) -> tuple[list[tuple[int, nn.Module, list[str]]], StagePlan]:
     """This rank's stages ``[(stage_index, GraphModule, model inputs it reads), ...]`` and the stage plan."""
-    if input_names is None:  # NxD traces the forward's required arguments
-        parameters = inspect.signature(module.forward).parameters.values()
-        input_names = [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
-            p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+    input_names = traced_input_names(module, input_names)
     if any(p.is_meta for p in module.parameters()):
         raise NotImplementedError("a traced pipeline of a model built on meta: build it on CPU (or pass loss_fn)")
     num_stages = pp * virtual_pipeline_size

@@ -211,3 +211,122 @@ def nxd_files_case(root: str) -> None:
 
 def test_nxds_per_pp_rank_files_load_at_an_uneven_layer_count(tmp_path) -> None:
     run_distributed(nxd_files_case, 2, str(tmp_path))
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(H, H)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(h))
+
+
+class _OptionalInputs(nn.Module):
+    """An HF-style forward: the mask and the labels are optional, the loss computed inside (NxD's usage)."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(H, H)
+        self.layers = nn.ModuleList(_Layer() for _ in range(layers))
+        self.head = nn.Linear(H, CLASSES)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        h = self.embed(x)
+        if mask is not None:
+            h = h * mask
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return loss, logits
+
+
+class _Untraceable(_OptionalInputs):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.missing(x)  # fails the moment it is traced
+
+
+def delayed_tracing_case() -> None:
+    """Given no cuts and no input names, NxD traces the pipeline at its first step, over the names of that step's
+    inputs: the optional mask and labels the step gives are inputs of the trace (traced at construction over the
+    required ``x`` alone, the mask would be dropped and the labels never reach the loss). Until then nothing is
+    traced (a forward that cannot be traced builds) and the local views refuse; a later step with other inputs is
+    refused on every rank."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    untraced = NxDPPModel(_Untraceable(), transformer_layer_cls=_Layer, num_microbatches=2)
+    with pytest.raises(RuntimeError, match="not partitioned yet"):
+        untraced.local_modules()
+    torch.manual_seed(0)
+    dense = _OptionalInputs()
+    module = _OptionalInputs()
+    module.load_state_dict(dense.state_dict())
+    model = NxDPPModel(module, transformer_layer_cls=_Layer, num_microbatches=2, output_loss_value_spec=(True, False),
+                       broadcast_and_average_loss=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match="not partitioned yet"):
+        list(model.local_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # every parameter: the stages do not exist yet
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        x, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
+        mask = (torch.rand(4 * dp, H) > 0.5).float()
+        mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+        loss = model.run_train(x=x[mine], mask=mask[mine], labels=labels[mine])
+        optimizer.step()
+        optimizer.zero_grad()
+        pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
+        dense_loss = torch.stack([dense(x[p], mask[p], labels[p])[0] for p in pieces]).mean()
+        dense_loss.backward()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
+    assert model.partitioned and list(model.local_parameters())
+    dense_params = dict(dense.named_parameters())
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.detach(), dense_params[name].detach(), msg=name)
+    _adapters_of_a_pipeline_traced_later(dp, dp_rank)
+    with pytest.raises(RuntimeError, match="traced input names"):
+        model.run_train(x=x[mine], labels=labels[mine])
+
+
+def _adapters_of_a_pipeline_traced_later(dp: int, dp_rank: int) -> None:
+    """LoRA and activation checkpointing around a pipeline not traced yet: the adapters go into its model before
+    the trace (as NxD adapts it), the recomputed layers into its stages once built; the adapters' grads after the
+    first step equal dense ones."""
+    import copy
+
+    from meshpar.compat.nxd.modules.lora import LoraConfig, LoraModel
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from meshpar.compat.nxd.utils.activation_checkpoint import NxDCheckpointWrapper, apply_activation_checkpointing
+
+    config = LoraConfig(lora_rank=2, lora_alpha=4, target_modules=["head", "linear"], init_lora_weights="gaussian")
+    torch.manual_seed(3)
+    base = _OptionalInputs()
+    pipeline = NxDPPModel(copy.deepcopy(base), transformer_layer_cls=_Layer, num_microbatches=2,
+                          output_loss_value_spec=(True, False))  # fmt: skip
+    lora = LoraModel(pipeline, config)
+    apply_activation_checkpointing(pipeline)
+    dense = LoraModel(base, config)
+    dense.module.load_state_dict(pipeline.original_torch_module.state_dict())  # the same adapters' values
+    torch.manual_seed(20)
+    x, labels = torch.randn(4 * dp, H), torch.randint(0, CLASSES, (4 * dp,))
+    mine = slice(4 * dp_rank, 4 * dp_rank + 4)
+    lora.run_train(x=x[mine], labels=labels[mine])
+    pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
+    torch.stack([dense(x[p], labels=labels[p])[0] for p in pieces]).mean().backward()
+    wrapped = [m for stage in pipeline.local_modules() for m in stage.modules() if isinstance(m, NxDCheckpointWrapper)]
+    assert wrapped and all(isinstance(m, _Layer) for m in wrapped)  # the stages' layers, recomputed in backward
+    dense_params = dict(dense.module.named_parameters())
+    adapters = [(name, p) for name, p in pipeline.local_named_parameters() if "lora_" in name]
+    assert adapters
+    for name, param in adapters:
+        torch.testing.assert_close(param.grad, dense_params[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_nxd_pipeline_without_cuts_is_traced_at_its_first_step_over_its_inputs() -> None:
+    run_distributed(delayed_tracing_case, 4)

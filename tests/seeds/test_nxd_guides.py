@@ -235,8 +235,11 @@ def conflicting_arguments_case(kind: str) -> None:
     if kind == "cut":  # the embedding output is used again after the last layer: two values cross every cut
         kwargs = {"input_names": ["ids", "labels"], "output_loss_value_spec": (True, False)}
         NxDPPModel(LossInside(skip=True), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)
-    if kind == "untraceable":  # data-dependent control flow; input_names default to forward's required arguments
-        NxDPPModel(Branchy(), transformer_layer_cls=Layer, num_microbatches=2, output_loss_value_spec=(True, False))
+    if kind == "untraceable":  # data-dependent control flow: no cuts nor input names, so traced at the first step
+        model = NxDPPModel(Branchy(), transformer_layer_cls=Layer, num_microbatches=2,
+                           output_loss_value_spec=(True, False))  # fmt: skip
+        ids = torch.randint(0, V, (4, SEQ))
+        model.run_train(ids=ids, labels=ids)
     if kind == "meta":
         kwargs = {"input_names": ["ids"], "param_init_fn": init_own}
     NxDPPModel(Stack(), transformer_layer_cls=Layer, num_microbatches=2, **kwargs)

@@ -11,6 +11,14 @@ forward is traced with torch.fx and cut after layers (:mod:`meshpar.pipeline.tra
 Every stage receives the microbatch's keyword inputs; the first stage calls the module with the ``input_names``
 inputs, later stages with the received activation. Without ``pipeline_cuts`` (``auto_partition`` or not) the layers
 are placed as NxD places them: evenly, the remainder on the last stages.
+
+When it is built: with ``pipeline_cuts``, ``auto_partition``, ``manual_pp_partition``, ``input_names`` or ``loss_fn``,
+at construction. A traced pipeline given none of them is traced at its first ``run_train`` / ``run_eval`` over the
+names of that step's inputs, as NxD does (an optional argument such as a mask or the labels is an input exactly when
+the step gives it); until then ``local_*`` raise (NxD's rule), ``parameters()`` is every parameter of the model, and
+LoRA adapters go into the model before the trace. A traced pipeline's every step must give exactly its traced
+inputs: an input the trace does not take would be ignored. NxD's post-partition hooks (``trainer.hooks``) run when
+the stages are built.
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpar.compat.nxd.parallel_layers import parallel_state  # noqa: F401 - in NxD's namespace (tests patch it)
+from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.pipeline.timeline import PPTimeline
+from meshpar.failure import stop_all_ranks_on_error
 from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get_parallel
 from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
-from meshpar.pipeline.trace import traced_stages
+from meshpar.pipeline.trace import traced_input_names, traced_stages
 from meshpar.recipe import has_parameter
 from meshpar.replicas import make_replicas_equal
 
@@ -70,13 +79,15 @@ def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
 
 def _leaf_classes(module: nn.Module | None, leaf_module_cls: Sequence[Any] | None) -> list[type]:
     """``leaf_module_cls`` as classes (NxD also takes class names: each resolves to the classes of that name among
-    the model's modules) plus NxD's parallel layers and MoE layer, which the tracer never enters (their collectives
-    are leaves; the MoE's routing depends on the values it routes)."""
+    the model's modules) plus NxD's parallel layers, MoE layer and LoRA layers, which the tracer never enters (their
+    collectives are leaves; the MoE's routing depends on the values it routes; a LoRA layer branches on its input's
+    dtype)."""
+    from meshpar.compat.nxd.modules.lora.layer import LoraLayer
     from meshpar.compat.nxd.modules.moe import MoE
     from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
     from meshpar.compat.nxd.parallel_layers import PARALLEL_MODULES
 
-    classes: list[type] = [*PARALLEL_MODULES, GQAQKVColumnParallelLinear, MoE]
+    classes: list[type] = [*PARALLEL_MODULES, GQAQKVColumnParallelLinear, MoE, LoraLayer]
     names = {type(m).__name__: type(m) for m in module.modules()} if module is not None else {}
     for entry in leaf_module_cls or ():
         if isinstance(entry, str):
@@ -284,28 +295,40 @@ class NxDPPModel(PipelineModel):
                 "NxDPPModel: a traced pipeline (no loss_fn, or a tracing argument) takes no param_init_fn: build the "
                 "model on CPU, or pass loss_fn to split it by structure"
             )
-        dims = dims if dims is not None else get_parallel()
-        if num_microbatches < dims.pp and virtual_pipeline_size > 1:
-            raise ValueError(
-                f"num_microbatches={num_microbatches} must be >= pp={dims.pp} with virtual_pipeline_size > 1"
-            )
-        check_virtual_pipeline_size(dims.pp, virtual_pipeline_size)
-        check_pipeline_schedule(schedule, virtual_pipeline_size)
-        # NxD partitions at construction only given cuts (or auto_partition); otherwise at the first step, or when
-        # the user calls trace / cut_pipeline_stage / partition: meshpar builds NxD's first-step placement now and
-        # builds again if the user cuts before the first step
+        # NxD partitions at construction only given cuts (or auto_partition); a traced pipeline without them is
+        # traced at its first step, over the names of that step's inputs (or when the user calls trace /
+        # cut_pipeline_stage / partition first), so its stages exist only from then on. Given input_names, the
+        # trace's inputs are known: it is built now, at NxD's first-step placement (every step must then give those
+        # inputs); so is a split by structure (meshpar's loss_fn), which has no inputs to learn.
         partitioned = pipeline_cuts is not None or auto_partition or manual_pp_partition
-        if pipeline_cuts is None and not manual_pp_partition:
-            pipeline_cuts = _nxd_cuts(module, transformer_layer_cls, dims.pp * virtual_pipeline_size)
+        deferred = trace_it and not partitioned and input_names is None
+        if dims is None and not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("NxDPPModel: call initialize_model_parallel(...) before building the pipeline model")
+        if deferred and transformer_layer_cls is None:
+            raise ValueError("NxDPPModel requires transformer_layer_cls (the layers the pipeline is cut after)")
+        if dims is None and not deferred:
+            dims = get_parallel()
+        pp = dims.pp if dims is not None else parallel_state.get_pipeline_model_parallel_size()
+        pp_rank = dims.pp_rank if dims is not None else parallel_state.get_pipeline_model_parallel_rank()
+        if virtual_pipeline_size > 1 and num_microbatches < pp:
+            raise ValueError(f"num_microbatches={num_microbatches} must be >= pp={pp} with virtual_pipeline_size > 1")
+        check_virtual_pipeline_size(pp, virtual_pipeline_size)
+        check_pipeline_schedule(schedule, virtual_pipeline_size)
+        if deferred and not get_model_layers(module, transformer_layer_cls):
+            raise ValueError(f"NxDPPModel: the model has no {transformer_layer_cls} layers (transformer_layer_cls)")
+        if pipeline_cuts is None and not manual_pp_partition and not deferred:
+            pipeline_cuts = _nxd_cuts(module, transformer_layer_cls, pp * virtual_pipeline_size)
             auto_partition = auto_partition and pipeline_cuts is None
-        # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's rule;
-        # tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
-        make_replicas_equal(module, dims, over=("pp", "dp"))
         build = {
             "module": module, "dims": dims, "input_names": input_names, "transformer_layer_cls": transformer_layer_cls,
             "virtual_pipeline_size": virtual_pipeline_size, "param_init_fn": param_init_fn,
         }  # fmt: skip
-        chunks, plan = _built_stages(build, pipeline_cuts, auto_partition, tracing if trace_it else None)
+        chunks = plan = None
+        if not deferred:
+            # every rank built the whole model: the first rank's values along pp and dp before splitting (DDP's
+            # rule; tp-sharded parameters by their shards, which these ranks share); a meta-built model has none yet
+            make_replicas_equal(module, dims, over=("pp", "dp"))
+            chunks, plan = _built_stages(build, pipeline_cuts, auto_partition, tracing if trace_it else None)
 
         def picked_loss(output: Any, **microbatch: torch.Tensor) -> torch.Tensor:
             if loss_fn is not None:
@@ -333,14 +356,25 @@ class NxDPPModel(PipelineModel):
         self.partitioned = partitioned
         self.pipeline_cuts: list[str] = list(pipeline_cuts or []) if partitioned else []
         self._tracing: dict[str, Any] | None = None  # what trace() was given, until partition()
+        # a deferred pipeline: the tracing arguments its first step builds it with (at NxD's placement)
+        self._first_step = tracing if deferred else None
+        # a traced pipeline's input names: every step must give exactly these (NxD's rule)
+        traced = trace_it and not deferred and not manual_pp_partition
+        self._traced_inputs = set(traced_input_names(module, input_names)) if traced else None
+        self._after_partition: list[Callable[[], None]] = []
+        self.model_moved_to_device = not deferred
         self.transformer_layer_cls = transformer_layer_cls
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
         self.return_loss_on_cpu = return_loss_on_cpu
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
-        self.pipeline_parallel_size, self.pipeline_parallel_rank = dims.pp, dims.pp_rank
-        self.timeline = PPTimeline(trace_file_path, dims.pp_rank)  # NxD's trace file: a timeline of the steps
+        self.pipeline_parallel_size, self.pipeline_parallel_rank = pp, pp_rank
+        self.timeline = PPTimeline(trace_file_path, pp_rank)  # NxD's trace file: a timeline of the steps
         self.manually_shared_weights = self._share_weights_across_stages(shared_groups)
+        if chunks is not None and not manual_pp_partition:  # NxD runs them when it partitions (here: built)
+            from meshpar.compat.nxd.trainer import hooks
+
+            hooks.execute_all_hooks(self)
 
     # -- NxD's step-by-step partitioning: trace, cut, partition (before the first step) ---------------------------
     def trace(
@@ -392,7 +426,7 @@ class NxDPPModel(PipelineModel):
         if self.partitioned:
             _log.warning("NxDPPModel.partition(): the model is partitioned already; nothing to do")
             return
-        stages = self.dims.pp * len(self.chunks)
+        stages = self.pipeline_parallel_size * self._build["virtual_pipeline_size"]
         if len(self.pipeline_cuts) + 1 != stages:
             raise ValueError(
                 f"NxDPPModel.partition(): {len(self.pipeline_cuts)} cuts make {len(self.pipeline_cuts) + 1} stages, "
@@ -400,9 +434,84 @@ class NxDPPModel(PipelineModel):
             )
         if self._tracing is None:
             raise AssertionError("NxDPPModel.partition() comes after trace()")
-        chunks, plan = _built_stages(self._build, self.pipeline_cuts, False, self._tracing)
-        self.install_stages(chunks, plan)
+        self._install(self.pipeline_cuts, self._tracing, self._build["input_names"])
         self.partitioned = True
+
+    def _install(self, cuts: Sequence[str] | None, tracing: dict[str, Any], input_names: Sequence[str] | None) -> None:
+        """Trace the module over ``input_names``, cut it at ``cuts`` and run this rank's stages from now on; a
+        pipeline deferred to its first step takes its mesh and makes its replicas equal first. Then the callbacks
+        waiting for the stages run, and NxD's post-partition hooks (``trainer.hooks``), as NxD runs them."""
+        module = self._build["module"]
+        if self.dims is None:
+            self.dims = get_parallel()
+            make_replicas_equal(module, self.dims, over=("pp", "dp"))
+        build = {**self._build, "dims": self.dims, "input_names": input_names}
+        chunks, plan = _built_stages(build, cuts, False, tracing)
+        self.install_stages(chunks, plan)
+        self._traced_inputs = set(traced_input_names(module, input_names))
+        self._first_step = None
+        self.model_moved_to_device = True
+        callbacks, self._after_partition = self._after_partition, []
+        for callback in callbacks:
+            callback()
+        from meshpar.compat.nxd.trainer import hooks
+
+        hooks.execute_all_hooks(self)
+
+    @property
+    def built(self) -> bool:
+        """Whether this rank's stages exist (a traced pipeline given no cuts has them from its first step on)."""
+        return self.dims is not None and "chunks" in self._modules
+
+    def when_partitioned(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once this rank's stages exist: now if they do, else when the pipeline is partitioned."""
+        if self.built:
+            callback()
+        else:
+            self._after_partition.append(callback)
+
+    def _validate_partitioned(self) -> None:
+        if not self.built:
+            raise RuntimeError(
+                "NxDPPModel: the model is not partitioned yet; a traced pipeline given no pipeline_cuts, "
+                "auto_partition or input_names is traced and partitioned at its first run_train / run_eval, over that "
+                "step's inputs (as in NxD): call this after the first step, or give pipeline_cuts, "
+                "auto_partition=True or input_names"
+            )
+
+    # NxD's local views need the stages
+    def local_modules(self) -> list[nn.Module]:
+        self._validate_partitioned()
+        return super().local_modules()
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self._validate_partitioned()
+        return super().local_named_parameters()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        self._validate_partitioned()
+        return super().local_parameters()
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        self._validate_partitioned()
+        return super().local_named_modules()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        self._validate_partitioned()
+        return super().local_state_dict()
+
+    # NxD's overridable device steps (its "methods for non-XLA devices")
+    def move_model_to_device(self) -> None:
+        """This rank's stages on the process's device: built there already (a deferred pipeline at its first step)."""
+        if self.built:
+            self.model_moved_to_device = True
+
+    def _create_pg_with_ranks(self, ranks: Sequence[int]) -> torch.distributed.ProcessGroup | None:
+        """The group of the pp stages ``ranks`` across this rank's (dp, tp, ...) position (NxD's hook)."""
+        return parallel_state.create_pg_with_ranks(list(ranks))
+
+    def _mark_step(self) -> None:
+        """Nothing to cut: eager PyTorch runs each op as it is called."""
 
     def get_model_layers(self, module: nn.Module, target_module_type: type | tuple[type, ...]) -> list[str]:
         """The FQNs of ``module``'s layers of ``target_module_type``, in order (NxD's method)."""
@@ -417,14 +526,12 @@ class NxDPPModel(PipelineModel):
         """For each weight-sharing group spanning stages (``mark_weight_sharing``): the group of those stages'
         ranks (made by every rank, group by group in name order) and this rank's copy of the weight, set to the first
         stage's values. ``{name: [process group, parameter]}`` for the groups this rank takes part in."""
-        from meshpar.compat.nxd.parallel_layers.parallel_state import create_pg_with_ranks
-
         shared: dict[str, list] = {}
         for name in sorted(groups):
             stages = sorted({stage for stage, _, _ in groups[name]})
             if len(stages) == 1:
                 continue  # one stage: one tensor
-            group = create_pg_with_ranks(stages)
+            group = self._create_pg_with_ranks(stages)
             mine = [(index, path) for stage, index, path in groups[name] if stage == self.dims.pp_rank]
             if group is None or not mine:
                 continue
@@ -449,6 +556,16 @@ class NxDPPModel(PipelineModel):
                 "NxDPPModel.trace() was called but not partition(): mark the cuts with cut_pipeline_stage() and call "
                 "partition() before the first step"
             )
+        with stop_all_ranks_on_error("NxDPPModel's step inputs"):  # a rank that raises here stops the others
+            if self._first_step is not None:  # NxD's delayed tracing: over this step's input names
+                stages = self.pipeline_parallel_size * self._build["virtual_pipeline_size"]
+                cuts = _nxd_cuts(self._build["module"], self.transformer_layer_cls, stages)
+                self._install(cuts, self._first_step, list(inputs))
+            if self._traced_inputs is not None and set(inputs) != self._traced_inputs:
+                raise RuntimeError(
+                    f"NxDPPModel: the step's inputs {sorted(inputs)} must be the traced input names "
+                    f"{sorted(self._traced_inputs)} (as in NxD: an input the trace does not take would be ignored)"
+                )
         self.partitioned = True  # NxD partitions at the first step at the latest
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
             loss = super()._run(forward_only, inputs, keep_outputs)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshpar.compat.nxd.parallel_layers.parallel_state import get_pipeline_model_parallel_size
+from meshpar.compat.nxd.parallel_layers.parallel_state import (  # noqa: F401 - rank: in NxD's namespace (patched)
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_size,
+)
 
 __all__ = ["create_partitions", "stage_to_pipeline_parallel_rank"]
 

@@ -1,6 +1,7 @@
-"""``neuronx_distributed.trainer.post_partition_hooks``: callables NxD runs once a delayed-traced pipeline has been
-partitioned. meshpar partitions when ``NxDPPModel`` is built, so hooks registered afterwards are run by whoever
-calls ``execute_all_hooks`` (as in NxD), which is never needed by the trainer itself."""
+"""``neuronx_distributed.trainer.post_partition_hooks``: callables NxD runs once a pipeline has been partitioned.
+``NxDPPModel`` runs the registered ones (``trainer.hooks``) when its stages are built: at construction, or at the
+first step of a pipeline traced then; hooks registered later are run by whoever calls ``execute_all_hooks`` (as in
+NxD)."""
 
 from __future__ import annotations
 

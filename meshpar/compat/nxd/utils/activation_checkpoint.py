@@ -48,7 +48,8 @@ def apply_activation_checkpointing(
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
 ) -> nn.Module:
     """Every submodule for which ``check_fn`` holds recomputes in backward. An ``NxDPPModel`` checkpoints its
-    ``transformer_layer_cls`` layers (``check_fn`` ignored, as in NxD); an ``NxDModel`` its local modules."""
+    ``transformer_layer_cls`` layers (``check_fn`` ignored, as in NxD), once its stages exist; an ``NxDModel`` its
+    local modules."""
     if checkpoint_wrapper_fn is not checkpoint_wrapper:
         raise NotImplementedError("apply_activation_checkpointing: a custom checkpoint_wrapper_fn is not supported")
     from meshpar.compat.nxd.pipeline.model import NxDPPModel
@@ -56,8 +57,12 @@ def apply_activation_checkpointing(
     target = getattr(model, "module", model) if type(model).__name__ == "NxDModel" else model
     if isinstance(target, NxDPPModel):
         layer_cls = target.transformer_layer_cls
-        for module in target.local_modules():
-            _apply(module, layer_cls, wrapper=NxDCheckpointWrapper)
+
+        def wrap_local_layers() -> None:
+            for module in target.local_modules():
+                _apply(module, layer_cls, wrapper=NxDCheckpointWrapper)
+
+        target.when_partitioned(wrap_local_layers)  # a pipeline traced at its first step: its layers then
         return model
     _apply(target, check_fn=check_fn, wrapper=NxDCheckpointWrapper)
     return model

@@ -3,7 +3,8 @@ only the adapters (and what the config adds) trainable.
 
 ``LoraModel(model, config)`` replaces each module ``config.target_modules`` names by the LoRA layer for its type
 (:mod:`.layer`, :mod:`.tp_layer`) and freezes everything else. Around an ``NxDPPModel`` the adapters go into this
-rank's stages (the names are the model's own FQNs). Module calls, attributes and ``generate`` pass through to the
+rank's stages (the names are the model's own FQNs), or, for one traced at its first step, into its model before the
+trace. Module calls, attributes and ``generate`` pass through to the
 wrapped model.
 
 Saving: ``state_dict()`` is the adapter (``lora_*`` tensors, the biases ``config.bias`` trains, ``modules_to_save``)
@@ -186,7 +187,10 @@ class LoraModel(nn.Module):
 
     # -- which modules, and wrapping them ---------------------------------------------------------------------------
     def _roots(self) -> list[nn.Module]:
-        """The modules adapters go into: this rank's pipeline stages, or the model."""
+        """The modules adapters go into: this rank's pipeline stages, or the model (a pipeline traced at its first
+        step: its model, before the trace, as NxD adapts it)."""
+        if getattr(self.module, "built", True) is False:
+            return [self.module.original_torch_module]
         local = getattr(self.module, "local_modules", None)
         return list(local()) if callable(local) else [self.module]
 
