@@ -227,6 +227,7 @@ class _OptionalInputs(nn.Module):
 
     def __init__(self, layers: int = 4) -> None:
         super().__init__()
+        self.width = H
         self.embed = nn.Linear(H, H)
         self.layers = nn.ModuleList(_Layer() for _ in range(layers))
         self.head = nn.Linear(H, CLASSES)
@@ -269,6 +270,9 @@ def delayed_tracing_case() -> None:
                        broadcast_and_average_loss=True)  # fmt: skip
     with pytest.raises(RuntimeError, match="not partitioned yet"):
         list(model.local_parameters())
+    assert model.width == H and model.head is module.head  # what the pipeline lacks is the model's, as in NxD
+    with pytest.raises(AttributeError):
+        getattr(model, "no_such_attribute")  # noqa: B009 - the lookup is what is tested
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # every parameter: the stages do not exist yet
     dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
     for step in range(2):

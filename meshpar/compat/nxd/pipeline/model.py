@@ -18,7 +18,7 @@ names of that step's inputs, as NxD does (an optional argument such as a mask or
 the step gives it); until then ``local_*`` raise (NxD's rule), ``parameters()`` is every parameter of the model, and
 LoRA adapters go into the model before the trace. A traced pipeline's every step must give exactly its traced
 inputs: an input the trace does not take would be ignored. NxD's post-partition hooks (``trainer.hooks``) run when
-the stages are built.
+the stages are built. An attribute the pipeline lacks is the wrapped model's, as in NxD.
 """
 
 from __future__ import annotations
@@ -457,6 +457,19 @@ class NxDPPModel(PipelineModel):
         from meshpar.compat.nxd.trainer import hooks
 
         hooks.execute_all_hooks(self)
+
+    # the runtime's own attributes, which exist once the stages are built: never looked up on the wrapped model
+    _OWN_LATER = frozenset({"chunks", "plan", "data_parallel"})
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the pipeline lacks is the wrapped model's (``model.config``, say), as in NxD."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_modules", {}).get("original_torch_module")
+            if original is None or name in self._OWN_LATER or name.startswith("__"):
+                raise
+            return getattr(original, name)
 
     @property
     def built(self) -> bool:
