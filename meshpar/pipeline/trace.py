@@ -80,10 +80,18 @@ def trace(
     try:
         graph = LeafTracer(**kwargs).trace(module, concrete_args=concrete or None)
     except Exception as error:  # data-dependent control flow, untraceable calls, ...
+        from transformers import PreTrainedModel
+
+        hint = (
+            " (a HuggingFace model: NxD traces those with transformers' fx tracer, which transformers 5 removed; "
+            "meshpar.parallelize pipelines them from their own base_model_pp_plan)"
+            if isinstance(module, PreTrainedModel) and base is fx.Tracer
+            else ""
+        )
         raise ValueError(
             f"NxDPPModel could not trace {type(module).__name__}.forward with torch.fx ({type(error).__name__}: "
-            f"{error}); pass leaf_module_cls=[...] for the modules that cannot be traced, autowrap_functions for "
-            "such functions, or loss_fn=... to split the model by its module structure instead"
+            f"{error}){hint}; pass leaf_module_cls=[...] for the modules that cannot be traced, autowrap_functions "
+            "for such functions, or loss_fn=... to split the model by its module structure instead"
         ) from error
     return fx.GraphModule(module, graph)
 

@@ -334,3 +334,85 @@ def _adapters_of_a_pipeline_traced_later(dp: int, dp_rank: int) -> None:
 
 def test_nxd_pipeline_without_cuts_is_traced_at_its_first_step_over_its_inputs() -> None:
     run_distributed(delayed_tracing_case, 4)
+
+
+class _Skip(_OptionalInputs):
+    """The embedding's output is used again after the last layer (a skip over every cut), and a second head holds
+    the embedding's weight (tied: a weight two stages share)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = nn.Linear(H, H)
+        self.tied.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        h0 = self.embed(x)
+        h = h0 * mask if mask is not None else h0
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h + h0) + self.tied(h).sum(-1, keepdim=True)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return loss, logits
+
+
+def split_analysis_case() -> None:
+    """NxD's analysis of a traced model split at its marked cuts: trace() fills traced_model, cut_pipeline_stage
+    marks its cut calls (an unknown cut is refused there), partition_traced_model splits it into one submodule per
+    stage, analyze_pipeline_module says what each stage receives (the skip value passed along by the middle stage)
+    and which model inputs it reads, analyze_shared_weights_across_stages which weight two pp ranks share (none when
+    the stages holding it run on one rank). meshpar's runtime sends one activation across a cut, so partitioning
+    where the skip crosses too is refused."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from meshpar.compat.nxd.pipeline import partition as nxd_partition
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    model = NxDPPModel(_Skip(), transformer_layer_cls=_Layer, num_microbatches=2)
+    assert model.traced_model is None
+    model.trace(input_names=["x", "mask", "labels"])
+    with pytest.raises(RuntimeError, match="calls no module"):
+        model.cut_pipeline_stage("layers.9")
+    for cut in ("layers.0", "layers.2"):  # three stages, to see a value passed through the middle one
+        model.cut_pipeline_stage(cut)
+    marked = [n.target for n in model.traced_model.graph.nodes if n.meta.get("partition") is True]
+    assert marked == ["layers.0", "layers.2"]
+    split = nxd_partition.partition_traced_model(model.traced_model)
+    again = nxd_partition.partition_traced_model(model.traced_model)  # the marks survive a split
+    held = {name: {p for p, _ in child.named_parameters()} for name, child in split.named_children()}
+    assert held == {name: {p for p, _ in child.named_parameters()} for name, child in again.named_children()}
+    linear = ("linear.weight", "linear.bias")
+    assert held == {
+        "submod_0": {"embed.weight", "embed.bias", *(f"layers_0.{p}" for p in linear)},
+        "submod_1": {f"layers_{i}.{p}" for i in (1, 2) for p in linear},
+        "submod_2": {*(f"layers_3.{p}" for p in linear), "head.weight", "head.bias", "tied.weight", "tied.bias"},
+    }
+    received, model_inputs, input_count, output_count = nxd_partition.analyze_pipeline_module(split)
+    assert model_inputs == {0: {"x": 0, "mask": 1}, 1: {}, 2: {"labels": 2}}
+    assert input_count == {0: 2, 1: 1, 2: 3} and output_count == {0: 2, 1: 1, 2: 2}
+    sent_by_0 = [n.name for n in next(n for n in split.submod_0.graph.nodes if n.op == "output").args[0]]
+    position = {name: (io.input_idx, io.output_idx) for stage in (1, 2) for name, io in received[stage].items()}
+    assert (
+        received[0] == {} and list(received[1]) == ["layers_0", "embed"] and list(received[2]) == ["layers_2", "embed"]
+    )
+    # stage 1 takes layers_0 as its input 0 and passes the embedding along (no input of its own); stage 2 takes
+    # both, the embedding as its input 1, from stage 1's pass-through (no output position)
+    assert position == {"layers_0": (0, sent_by_0.index("layers_0")), "embed": (1, None), "layers_2": (0, 0)}
+    assert (received[1]["embed"].input_idx, received[1]["embed"].output_idx) == (None, sent_by_0.index("embed"))
+    stages = [child for _, child in split.named_children()]
+    assert nxd_partition.analyze_shared_weights_across_stages(model.traced_model, stages) == []  # stages 0, 2: rank 0
+    tied = model.original_torch_module.embed.weight  # held twice by pp rank 0: one copy, not shared
+    assert getattr(tied, "shared", None) == (False if pp_rank == 0 else None)
+    two = NxDPPModel(_Skip(), transformer_layer_cls=_Layer, num_microbatches=2)
+    two.trace(input_names=["x", "mask", "labels"])
+    two.cut_pipeline_stage("layers.1")
+    halves = [child for _, child in nxd_partition.partition_traced_model(two.traced_model).named_children()]
+    shared = nxd_partition.analyze_shared_weights_across_stages(two.traced_model, halves)
+    assert shared == [[("embed.weight", 0), ("tied.weight", 1)]]
+    assert two.original_torch_module.embed.weight.shared == (pp_rank == 1)  # counted once: on the first rank
+    with pytest.raises(ValueError, match="sends one activation"):
+        two.partition()
+
+
+def test_nxd_analysis_of_a_traced_model_split_at_its_cuts() -> None:
+    run_distributed(split_analysis_case, 2)

@@ -14,7 +14,6 @@ from tests.compat._surface import read_surface
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parents[1] / "docs" / "compat.md"
 
-_RUNTIME = "NxD's own XLA pipeline runtime (meshpar runs pipelines as schedule data: meshpar.pipeline)"
 _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 MODULES_NOT_PROVIDED: dict[str, str] = {}
@@ -52,17 +51,6 @@ NOT_PROVIDED: dict[str, str] = {
             "set_expert_model_parallel_size",
             "set_tensor_model_parallel_rank",
             "set_tensor_model_parallel_size",
-        )
-    },
-    **{
-        f"pipeline.partition.{name}": _RUNTIME
-        for name in (
-            "PipelineIO",
-            "adding_live_obj_for_previous_stages",
-            "analyze_pipeline_module",
-            "analyze_shared_weights_across_stages",
-            "iterate_graph_model_outputs",
-            "partition_traced_model",
         )
     },
     "optimizer.zero_dcp_utils.MAX_RETRY": "NxD's rank-0 polling for the other ranks' write results (DCP's "

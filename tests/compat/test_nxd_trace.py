@@ -113,3 +113,21 @@ def test_patching_object_methods_is_refused_and_nothing_else_is() -> None:
         pass
     with pytest.raises(NotImplementedError, match="autowrap_obj_methods"):
         nxd_trace.trace_model(Outer(), input_names=["x"], autowrap_obj_methods={Outer(): ["forward"]})
+
+
+def test_a_huggingface_model_that_torch_fx_cannot_trace_is_refused_naming_the_missing_hf_tracer() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from meshpar.pipeline.trace import trace
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    with pytest.raises(ValueError, match=r"transformers 5 removed; meshpar\.parallelize pipelines them"):
+        trace(model, ["input_ids"], (GPT2Block,))
+
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(ValueError, match=r"DataDependent.forward with torch.fx \(\w+: [^)]*\); pass leaf_module_cls"):
+        trace(DataDependent(), ["x"], ())  # no HuggingFace hint for another model

@@ -38,6 +38,7 @@ from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get
 from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
+from meshpar.pipeline.trace import trace as fx_trace
 from meshpar.pipeline.trace import traced_input_names, traced_stages
 from meshpar.recipe import has_parameter
 from meshpar.replicas import make_replicas_equal
@@ -163,6 +164,18 @@ def _manual_cuts(layers: Sequence[nn.Module], stages: int, mapping: dict) -> lis
     return [f"layers.{i}" for i in range(len(order) - 1) if order[i + 1] != order[i]]
 
 
+def _with_nxd_leaves(module: nn.Module, tracing: dict[str, Any]) -> dict[str, Any]:
+    """NxD's tracing arguments with NxD's own leaves added: its parallel layers and functions (collectives) and the
+    modules of :func:`_leaf_classes`."""
+    from meshpar.compat.nxd.parallel_layers import PARALLEL_FUNCTIONS
+
+    return {
+        **tracing,
+        "leaf_module_cls": _leaf_classes(module, tracing["leaf_module_cls"]),
+        "autowrap_functions": (*PARALLEL_FUNCTIONS, *(tracing["autowrap_functions"] or ())),
+    }
+
+
 def _built_stages(
     build: dict[str, Any],
     pipeline_cuts: Sequence[str] | None,
@@ -178,13 +191,7 @@ def _built_stages(
         "auto_partition": auto_partition,
     }
     if tracing is not None:
-        from meshpar.compat.nxd.parallel_layers import PARALLEL_FUNCTIONS
-
-        tracing = {
-            **tracing,
-            "leaf_module_cls": _leaf_classes(module, tracing["leaf_module_cls"]),
-            "autowrap_functions": (*PARALLEL_FUNCTIONS, *(tracing["autowrap_functions"] or ())),
-        }
+        tracing = _with_nxd_leaves(module, tracing)
         traced, plan = traced_stages(
             module, dims.pp_rank, dims.pp, input_names=build["input_names"],
             virtual_pipeline_size=build["virtual_pipeline_size"], device=dims.device, **common, **tracing,
@@ -356,6 +363,7 @@ class NxDPPModel(PipelineModel):
         self.partitioned = partitioned
         self.pipeline_cuts: list[str] = list(pipeline_cuts or []) if partitioned else []
         self._tracing: dict[str, Any] | None = None  # what trace() was given, until partition()
+        self.traced_model: torch.fx.GraphModule | None = None  # NxD's: the forward trace() traced, cuts marked
         # a deferred pipeline: the tracing arguments its first step builds it with (at NxD's placement)
         self._first_step = tracing if deferred else None
         # a traced pipeline's input names: every step must give exactly these (NxD's rule)
@@ -388,9 +396,10 @@ class NxDPPModel(PipelineModel):
         autowrap_obj_methods: dict | None = None,
         tracer_cls: Any = None,
     ) -> None:
-        """NxD's first step of partitioning by hand: the tracing arguments for :meth:`partition` (the forward is
-        traced with torch.fx there, ``transformer_layer_cls`` a leaf; ``input_names`` default to ``kwargs``' keys).
-        Skipped, as in NxD, once the model is partitioned."""
+        """NxD's first step of partitioning by hand: the forward traced with torch.fx into :attr:`traced_model`
+        (``transformer_layer_cls`` and NxD's parallel layers leaves; ``input_names`` default to ``kwargs``' keys),
+        on which :meth:`cut_pipeline_stage` marks the cuts; :meth:`partition` builds the stages at them. Skipped,
+        as in NxD, once the model is partitioned."""
         if self.partitioned or self._tracing is not None:
             _log.warning("NxDPPModel.trace(): the model is traced or partitioned already; nothing to do")
             return
@@ -404,20 +413,35 @@ class NxDPPModel(PipelineModel):
             raise NotImplementedError("NxDPPModel: a traced pipeline takes no param_init_fn: build the model on CPU")
         if input_names is None and kwargs:
             input_names = list(kwargs)
-        self._build = {**self._build, "input_names": input_names}
-        self._tracing = {
+        tracing = {
             "leaf_module_cls": leaf_modules, "autowrap_functions": autowrap_functions,
             "autowrap_modules": autowrap_modules, "tracer_cls": tracer_cls,
         }  # fmt: skip
+        module, layer_cls = self._build["module"], self.transformer_layer_cls
+        leafy = _with_nxd_leaves(module, tracing)
+        layers = layer_cls if isinstance(layer_cls, tuple) else (layer_cls,)
+        traced = fx_trace(
+            module, traced_input_names(module, input_names), (*layers, *leafy["leaf_module_cls"]),
+            tracer_cls=tracer_cls, autowrap_modules=autowrap_modules, autowrap_functions=leafy["autowrap_functions"],
+        )  # fmt: skip
+        object.__setattr__(self, "traced_model", traced)  # not a submodule: it holds the model's own modules
+        self._build = {**self._build, "input_names": input_names}
+        self._tracing = tracing
 
     def cut_pipeline_stage(self, cut_point: str) -> None:
-        """Mark a stage boundary after the layer ``cut_point`` (after :meth:`trace`, before :meth:`partition`)."""
+        """Mark a stage boundary after the layer ``cut_point`` (after :meth:`trace`, before :meth:`partition`): its
+        call in :attr:`traced_model` gets ``meta["partition"] = True`` (NxD's mark, which
+        :func:`~meshpar.compat.nxd.pipeline.partition.partition_traced_model` splits at)."""
         if cut_point in self.pipeline_cuts:
             raise AssertionError(f"cut_pipeline_stage({cut_point!r}): that cut is marked already")
         if self.partitioned:
             raise AssertionError(f"cut_pipeline_stage({cut_point!r}): the model is partitioned already")
         if self._tracing is None:
             raise AssertionError("cut_pipeline_stage() comes after trace()")
+        calls = [n for n in self.traced_model.graph.nodes if n.op == "call_module" and n.target == cut_point]
+        if not calls:
+            raise RuntimeError(f"cut_pipeline_stage({cut_point!r}): the traced model calls no module of that name")
+        calls[0].meta["partition"] = True
         self.pipeline_cuts.append(cut_point)
 
     def partition(self) -> None:
