@@ -2,9 +2,14 @@
 dense single-process run: NxD's even split (remainder on the last stage) and a custom ``partition_fn``, at pp2 x dp2
 and pp4, losses and the parameters after SGD steps equal to dense, also with a weight shared by layers on two stages
 (``mark_weight_sharing``: kept one weight); refusals for two marked tensors on one stage, a non-contiguous partition
-and a list without ``manual_pp_partition``; the scheduler-free surface of ``PipelineStageModule``."""
+and a list without ``manual_pp_partition``; the scheduler-free surface of ``PipelineStageModule``. Then NxD's
+traced pipelines: traced at the first step over its inputs when given no cuts nor input names (with LoRA and
+activation checkpointing around it), the analysis of a traced model split at its marked cuts, and ``run_eval``
+without a loss returning the outputs."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -416,3 +421,45 @@ def split_analysis_case() -> None:
 
 def test_nxd_analysis_of_a_traced_model_split_at_its_cuts() -> None:
     run_distributed(split_analysis_case, 2)
+
+
+class _Logits(_OptionalInputs):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def eval_outputs_case(microbatches: int) -> None:
+    """Without output_loss_value_spec (nor a loss function) NxD's pipeline has no loss: run_eval returns the last
+    stage's output (one per microbatch), None on the other ranks; with the spec it returns the mean loss."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    last = parallel_state.get_pipeline_model_parallel_rank() == 1
+    torch.manual_seed(0)
+    dense = _Logits()
+    model = NxDPPModel(copy.deepcopy(dense), transformer_layer_cls=_Layer, num_microbatches=microbatches)
+    x = torch.randn(4, H)
+    outputs = model.run_eval(x=x)
+    expected = [dense(piece).detach() for piece in x.chunk(microbatches)]
+    if not last:
+        assert outputs is None
+    elif microbatches == 1:
+        torch.testing.assert_close(outputs, expected[0])
+    else:
+        assert len(outputs) == microbatches
+        for got, want in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(got, want)
+    with_loss = NxDPPModel(_OptionalInputs(), transformer_layer_cls=_Layer, num_microbatches=microbatches,
+                           output_loss_value_spec=(True, False), input_names=["x", "labels"])  # fmt: skip
+    labels = torch.randint(0, CLASSES, (4,))
+    loss = with_loss.run_eval(x=x, labels=labels)
+    assert (loss is not None and loss.dim() == 0) == last
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_nxd_pipeline_without_a_loss_evaluates_to_its_outputs(microbatches: int) -> None:
+    run_distributed(eval_outputs_case, 2, microbatches)

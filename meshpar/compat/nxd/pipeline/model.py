@@ -18,7 +18,9 @@ names of that step's inputs, as NxD does (an optional argument such as a mask or
 the step gives it); until then ``local_*`` raise (NxD's rule), ``parameters()`` is every parameter of the model, and
 LoRA adapters go into the model before the trace. A traced pipeline's every step must give exactly its traced
 inputs: an input the trace does not take would be ignored. NxD's post-partition hooks (``trainer.hooks``) run when
-the stages are built. An attribute the pipeline lacks is the wrapped model's, as in NxD.
+the stages are built. An attribute the pipeline lacks is the wrapped model's, as in NxD. Without
+``output_loss_value_spec`` and ``loss_fn`` there is no loss: ``run_eval`` returns the last stage's outputs (NxD's
+rule), ``run_train`` takes the output as the loss.
 """
 
 from __future__ import annotations
@@ -338,6 +340,8 @@ class NxDPPModel(PipelineModel):
             chunks, plan = _built_stages(build, pipeline_cuts, auto_partition, tracing if trace_it else None)
 
         def picked_loss(output: Any, **microbatch: torch.Tensor) -> torch.Tensor:
+            if self._outputs_only:  # an evaluation that returns the outputs: no loss to compute
+                return torch.zeros((), device=self.dims.device)
             if loss_fn is not None:
                 return loss_fn(output, **microbatch)
             return _pick_loss(output, output_loss_value_spec)
@@ -373,6 +377,9 @@ class NxDPPModel(PipelineModel):
         self.model_moved_to_device = not deferred
         self.transformer_layer_cls = transformer_layer_cls
         self.output_loss_value_spec = output_loss_value_spec
+        # NxD's pipeline without a loss (no output_loss_value_spec, no loss function): run_eval returns the outputs
+        self._evaluates_outputs = output_loss_value_spec is None and loss_fn is None
+        self._outputs_only = False
         self.return_mb_loss = return_mb_loss
         self.return_loss_on_cpu = return_loss_on_cpu
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
@@ -604,11 +611,18 @@ class NxDPPModel(PipelineModel):
                     f"{sorted(self._traced_inputs)} (as in NxD: an input the trace does not take would be ignored)"
                 )
         self.partitioned = True  # NxD partitions at the first step at the latest
-        with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
-            loss = super()._run(forward_only, inputs, keep_outputs)
-            if not forward_only:
-                self._sum_shared_weight_grads()
+        self._outputs_only = forward_only and self._evaluates_outputs
+        try:
+            with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
+                loss = super()._run(forward_only, inputs, keep_outputs or self._outputs_only)
+                if not forward_only:
+                    self._sum_shared_weight_grads()
+        finally:
+            outputs_only, self._outputs_only = self._outputs_only, False
         self.timeline.mark_step_end()
+        if outputs_only:  # NxD's run_eval without a loss: the last stage's output (one per microbatch)
+            outputs = self.last_outputs
+            return None if not outputs else (outputs[0] if len(outputs) == 1 else outputs)
         result = self.last_losses if self.return_mb_loss else loss
         if self.return_loss_on_cpu and result is not None:
             if isinstance(result, list):
