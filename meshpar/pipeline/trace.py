@@ -26,6 +26,9 @@ from torch import nn
 
 from meshpar.pipeline.split import StagePlan, plan_stages
 
+# GraphModule.meta key: the input names a trace was made over
+_INPUTS_KEY = "meshpar_traced_inputs"
+
 
 def _tracer_class(tracer_cls: Any) -> type[fx.Tracer]:
     if tracer_cls is None or tracer_cls == "torch":
@@ -93,7 +96,9 @@ def trace(
             f"{error}){hint}; pass leaf_module_cls=[...] for the modules that cannot be traced, autowrap_functions "
             "for such functions, or loss_fn=... to split the model by its module structure instead"
         ) from error
-    return fx.GraphModule(module, graph)
+    traced = fx.GraphModule(module, graph)
+    traced.meta[_INPUTS_KEY] = list(input_names)  # what it was traced over (fx adds placeholders for the others)
+    return traced
 
 
 def _cut_layers(plan: StagePlan) -> list[str]:
@@ -178,6 +183,17 @@ def _crossing(graph: fx.Graph, stage_of: dict[fx.Node, int], stage: int) -> list
     return crossing
 
 
+def _check_is_trace_of(traced: fx.GraphModule, module: nn.Module, input_names: Sequence[str]) -> None:
+    """A trace handed in must be of ``module`` (the same parameter objects) and over ``input_names``: cutting
+    another model's graph would run stages whose weights are not the pipeline's."""
+    traced_over = traced.meta.get(_INPUTS_KEY)
+    if traced_over != list(input_names):
+        raise ValueError(f"the trace given was made over inputs {traced_over}, the pipeline traces {list(input_names)}")
+    ours = {id(p) for p in module.parameters()}
+    if any(id(p) not in ours for p in traced.parameters()):
+        raise ValueError(f"the trace given holds parameters that are not {type(module).__name__}'s")
+
+
 def traced_input_names(module: nn.Module, input_names: Sequence[str] | None) -> list[str]:
     """The arguments of ``module.forward`` a trace takes as inputs: ``input_names``, or (``None``) its arguments
     without a default."""
@@ -186,6 +202,14 @@ def traced_input_names(module: nn.Module, input_names: Sequence[str] | None) -> 
     parameters = inspect.signature(module.forward).parameters.values()
     return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
         p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+
+
+def leaf_classes(
+    transformer_layer_cls: type | tuple[type, ...] | None, leaf_module_cls: Sequence[type] | None = None
+) -> tuple[type, ...]:
+    """The module classes a trace keeps as calls: the layers the cuts fall after, then ``leaf_module_cls``."""
+    layers = transformer_layer_cls if isinstance(transformer_layer_cls, tuple) else (transformer_layer_cls,)
+    return tuple(c for c in (*layers, *(leaf_module_cls or ())) if c is not None)
 
 
 def traced_stages(
@@ -203,8 +227,11 @@ def traced_stages(
     autowrap_modules: tuple | None = None,
     autowrap_functions: tuple | None = None,
     device: torch.device | None = None,
+    traced: fx.GraphModule | None = None,
 ) -> tuple[list[tuple[int, nn.Module, list[str]]], StagePlan]:
-    """This rank's stages ``[(stage_index, GraphModule, model inputs it reads), ...]`` and the stage plan."""
+    """This rank's stages ``[(stage_index, GraphModule, model inputs it reads), ...]`` and the stage plan.
+    ``traced``: ``module`` already traced over ``input_names`` with these leaves (by :func:`trace`), cut as it is
+    rather than traced again; it must be a trace of ``module`` itself and over exactly those inputs."""
     input_names = traced_input_names(module, input_names)
     if any(p.is_meta for p in module.parameters()):
         raise NotImplementedError("a traced pipeline of a model built on meta: build it on CPU (or pass loss_fn)")
@@ -216,16 +243,17 @@ def traced_stages(
         pipeline_cuts=pipeline_cuts,
         auto_partition=auto_partition,
     )
-    layer_classes = transformer_layer_cls if isinstance(transformer_layer_cls, tuple) else (transformer_layer_cls,)
-    leaves = tuple(c for c in (*layer_classes, *(leaf_module_cls or ())) if c is not None)
-    traced = trace(
-        module,
-        input_names,
-        leaves,
-        tracer_cls=tracer_cls,
-        autowrap_modules=autowrap_modules,
-        autowrap_functions=autowrap_functions,
-    )
+    if traced is None:
+        traced = trace(
+            module,
+            input_names,
+            leaf_classes(transformer_layer_cls, leaf_module_cls),
+            tracer_cls=tracer_cls,
+            autowrap_modules=autowrap_modules,
+            autowrap_functions=autowrap_functions,
+        )
+    else:
+        _check_is_trace_of(traced, module, input_names)
     stage_of = _stage_of_nodes(traced.graph, _cut_layers(plan))
     stages = []
     for index in range(pp_rank, num_stages, pp):

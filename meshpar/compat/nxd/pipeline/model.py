@@ -40,8 +40,8 @@ from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get
 from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
+from meshpar.pipeline.trace import leaf_classes, traced_input_names, traced_stages
 from meshpar.pipeline.trace import trace as fx_trace
-from meshpar.pipeline.trace import traced_input_names, traced_stages
 from meshpar.recipe import has_parameter
 from meshpar.replicas import make_replicas_equal
 
@@ -183,9 +183,11 @@ def _built_stages(
     pipeline_cuts: Sequence[str] | None,
     auto_partition: bool,
     tracing: dict[str, Any] | None,
+    traced: torch.fx.GraphModule | None = None,
 ) -> tuple[list[StageChunk], Any]:
-    """This rank's stage chunks and the plan: the forward traced with torch.fx and cut after layers (``tracing``:
-    NxD's tracing arguments), or the module split by structure."""
+    """This rank's stage chunks and the plan: the forward traced with torch.fx (or ``traced``, the trace
+    :meth:`NxDPPModel.trace` made) and cut after layers (``tracing``: NxD's tracing arguments), or the module split
+    by structure."""
     module, dims = build["module"], build["dims"]
     common = {
         "transformer_layer_cls": build["transformer_layer_cls"],
@@ -196,7 +198,8 @@ def _built_stages(
         tracing = _with_nxd_leaves(module, tracing)
         traced, plan = traced_stages(
             module, dims.pp_rank, dims.pp, input_names=build["input_names"],
-            virtual_pipeline_size=build["virtual_pipeline_size"], device=dims.device, **common, **tracing,
+            virtual_pipeline_size=build["virtual_pipeline_size"], device=dims.device, traced=traced, **common,
+            **tracing,
         )  # fmt: skip
         # each traced stage reads the model inputs it needs from the microbatch, by name
         return [StageChunk(stage, index, (), reads) for index, stage, reads in traced], plan
@@ -424,12 +427,12 @@ class NxDPPModel(PipelineModel):
             "leaf_module_cls": leaf_modules, "autowrap_functions": autowrap_functions,
             "autowrap_modules": autowrap_modules, "tracer_cls": tracer_cls,
         }  # fmt: skip
-        module, layer_cls = self._build["module"], self.transformer_layer_cls
+        module = self._build["module"]
         leafy = _with_nxd_leaves(module, tracing)
-        layers = layer_cls if isinstance(layer_cls, tuple) else (layer_cls,)
         traced = fx_trace(
-            module, traced_input_names(module, input_names), (*layers, *leafy["leaf_module_cls"]),
-            tracer_cls=tracer_cls, autowrap_modules=autowrap_modules, autowrap_functions=leafy["autowrap_functions"],
+            module, traced_input_names(module, input_names),
+            leaf_classes(self.transformer_layer_cls, leafy["leaf_module_cls"]), tracer_cls=tracer_cls,
+            autowrap_modules=autowrap_modules, autowrap_functions=leafy["autowrap_functions"],
         )  # fmt: skip
         object.__setattr__(self, "traced_model", traced)  # not a submodule: it holds the model's own modules
         self._build = {**self._build, "input_names": input_names}
@@ -465,19 +468,26 @@ class NxDPPModel(PipelineModel):
             )
         if self._tracing is None:
             raise AssertionError("NxDPPModel.partition() comes after trace()")
-        self._install(self.pipeline_cuts, self._tracing, self._build["input_names"])
+        self._install(self.pipeline_cuts, self._tracing, self._build["input_names"], self.traced_model)
         self.partitioned = True
 
-    def _install(self, cuts: Sequence[str] | None, tracing: dict[str, Any], input_names: Sequence[str] | None) -> None:
-        """Trace the module over ``input_names``, cut it at ``cuts`` and run this rank's stages from now on; a
-        pipeline deferred to its first step takes its mesh and makes its replicas equal first. Then the callbacks
-        waiting for the stages run, and NxD's post-partition hooks (``trainer.hooks``), as NxD runs them."""
+    def _install(
+        self,
+        cuts: Sequence[str] | None,
+        tracing: dict[str, Any],
+        input_names: Sequence[str] | None,
+        traced: torch.fx.GraphModule | None = None,
+    ) -> None:
+        """Cut the module's trace over ``input_names`` (``traced``, or traced now) at ``cuts`` and run this rank's
+        stages from now on; a pipeline deferred to its first step takes its mesh and makes its replicas equal first.
+        Then the callbacks waiting for the stages run, and NxD's post-partition hooks (``trainer.hooks``), as NxD
+        runs them."""
         module = self._build["module"]
         if self.dims is None:
             self.dims = get_parallel()
             make_replicas_equal(module, self.dims, over=("pp", "dp"))
         build = {**self._build, "dims": self.dims, "input_names": input_names}
-        chunks, plan = _built_stages(build, cuts, False, tracing)
+        chunks, plan = _built_stages(build, cuts, False, tracing, traced)
         self.install_stages(chunks, plan)
         self._traced_inputs = set(traced_input_names(module, input_names))
         self._first_step = None
