@@ -16,7 +16,10 @@ DOCS = HERE.parents[1] / "docs" / "compat.md"
 
 _INFERENCE = "Neuron inference compilation (model tracing to HLO), not training"
 # whole modules meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
-MODULES_NOT_PROVIDED: dict[str, str] = {}
+MODULES_NOT_PROVIDED: dict[str, str] = {
+    "lightning": "NxD's PyTorch Lightning strategy, accelerator and plugins subclass Lightning's XLA ones; "
+    "Lightning is not among meshpar's packages, and its XLA strategy is torch_xla's",
+}
 # single names meshpar's NxD view does not provide -> why (each one is named in docs/compat.md)
 NOT_PROVIDED: dict[str, str] = {
     **{
