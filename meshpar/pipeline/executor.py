@@ -43,7 +43,9 @@ from meshpar.pipeline.schedule_ir import ACCUMULATES_WEIGHT_GRADS, Action, build
 if TYPE_CHECKING:
     from meshpar.grad_sync import OverlappedGradSync
 
-ForwardStep = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
+# (microbatch, chunk) -> (output, loss function of the last stage's output); a forward-only step may give ``None``
+# for the loss function: the last stage then reports no loss (its outputs are what the step is for)
+ForwardStep = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], Any] | None]]
 
 
 Activation = tuple[torch.Tensor, ...]  # what crosses one cut for one microbatch
@@ -143,12 +145,15 @@ class PipelineExecutor:
             if stage == self.num_stages - 1:
                 if self.keep_outputs:
                     self.outputs[action.microbatch] = output.detach() if torch.is_tensor(output) else output
-                loss = loss_func(output)
+                if loss_func is None and not forward_only:
+                    raise ValueError("a training step needs a loss: forward_step gave no loss function")
+                loss = loss_func(output) if loss_func is not None else None
         if stage == self.num_stages - 1:
-            loss_value, reported = loss if isinstance(loss, tuple) else (loss, None)
-            slot.loss = loss_value * self.loss_scale
-            self.reported[action.microbatch] = reported
-            result = loss_value.detach()
+            if loss is not None:  # None: a forward-only step without a loss (its outputs are what it is for)
+                loss_value, reported = loss if isinstance(loss, tuple) else (loss, None)
+                slot.loss = loss_value * self.loss_scale
+                self.reported[action.microbatch] = reported
+                result = loss_value.detach()
         else:
             outputs = _tensors(output)
             if slot.input is not None and self.hands_on_last_input is not None and self.hands_on_last_input(stage):

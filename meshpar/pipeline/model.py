@@ -191,18 +191,26 @@ class PipelineModel(nn.Module):
     def _forward_step(self, microbatch: dict[str, torch.Tensor], chunk: StageChunk) -> tuple[Any, Callable]:
         return chunk(**microbatch), lambda out: self.loss_fn(out, **microbatch)
 
-    def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
+    @staticmethod
+    def _forward_step_without_loss(microbatch: dict[str, torch.Tensor], chunk: StageChunk) -> tuple[Any, None]:
+        return chunk(**microbatch), None
+
+    def _run(
+        self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False, with_loss: bool = True
+    ) -> Any:
+        """One step over ``inputs``; ``with_loss=False`` (forward only): no loss is computed, the last stage's
+        outputs are kept and the step returns ``None``."""
         executor = run_schedule(
             self.dims,
             list(self.chunks),
             split_microbatches(inputs, self.num_microbatches),
-            self._forward_step,
+            self._forward_step if with_loss else self._forward_step_without_loss,
             forward_only,
             schedule=self.schedule,
             fixed_shapes=True,  # the microbatches are equal slices of one batch
             deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
             loss_scale=1.0 / self.num_microbatches,
-            keep_outputs=keep_outputs,
+            keep_outputs=keep_outputs or not with_loss,
             grad_syncs=self.grad_syncs,
             between_forwards_and_backwards=self.between_forwards_and_backwards,
         )
@@ -211,7 +219,7 @@ class PipelineModel(nn.Module):
         if not forward_only and self.average_grads_over_dp:
             self.data_parallel.finish()
         loss = torch.stack(self.last_losses).mean() if self.last_losses else None
-        return self._broadcast(loss) if self.broadcast_loss else loss
+        return self._broadcast(loss) if self.broadcast_loss and with_loss else loss
 
     def _broadcast(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's mean loss on every pipeline rank, averaged over the data-parallel replicas."""

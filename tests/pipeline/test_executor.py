@@ -99,10 +99,19 @@ class Layers(nn.Module):
 
 
 def run_pipeline(
-    schedule: str, pp: int, v: int, m: int, fixed: bool, forward_only: bool = False, between: dict | None = None
+    schedule: str,
+    pp: int,
+    v: int,
+    m: int,
+    fixed: bool,
+    forward_only: bool = False,
+    between: dict | None = None,
+    with_loss: bool = True,
+    outputs: dict | None = None,
 ):
     """``between``: each rank's executor gets a ``between_forwards_and_backwards`` hook appending, per call, how
-    many microbatches' forwards are awaiting their backward to ``between[rank]``."""
+    many microbatches' forwards are awaiting their backward to ``between[rank]``. ``with_loss=False``: the forward
+    step gives no loss function. ``outputs``: each rank's executor keeps the last stage's outputs there."""
     torch.manual_seed(0)
     dense = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(pp * v))
     lengths = [3 + i % 2 for i in range(m)]  # microbatches of two sequence lengths unless fixed
@@ -115,7 +124,7 @@ def run_pipeline(
         replica.load_state_dict(dense.state_dict())
 
     def forward_step(x: torch.Tensor, chunk: StageChunk) -> tuple[torch.Tensor, object]:
-        return chunk(x=x), lambda out: out.square().mean()
+        return chunk(x=x), (lambda out: out.square().mean()) if with_loss else None
 
     def rank_main(rank: int) -> None:
         try:
@@ -127,7 +136,10 @@ def run_pipeline(
             if between is not None:
                 calls = between.setdefault(rank, [])
                 executor.between_forwards_and_backwards = lambda: calls.append(len(executor.slots))
+            executor.keep_outputs = outputs is not None
             losses[rank] = executor.run(build_actions(schedule, pp, v, m), batches, forward_step, forward_only)
+            if outputs is not None:
+                outputs[rank] = executor.outputs
         except BaseException as error:  # reported by the test thread
             errors.append(error)
 
@@ -191,3 +203,20 @@ def test_forward_only_posts_no_gradient_receives() -> None:
     _, _, _, losses, box = run_pipeline("1f1b", 2, 1, 4, fixed=True, forward_only=True)
     assert len(losses[1]) == 4
     assert all(tag % 2 == 0 for posted in box.posted.values() for tag, _ in posted)  # activations only ("F")
+
+
+def test_a_forward_only_step_may_have_no_loss() -> None:
+    """No loss function: the last stage reports no loss and keeps its outputs, which equal the dense model's; a
+    training step without one is refused (there is nothing to differentiate)."""
+    outputs: dict = {}
+    dense, _, batches, losses, box = run_pipeline("1f1b", 2, 1, 3, True, forward_only=True, with_loss=False,
+                                                  outputs=outputs)  # fmt: skip
+    assert losses == {0: [], 1: []} and outputs[0] == {}
+    assert set(box.sent) == {(0, 1)}  # the last stage sends nothing on
+    with torch.no_grad():
+        for i, x in enumerate(batches):
+            for layer in dense:
+                x = torch.tanh(layer(x))
+            torch.testing.assert_close(outputs[1][i], x)
+    with pytest.raises(ValueError, match="a training step needs a loss"):
+        run_pipeline("1f1b", 1, 1, 2, True, with_loss=False)

@@ -343,8 +343,6 @@ class NxDPPModel(PipelineModel):
             chunks, plan = _built_stages(build, pipeline_cuts, auto_partition, tracing if trace_it else None)
 
         def picked_loss(output: Any, **microbatch: torch.Tensor) -> torch.Tensor:
-            if self._outputs_only:  # an evaluation that returns the outputs: no loss to compute
-                return torch.zeros((), device=self.dims.device)
             if loss_fn is not None:
                 return loss_fn(output, **microbatch)
             return _pick_loss(output, output_loss_value_spec)
@@ -382,7 +380,6 @@ class NxDPPModel(PipelineModel):
         self.output_loss_value_spec = output_loss_value_spec
         # NxD's pipeline without a loss (no output_loss_value_spec, no loss function): run_eval returns the outputs
         self._evaluates_outputs = output_loss_value_spec is None and loss_fn is None
-        self._outputs_only = False
         self.return_mb_loss = return_mb_loss
         self.return_loss_on_cpu = return_loss_on_cpu
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
@@ -621,14 +618,11 @@ class NxDPPModel(PipelineModel):
                     f"{sorted(self._traced_inputs)} (as in NxD: an input the trace does not take would be ignored)"
                 )
         self.partitioned = True  # NxD partitions at the first step at the latest
-        self._outputs_only = forward_only and self._evaluates_outputs
-        try:
-            with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
-                loss = super()._run(forward_only, inputs, keep_outputs or self._outputs_only)
-                if not forward_only:
-                    self._sum_shared_weight_grads()
-        finally:
-            outputs_only, self._outputs_only = self._outputs_only, False
+        outputs_only = forward_only and self._evaluates_outputs
+        with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
+            loss = super()._run(forward_only, inputs, keep_outputs, with_loss=not outputs_only)
+            if not forward_only:
+                self._sum_shared_weight_grads()
         self.timeline.mark_step_end()
         if outputs_only:  # NxD's run_eval without a loss: the last stage's output (one per microbatch)
             outputs = self.last_outputs
