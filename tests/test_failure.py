@@ -257,7 +257,8 @@ def test_a_rank_failing_while_a_lower_rank_waits_on_it_is_reported_without_waiti
 ) -> None:
     """The harness takes the ranks' answers as they come: rank 1's error is seen while rank 0 still waits in its
     receive, and from then on rank 0 has only the after-failure time (shortened here) to answer, not the answer
-    time (an hour here: reading the ranks in order, the harness would wait it out, past pytest's per-test limit)."""
+    time (an hour here: reading the ranks in order, the harness would wait it out, past pytest's per-test limit).
+    The report quotes where rank 0 waits: its Python stacks, which it writes when asked."""
     from meshpar.testing import _harness
 
     monkeypatch.setattr(_harness, "_AFTER_FAILURE_TIMEOUT_S", 2.0)
@@ -269,5 +270,6 @@ def test_a_rank_failing_while_a_lower_rank_waits_on_it_is_reported_without_waiti
         pool.close(force=True)
     report = str(caught.value)
     assert "InjectedError: rank 1 failed before sending" in report, report
-    assert "rank 0: no answer in time (hang or deadlock, after a failure)" in report, report
-    assert report.index("rank 0:") < report.index("rank 1:")  # reported in rank order
+    assert "rank 0: no answer in time (hang or deadlock, after a failure); its Python stacks:" in report, report
+    hung = report[report.index("rank 0:") : report.index("rank 1:")]  # reported in rank order
+    assert "in silent_peer_case" in hung and "in recv" in hung, hung  # where it waits

@@ -26,9 +26,11 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -48,6 +50,11 @@ import torch.distributed as dist
 _GLOO_TIMEOUT_S = 600
 _ANSWER_TIMEOUT_S = 600.0
 _AFTER_FAILURE_TIMEOUT_S = 120.0
+# how long a hung rank's report waits for the Python stacks it is asked to write (diagnostics only: a report without
+# them says so; no result depends on it)
+_STACKS_WAIT_S = 10.0
+# the signal a hung rank is sent to write every thread's Python stack (faulthandler), where the platform has it
+_STACKS_SIGNAL = getattr(signal, "SIGUSR1", None)
 # a worker's threads beyond which its pool is recycled after a call (about three per live gloo group). Not lower: a
 # fresh pool rebuilds the meshes later cases reuse.
 _RECYCLE_THREADS = 160
@@ -144,7 +151,9 @@ def _put_back(bound: list[tuple[object, str, object]]) -> list[str]:
     return changed
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent: _InheritedState) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, parent: _InheritedState, stacks_path: str
+) -> None:
     parent.install()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -156,6 +165,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
     )
     # a rank killed by a signal (an abort in native code) prints every thread's Python stack to stderr first
     faulthandler.enable(all_threads=True)
+    # a rank that does not answer is asked for its stacks (into its own file, which the hang report quotes)
+    stacks = open(stacks_path, "w")  # noqa: SIM115 - open for the worker's life: faulthandler writes to it
+    if _STACKS_SIGNAL is not None:
+        faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     torch.seed()  # forked from one server: give each rank its own unseeded generator, as a fresh process has
     dist.init_process_group(
@@ -220,9 +233,11 @@ class DistributedPool:
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
+        self._stacks_dir = tempfile.mkdtemp(prefix="meshpar-pool-")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, _ParentState()), daemon=True)
+            args = (rank, world_size, port, child, _ParentState(), self._stacks_path(rank))
+            proc = ctx.Process(target=_worker_main, args=args, daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -264,9 +279,11 @@ class DistributedPool:
                     # a gloo timeout or meshpar's abort leaves the group unusable
                     hung = hung or "Timed out waiting" in payload or "[process groups aborted]" in payload
                 deadline = min(deadline, time.monotonic() + _AFTER_FAILURE_TIMEOUT_S)
+        stacks = self._hung_stacks(list(pending))
         for rank in pending:
             failures[rank] = (
                 f"rank {rank}: no answer in time (hang or deadlock{', after a failure' if failures else ''})"
+                f"{stacks[rank]}"
             )
             hung = True
         errors = [failures[rank] for rank in sorted(failures)]
@@ -279,6 +296,31 @@ class DistributedPool:
             self.close(force=True)
         return results
 
+    def _stacks_path(self, rank: int) -> str:
+        return os.path.join(self._stacks_dir, f"rank{rank}.stacks")
+
+    def _hung_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each hung rank's Python stacks (faulthandler's dump, asked for by signal), as a report's tail: where it
+        waits is what a hang report needs, and the workers' stderr may be another test's captured output."""
+        if not ranks or _STACKS_SIGNAL is None:
+            return dict.fromkeys(ranks, "")
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[rank].pid, _STACKS_SIGNAL)
+        deadline, sizes = time.monotonic() + _STACKS_WAIT_S, {}
+        while time.monotonic() < deadline:
+            now = {rank: os.path.getsize(self._stacks_path(rank)) for rank in ranks}
+            if all(now.values()) and now == sizes:  # every dump written and no longer growing
+                break
+            sizes = now
+            time.sleep(0.2)
+        out = {}
+        for rank in ranks:
+            with open(self._stacks_path(rank)) as file:
+                text = file.read().strip()
+            out[rank] = f"; its Python stacks:\n{text}" if text else "; it wrote no Python stacks when asked"
+        return out
+
     def close(self, force: bool = False) -> None:
         self.broken = True
         for conn, proc in zip(self._conns, self._procs, strict=True):
@@ -289,6 +331,7 @@ class DistributedPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
+        shutil.rmtree(self._stacks_dir, ignore_errors=True)
 
 
 _POOLS: dict[int, DistributedPool] = {}
