@@ -196,13 +196,13 @@ def _built_stages(
     }
     if tracing is not None:
         tracing = _with_nxd_leaves(module, tracing)
-        traced, plan = traced_stages(
+        stages, plan = traced_stages(
             module, dims.pp_rank, dims.pp, input_names=build["input_names"],
             virtual_pipeline_size=build["virtual_pipeline_size"], device=dims.device, traced=traced, **common,
             **tracing,
         )  # fmt: skip
         # each traced stage reads the model inputs it needs from the microbatch, by name
-        return [StageChunk(stage, index, (), reads) for index, stage, reads in traced], plan
+        return [StageChunk(stage, index, (), reads) for index, stage, reads in stages], plan
     plan = plan_stages(module, dims.pp * build["virtual_pipeline_size"], **common)
     stages = build_stages(module, plan, dims.pp_rank, dims.pp, param_init_fn=build["param_init_fn"], device=dims.device)
     return [StageChunk(stage, index, build["input_names"]) for index, stage in stages], plan
