@@ -94,3 +94,45 @@ def pipe_gpt_plan() -> dict:
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class TanhLayer(nn.Module):
+    """A pipeline's repeated layer in miniature (what ``transformer_layer_cls`` names)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(h))
+
+
+class TiedLM(nn.Module):
+    """A GPT-2-shaped model in miniature: the LM head is the input embedding (one parameter under two names); with
+    ``share_layers`` the first and third layers also share their projection (under a virtual pipeline two chunks of
+    one rank then hold copies). Given ``labels``, ``forward`` returns the loss (a traced pipeline's usage); a stage
+    split by structure lacks the other stages' pieces (``None``) and passes its input on."""
+
+    def __init__(self, width: int, vocab: int, share_layers: bool = False, seed: int = 7) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(TanhLayer(width) for _ in range(4))
+        if share_layers:
+            self.layers[2].linear.weight = self.layers[0].linear.weight
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(ids) if self.embed is not None else ids
+        for layer in self.layers:
+            h = layer(h)
+        if self.head is None:
+            return h
+        logits = self.head(h)
+        return logits if labels is None else token_loss(logits, labels)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, **_: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over every token (extra microbatch inputs ignored: a pipeline's ``loss_fn``)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())

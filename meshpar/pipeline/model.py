@@ -24,6 +24,7 @@ from meshpar.parallel_dims import ParallelDims
 from meshpar.pipeline.executor import check_pipeline_schedule, refuse_split_backward_with_fsdp, run_schedule
 from meshpar.pipeline.microbatches import split_microbatches
 from meshpar.pipeline.split import StagePlan
+from meshpar.pipeline.tied import TiedCopies
 
 
 class StageChunk(nn.Module):
@@ -90,7 +91,10 @@ class PipelineModel(nn.Module):
     ``grads_over_cp``: whether the dense grads are summed over dp x cp (meshpar's context parallelism: each cp rank
     computed a part of one replica's grads); ``False`` leaves cp to the caller (NxD averages them over cp in its
     optimizer step) and reduces over dp alone. ``between_forwards_and_backwards``: see
-    :class:`meshpar.pipeline.executor.PipelineExecutor` (schedule ``"gpipe"``). ``chunks=None`` (with ``plan`` and
+    :class:`meshpar.pipeline.executor.PipelineExecutor` (schedule ``"gpipe"``). ``tied_parameters``: groups of FQNs
+    that are one weight of the model (:func:`meshpar.pipeline.tied.tied_parameter_groups`): the stages' copies start
+    equal and get the sum of their grads after each backward (:class:`meshpar.pipeline.tied.TiedCopies`).
+    ``chunks=None`` (with ``plan`` and
     ``dims`` ``None``): the stages are built later, ``dims`` set and :meth:`install_stages` called before the first
     step (NxD's view traces a pipeline it is given no cuts for at its first step)."""
 
@@ -109,9 +113,11 @@ class PipelineModel(nn.Module):
         deallocate_pipeline_outputs: bool = False,
         grads_over_cp: bool = True,
         between_forwards_and_backwards: Callable[[], None] | None = None,
+        tied_parameters: Sequence[Sequence[str]] = (),
     ) -> None:
         super().__init__()
         self.dims = dims
+        self.tied_parameter_groups = [list(group) for group in tied_parameters]
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
@@ -149,6 +155,13 @@ class PipelineModel(nn.Module):
             expert_dp_mesh=dims.expert_dp_mesh,
             divisor=dims.dp,
         )
+        self.tied = TiedCopies(self.tied_parameter_groups, [chunk.stage for chunk in self.chunks], dims)
+        if self.tied.sums_grads and self.data_parallel.syncs and not self.average_grads_over_dp:
+            raise ValueError(
+                "a pipeline whose stages hold copies of a tied weight sums their grads once the overlapped dp "
+                "reductions are done, which average_grads_over_dp=False leaves to the caller: use dp_mode "
+                "'allreduce' or 'optimizer', or average_grads_over_dp=True"
+            )
 
     @property
     def grad_syncs(self) -> list[OverlappedGradSync] | None:
@@ -166,8 +179,14 @@ class PipelineModel(nn.Module):
         return [chunk.stage for chunk in self.chunks]
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Each parameter of this rank's stages once (traced chunks of one rank share the model's modules: a weight
+        the model ties is one object in both, which an optimizer must step once)."""
+        seen: set[int] = set()
         for chunk in self.chunks:
-            yield from chunk.stage.named_parameters()
+            for name, param in chunk.stage.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         for _, param in self.local_named_parameters():
@@ -216,8 +235,10 @@ class PipelineModel(nn.Module):
         )
         self.last_losses = executor.losses
         self.last_outputs = [executor.outputs[i] for i in sorted(executor.outputs)]
-        if not forward_only and self.average_grads_over_dp:
-            self.data_parallel.finish()
+        if not forward_only:
+            if self.average_grads_over_dp:
+                self.data_parallel.finish()
+            self.tied.sum_grads()  # after the overlapped dp reductions (the sum is linear: the order is free)
         loss = torch.stack(self.last_losses).mean() if self.last_losses else None
         return self._broadcast(loss) if self.broadcast_loss and with_loss else loss
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshpar.testing import run_distributed
+from tests._models import TanhLayer, TiedLM, token_loss
 
 H, CLASSES = 8, 5
 
@@ -218,15 +219,6 @@ def test_nxds_per_pp_rank_files_load_at_an_uneven_layer_count(tmp_path) -> None:
     run_distributed(nxd_files_case, 2, str(tmp_path))
 
 
-class _Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(H, H)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(h))
-
-
 class _OptionalInputs(nn.Module):
     """An HF-style forward: the mask and the labels are optional, the loss computed inside (NxD's usage)."""
 
@@ -234,7 +226,7 @@ class _OptionalInputs(nn.Module):
         super().__init__()
         self.width = H
         self.embed = nn.Linear(H, H)
-        self.layers = nn.ModuleList(_Layer() for _ in range(layers))
+        self.layers = nn.ModuleList(TanhLayer(H) for _ in range(layers))
         self.head = nn.Linear(H, CLASSES)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
@@ -264,15 +256,15 @@ def delayed_tracing_case() -> None:
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    untraced = NxDPPModel(_Untraceable(), transformer_layer_cls=_Layer, num_microbatches=2)
+    untraced = NxDPPModel(_Untraceable(), transformer_layer_cls=TanhLayer, num_microbatches=2)
     with pytest.raises(RuntimeError, match="not partitioned yet"):
         untraced.local_modules()
     torch.manual_seed(0)
     dense = _OptionalInputs()
     module = _OptionalInputs()
     module.load_state_dict(dense.state_dict())
-    model = NxDPPModel(module, transformer_layer_cls=_Layer, num_microbatches=2, output_loss_value_spec=(True, False),
-                       broadcast_and_average_loss=True)  # fmt: skip
+    model = NxDPPModel(module, transformer_layer_cls=TanhLayer, num_microbatches=2,
+                       output_loss_value_spec=(True, False), broadcast_and_average_loss=True)  # fmt: skip
     with pytest.raises(RuntimeError, match="not partitioned yet"):
         list(model.local_parameters())
     assert model.width == H and model.head is module.head  # what the pipeline lacks is the model's, as in NxD
@@ -316,7 +308,7 @@ def _adapters_of_a_pipeline_traced_later(dp: int, dp_rank: int) -> None:
     config = LoraConfig(lora_rank=2, lora_alpha=4, target_modules=["head", "linear"], init_lora_weights="gaussian")
     torch.manual_seed(3)
     base = _OptionalInputs()
-    pipeline = NxDPPModel(copy.deepcopy(base), transformer_layer_cls=_Layer, num_microbatches=2,
+    pipeline = NxDPPModel(copy.deepcopy(base), transformer_layer_cls=TanhLayer, num_microbatches=2,
                           output_loss_value_spec=(True, False))  # fmt: skip
     lora = LoraModel(pipeline, config)
     apply_activation_checkpointing(pipeline)
@@ -329,7 +321,7 @@ def _adapters_of_a_pipeline_traced_later(dp: int, dp_rank: int) -> None:
     pieces = [slice(r * 4 + k * 2, r * 4 + k * 2 + 2) for r in range(dp) for k in range(2)]
     torch.stack([dense(x[p], labels=labels[p])[0] for p in pieces]).mean().backward()
     wrapped = [m for stage in pipeline.local_modules() for m in stage.modules() if isinstance(m, NxDCheckpointWrapper)]
-    assert wrapped and all(isinstance(m, _Layer) for m in wrapped)  # the stages' layers, recomputed in backward
+    assert wrapped and all(isinstance(m, TanhLayer) for m in wrapped)  # the stages' layers, recomputed in backward
     dense_params = dict(dense.module.named_parameters())
     adapters = [(name, p) for name, p in pipeline.local_named_parameters() if "lora_" in name]
     assert adapters
@@ -373,7 +365,7 @@ def split_analysis_case() -> None:
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    model = NxDPPModel(_Skip(), transformer_layer_cls=_Layer, num_microbatches=2)
+    model = NxDPPModel(_Skip(), transformer_layer_cls=TanhLayer, num_microbatches=2)
     assert model.traced_model is None
     model.trace(input_names=["x", "mask", "labels"])
     with pytest.raises(RuntimeError, match="calls no module"):
@@ -408,7 +400,7 @@ def split_analysis_case() -> None:
     assert nxd_partition.analyze_shared_weights_across_stages(model.traced_model, stages) == []  # stages 0, 2: rank 0
     tied = model.original_torch_module.embed.weight  # held twice by pp rank 0: one copy, not shared
     assert getattr(tied, "shared", None) == (False if pp_rank == 0 else None)
-    two = NxDPPModel(_Skip(), transformer_layer_cls=_Layer, num_microbatches=2)
+    two = NxDPPModel(_Skip(), transformer_layer_cls=TanhLayer, num_microbatches=2)
     two.trace(input_names=["x", "mask", "labels"])
     two.cut_pipeline_stage("layers.1")
     halves = [child for _, child in nxd_partition.partition_traced_model(two.traced_model).named_children()]
@@ -441,7 +433,7 @@ def eval_outputs_case(microbatches: int) -> None:
     last = parallel_state.get_pipeline_model_parallel_rank() == 1
     torch.manual_seed(0)
     dense = _Logits()
-    model = NxDPPModel(copy.deepcopy(dense), transformer_layer_cls=_Layer, num_microbatches=microbatches)
+    model = NxDPPModel(copy.deepcopy(dense), transformer_layer_cls=TanhLayer, num_microbatches=microbatches)
     x = torch.randn(4, H)
     outputs = model.run_eval(x=x)
     expected = [dense(piece).detach() for piece in x.chunk(microbatches)]
@@ -453,7 +445,7 @@ def eval_outputs_case(microbatches: int) -> None:
         assert len(outputs) == microbatches
         for got, want in zip(outputs, expected, strict=True):
             torch.testing.assert_close(got, want)
-    with_loss = NxDPPModel(_OptionalInputs(), transformer_layer_cls=_Layer, num_microbatches=microbatches,
+    with_loss = NxDPPModel(_OptionalInputs(), transformer_layer_cls=TanhLayer, num_microbatches=microbatches,
                            output_loss_value_spec=(True, False), input_names=["x", "labels"])  # fmt: skip
     labels = torch.randint(0, CLASSES, (4,))
     loss = with_loss.run_eval(x=x, labels=labels)
@@ -463,3 +455,48 @@ def eval_outputs_case(microbatches: int) -> None:
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_nxd_pipeline_without_a_loss_evaluates_to_its_outputs(microbatches: int) -> None:
     run_distributed(eval_outputs_case, 2, microbatches)
+
+
+VOCAB = 11
+
+
+def tied_weights_case(pp: int, virtual: int, traced: bool) -> None:
+    """A weight the model ties, held by stages on different pp ranks (the embedding and the head) and by two chunks
+    of one rank (under a virtual pipeline), stays one weight: the losses, the grad norm (each weight counted once)
+    and every local parameter after SGD steps equal the dense tied model's, at pp x dp."""
+    from meshpar.compat.nxd.parallel_layers import grads, parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    dense = TiedLM(H, VOCAB, share_layers=True)
+    split = {"input_names": ["ids", "labels"]} if traced else {"loss_fn": token_loss, "input_names": ["ids"]}
+    model = NxDPPModel(TiedLM(H, VOCAB, share_layers=True), transformer_layer_cls=TanhLayer, num_microbatches=2 * pp,
+                       virtual_pipeline_size=virtual, broadcast_and_average_loss=True, **split)  # fmt: skip
+    assert len(model.tied.names) == 2  # embed/head, layers 0/2
+    optimizer = torch.optim.SGD(model.local_parameters(), lr=0.5)
+    dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
+    per_rank = 2 * pp
+    for step in range(3):
+        torch.manual_seed(step)
+        ids = torch.randint(0, VOCAB, (per_rank * dp, 5))
+        mine = slice(per_rank * dp_rank, per_rank * (dp_rank + 1))
+        loss = model.run_train(ids=ids[mine], labels=ids[mine].roll(1, 1))
+        norm = grads.get_grad_norm(list(model.local_parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+        dense_loss = torch.stack([dense(piece, piece.roll(1, 1)) for piece in ids.chunk(dp * 2 * pp)]).mean()
+        dense_loss.backward()
+        dense_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in dense.parameters()]))
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        torch.testing.assert_close(loss, dense_loss.detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(norm.cpu(), dense_norm, atol=1e-6, rtol=1e-5)
+    dense_params = dict(dense.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param.detach(), dense_params[name].detach(), msg=name)
+
+
+@pytest.mark.parametrize("pp,virtual,traced", [(2, 1, False), (4, 1, True), (2, 2, True), (2, 2, False)])
+def test_nxd_pipeline_keeps_a_tied_weight_one_weight_across_stages(pp: int, virtual: int, traced: bool) -> None:
+    run_distributed(tied_weights_case, 4, pp, virtual, traced)

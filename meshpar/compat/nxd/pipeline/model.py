@@ -40,9 +40,9 @@ from meshpar.parallel_dims import ParallelDims, check_virtual_pipeline_size, get
 from meshpar.pipeline.executor import check_pipeline_schedule
 from meshpar.pipeline.model import PipelineModel, StageChunk
 from meshpar.pipeline.split import build_stages, plan_stages
+from meshpar.pipeline.tied import merged_groups, tied_parameter_groups
 from meshpar.pipeline.trace import leaf_classes, traced_input_names, traced_stages
 from meshpar.pipeline.trace import trace as fx_trace
-from meshpar.recipe import has_parameter
 from meshpar.replicas import make_replicas_equal
 
 _log = logging.getLogger(__name__)
@@ -347,6 +347,9 @@ class NxDPPModel(PipelineModel):
                 return loss_fn(output, **microbatch)
             return _pick_loss(output, output_loss_value_spec)
 
+        # weight-sharing groups marked by hand (``mark_weight_sharing``), by their FQNs in the stages
+        manual_groups = {name: sorted({f"layers.{index}.{path}" for _, index, path in entries})
+                         for name, entries in shared_groups.items()}  # fmt: skip
         optimizer_reduces = use_zero1_optimizer or use_model_wrapper
         dp_mode = "overlapped" if overlap_grad_reduce else ("optimizer" if optimizer_reduces else "allreduce")
         super().__init__(
@@ -362,7 +365,11 @@ class NxDPPModel(PipelineModel):
             broadcast_loss=broadcast_and_average_loss,
             deallocate_pipeline_outputs=deallocate_pipeline_outputs,
             grads_over_cp=False,  # NxD averages grads over cp itself (grads.allreduce_context_parallel_gradients)
+            # a weight the model ties (a GPT-2 embedding and LM head) or one marked shared stays one weight
+            tied_parameters=merged_groups([*tied_parameter_groups(module), *manual_groups.values()]),
         )
+        self._manual_groups = {name: next(g for g in self.tied_parameter_groups if set(group) <= set(g))
+                               for name, group in manual_groups.items() if len(group) > 1}  # fmt: skip
         self.original_torch_module = original
         self._build = build
         self.partitioned = partitioned
@@ -385,7 +392,6 @@ class NxDPPModel(PipelineModel):
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = pp, pp_rank
         self.timeline = PPTimeline(trace_file_path, pp_rank)  # NxD's trace file: a timeline of the steps
-        self.manually_shared_weights = self._share_weights_across_stages(shared_groups)
         if chunks is not None and not manual_pp_partition:  # NxD runs them when it partitions (here: built)
             from meshpar.compat.nxd.trainer import hooks
 
@@ -573,33 +579,19 @@ class NxDPPModel(PipelineModel):
         """This rank's stage modules (NxD's name for :meth:`local_modules`)."""
         return self.local_modules()
 
-    def _share_weights_across_stages(self, groups: dict[str, list[tuple[int, int, str]]]) -> dict[str, list]:
-        """For each weight-sharing group spanning stages (``mark_weight_sharing``): the group of those stages'
-        ranks (made by every rank, group by group in name order) and this rank's copy of the weight, set to the first
-        stage's values. ``{name: [process group, parameter]}`` for the groups this rank takes part in."""
-        shared: dict[str, list] = {}
-        for name in sorted(groups):
-            stages = sorted({stage for stage, _, _ in groups[name]})
-            if len(stages) == 1:
-                continue  # one stage: one tensor
-            group = self._create_pg_with_ranks(stages)
-            mine = [(index, path) for stage, index, path in groups[name] if stage == self.dims.pp_rank]
-            if group is None or not mine:
-                continue
-            index, path = mine[0]
-            param = next(m.get_parameter(f"layers.{index}.{path}") for m in self.local_modules()
-                         if has_parameter(m, f"layers.{index}.{path}"))  # fmt: skip
-            with torch.no_grad():
-                torch.distributed.broadcast(param, group=group, group_src=0)
-            shared[name] = [group, param]
+    @property
+    def manually_shared_weights(self) -> dict[str, list]:
+        """NxD's map of each weight-sharing group (``mark_weight_sharing``) spanning this rank and another stage's to
+        ``[process group of those stages' ranks, this rank's copy]``: kept one weight by :attr:`tied`."""
+        tied = self.__dict__.get("tied")
+        if tied is None:
+            return {}
+        shared = {}
+        for name, group in self._manual_groups.items():
+            index = tied.names.index(group)
+            if index in tied.process_groups:
+                shared[name] = [tied.process_groups[index], tied.copies[index][0]]
         return shared
-
-    def _sum_shared_weight_grads(self) -> None:
-        """The stages' grads of each shared weight summed (what the one weight's grad is in the whole model)."""
-        for group, param in self.manually_shared_weights.values():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            torch.distributed.all_reduce(param.grad, group=group)
 
     def _run(self, forward_only: bool, inputs: dict[str, torch.Tensor], keep_outputs: bool = False) -> Any:
         if self._tracing is not None and not self.partitioned:
@@ -621,8 +613,6 @@ class NxDPPModel(PipelineModel):
         outputs_only = forward_only and self._evaluates_outputs
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
             loss = super()._run(forward_only, inputs, keep_outputs, with_loss=not outputs_only)
-            if not forward_only:
-                self._sum_shared_weight_grads()
         self.timeline.mark_step_end()
         if outputs_only:  # NxD's run_eval without a loss: the last stage's output (one per microbatch)
             outputs = self.last_outputs
