@@ -500,3 +500,68 @@ def tied_weights_case(pp: int, virtual: int, traced: bool) -> None:
 @pytest.mark.parametrize("pp,virtual,traced", [(2, 1, False), (4, 1, True), (2, 2, True), (2, 2, False)])
 def test_nxd_pipeline_keeps_a_tied_weight_one_weight_across_stages(pp: int, virtual: int, traced: bool) -> None:
     run_distributed(tied_weights_case, 4, pp, virtual, traced)
+
+
+def local_views_case(virtual: int, traced: bool) -> None:
+    """NxD's local views of a partitioned pipeline: buffers, children and modules of this rank's stages under the
+    model's names; a whole model's state dict loads on every pp rank (other stages' keys ignored, a missing local
+    key refused under ``strict``), through the pipeline and through NxDModel; the name translations; the chunk ->
+    stage arithmetic."""
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+    from meshpar.compat.nxd.trainer.model import NxDModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+    def with_buffers(seed: int) -> TiedLM:
+        model = TiedLM(H, VOCAB, share_layers=True, seed=seed)  # layers 0 and 2: one rank's two chunks at vpp2
+        for index, layer in enumerate(model.layers):
+            layer.register_buffer("step", torch.full((1,), float(index)))
+        return model
+
+    split = {"input_names": ["ids", "labels"]} if traced else {"loss_fn": token_loss, "input_names": ["ids"]}
+    model = NxDPPModel(with_buffers(1), transformer_layer_cls=TanhLayer, num_microbatches=4,
+                       virtual_pipeline_size=virtual, **split)  # fmt: skip
+    layers = {index for index in range(4) if (index * 2 * virtual // 4) % 2 == pp_rank}  # chunk i -> rank i % pp
+    assert {name for name, _ in model.local_named_buffers()} == {f"layers.{index}.step" for index in layers}
+    assert [b.item() for b in model.local_buffers()] == sorted(float(index) for index in layers)
+    modules = list(model.local_named_modules())
+    assert {f"layers.{index}" for index in layers} <= {name for name, _ in modules}
+    assert len({id(module) for _, module in modules}) == len(modules)  # a module two chunks share comes once
+    params = list(model.local_parameters())
+    assert len({id(param) for param in params}) == len(params)  # a weight two chunks share: stepped once
+    assert {c for c in model.local_children()} == {child for _, child in model.local_named_children()}
+    stages = [chunk.stage_index for chunk in model.chunks]
+    assert [model.get_current_stage(chunk) for chunk in range(virtual)] == stages
+    assert model.is_last_stage() == (2 * virtual - 1 in stages)
+
+    dense = with_buffers(2)
+    full = dense.state_dict()
+    result = model.load_state_dict(full, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    dense_values = dict(dense.named_parameters(remove_duplicate=False))
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param, dense_values[name], rtol=0, atol=0, msg=name)
+    local = model.local_state_dict()
+    assert model.translate_origin_state_dict_to_local_state_dict(full).keys() == local.keys()
+    assert model.translate_local_state_dict_to_origin_state_dict(local) == local
+    foreign = next(name for name in full if name not in local)
+    with pytest.raises(ValueError, match=foreign):
+        model.translate_local_state_dict_to_origin_state_dict({foreign: full[foreign]})
+    pieces = model.construct_state_dict_per_model_chunk(full)
+    assert sorted(pieces) == list(range(virtual)) and sum(len(piece) for piece in pieces.values()) == len(local)
+
+    lacking = {name: value for name, value in full.items() if name != next(iter(local))}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict(lacking, strict=True)
+    assert model.load_state_dict(lacking, strict=False).missing_keys == [next(iter(local))]
+    wrapped = NxDModel(model, {"pipeline_parallel_size": 2})
+    wrapped.load_state_dict(with_buffers(3).state_dict())
+    assert {name for name, _ in wrapped.named_buffers()} == {name for name, _ in model.local_named_buffers()}
+    assert wrapped.state_dict().keys() == local.keys()
+
+
+@pytest.mark.parametrize("virtual,traced", [(1, False), (2, True)])
+def test_nxd_pipeline_local_views_and_state_dict_loading(virtual: int, traced: bool) -> None:
+    run_distributed(local_views_case, 2, virtual, traced)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshpar._compat import IncompatibleKeys
 from meshpar.compat.nxd.parallel_layers import parallel_state
 from meshpar.compat.nxd.pipeline.timeline import PPTimeline
 from meshpar.failure import stop_all_ranks_on_error
@@ -391,6 +392,7 @@ class NxDPPModel(PipelineModel):
         self.return_loss_on_cpu = return_loss_on_cpu
         self.use_model_wrapper, self.use_zero1_optimizer = use_model_wrapper, use_zero1_optimizer
         self.pipeline_parallel_size, self.pipeline_parallel_rank = pp, pp_rank
+        self.virtual_pipeline_size = virtual_pipeline_size
         self.timeline = PPTimeline(trace_file_path, pp_rank)  # NxD's trace file: a timeline of the steps
         if chunks is not None and not manual_pp_partition:  # NxD runs them when it partitions (here: built)
             from meshpar.compat.nxd.trainer import hooks
@@ -536,26 +538,112 @@ class NxDPPModel(PipelineModel):
                 "auto_partition=True or input_names"
             )
 
-    # NxD's local views need the stages
+    # NxD's local views: this rank's stages under the model's own FQNs (meshpar's stages keep them, so NxD's
+    # local <-> original name translation is the identity on the names this rank holds), once the stages exist
     def local_modules(self) -> list[nn.Module]:
+        """This rank's stage modules (meshpar's protocol: what :mod:`meshpar.checkpoint` saves). NxD's yields every
+        submodule of them: that is :meth:`local_named_modules`."""
         self._validate_partitioned()
         return super().local_modules()
 
-    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        self._validate_partitioned()
-        return super().local_named_parameters()
+    def _each_once(self, named: Callable[[nn.Module], Iterator[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
+        """``named(stage)`` over this rank's stages, each object once (traced chunks of one rank share modules)."""
+        seen: set[int] = set()
+        for stage in self.local_modules():
+            for name, value in named(stage):
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    yield name, value
 
-    def local_parameters(self) -> Iterator[nn.Parameter]:
-        self._validate_partitioned()
-        return super().local_parameters()
+    def local_named_parameters(self, recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._each_once(lambda stage: stage.named_parameters(recurse=recurse))
 
-    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        self._validate_partitioned()
-        return super().local_named_modules()
+    def local_parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (param for _, param in self.local_named_parameters(recurse=recurse))
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        self._validate_partitioned()
-        return super().local_state_dict()
+    def local_named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._each_once(lambda stage: stage.named_buffers(prefix=prefix, recurse=recurse))
+
+    def local_buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return (buffer for _, buffer in self.local_named_buffers(recurse=recurse))
+
+    def local_named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return self._each_once(lambda stage: stage.named_children())
+
+    def local_children(self) -> Iterator[nn.Module]:
+        return (child for _, child in self.local_named_children())
+
+    def local_named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """Every module of this rank's stages (each stage itself first, under ``prefix``); with ``remove_duplicate``
+        a module two stages share comes once."""
+        memo = (set() if memo is None else memo) if remove_duplicate else None
+        for stage in self.local_modules():
+            yield from stage.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The stages' state dicts merged (keys: the model's FQNs, after ``prefix=`` where given)."""
+        state: dict[str, Any] = {}
+        for stage in self.local_modules():
+            state.update(stage.state_dict(*args, **kwargs))
+        return state
+
+    def translate_origin_state_dict_to_local_state_dict(self, origin_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The entries of a whole model's state dict that this rank's stages hold (the others' are dropped)."""
+        held = self.local_state_dict(keep_vars=True)
+        return {name: value for name, value in origin_state_dict.items() if name in held}
+
+    def translate_local_state_dict_to_origin_state_dict(
+        self, local_state_dict: dict[str, Any], prefix: str = ""
+    ) -> dict[str, Any]:
+        """``local_state_dict`` under the model's names (the same names: meshpar's stages keep them); a key no local
+        stage holds is refused, as in NxD."""
+        held = self.local_state_dict(keep_vars=True)
+        for name in local_state_dict:
+            bare = name[len(prefix) :] if name.startswith(prefix) else name
+            if bare not in held:
+                raise ValueError(f"parameter {bare} in local_state_dict does not exist in local module")
+        return dict(local_state_dict)
+
+    def construct_state_dict_per_model_chunk(
+        self, origin_state_dict_all_model_chunks: dict[str, Any], strict: bool = True
+    ) -> dict[int, dict[str, Any]]:
+        """A whole model's (or this rank's) state dict split by local model chunk: ``{chunk: {name: value}}``, each
+        name given to the first chunk that holds it (``strict`` is NxD's check that every local name lies in some
+        chunk, which holds by construction here)."""
+        per_chunk: dict[int, dict[str, Any]] = {index: {} for index in range(len(self.local_modules()))}
+        names = [set(stage.state_dict(keep_vars=True)) for stage in self.local_modules()]
+        for name, value in self.translate_origin_state_dict_to_local_state_dict(
+            origin_state_dict_all_model_chunks
+        ).items():
+            per_chunk[next(index for index, held in enumerate(names) if name in held)][name] = value
+        return per_chunk
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """A whole model's (or this rank's) state dict into this rank's stages, as NxD loads it: each stage takes
+        the keys it holds, other stages' keys are ignored, and with ``strict`` a key a local stage holds but
+        ``state_dict`` lacks is refused."""
+        pieces = self.construct_state_dict_per_model_chunk(state_dict, strict=strict)
+        results = [
+            stage.load_state_dict(pieces[index], strict=strict, assign=assign)
+            for index, stage in enumerate(self.local_modules())
+        ]
+        missing = [key for result in results for key in result.missing_keys]
+        unexpected = [key for result in results for key in result.unexpected_keys]
+        return IncompatibleKeys(missing, unexpected)
+
+    def get_current_stage(self, model_chunk_id: int) -> int:
+        """The pipeline stage of this rank's model chunk ``model_chunk_id`` (chunks go round the pp ranks)."""
+        return self.pipeline_parallel_size * model_chunk_id + self.pipeline_parallel_rank
+
+    def is_last_pp_rank_last_model_chunk(self, model_chunk_id: int) -> bool:
+        """Whether this rank's chunk ``model_chunk_id`` is the pipeline's last stage."""
+        return self.get_current_stage(model_chunk_id) == self.pipeline_parallel_size * self.virtual_pipeline_size - 1
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the pipeline's last stage (the one that computes the loss)."""
+        return self.is_last_pp_rank_last_model_chunk(self.virtual_pipeline_size - 1)
 
     # NxD's overridable device steps (its "methods for non-XLA devices")
     def move_model_to_device(self) -> None:

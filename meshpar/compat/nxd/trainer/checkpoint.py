@@ -54,7 +54,7 @@ from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
 from meshpar.compat.nxd.optimizer.zero_redundancy_optimizer import zero1_rank
 from meshpar.compat.nxd.parallel_layers.checkpointing import _agree, _into_model, _local
-from meshpar.compat.nxd.trainer.model import NxDModel, _load_local
+from meshpar.compat.nxd.trainer.model import NxDModel
 from meshpar.compat.nxd.trainer.optimizer import NxDOptimizer
 from meshpar.failure import first_failure_on_any_rank
 from meshpar.parallel_dims import ParallelDims, get_parallel
@@ -463,11 +463,24 @@ def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
         model.clear()
         model.update(state)
     elif isinstance(model, NxDModel) and model.pp_enabled:
-        model.load_state_dict(state, strict=strict)
+        _load_local(model.module.local_modules(), state, strict)
     elif isinstance(model, PipelineModel):
         _load_local(model.local_modules(), state, strict)
     else:
         _into_model(model, state, strict)
+
+
+def _load_local(stages: list[torch.nn.Module], state_dict: dict[str, Any], strict: bool) -> None:
+    """A rank's saved shards into its stages: each local stage takes its own keys (stages keep the model's FQNs);
+    with ``strict`` every key must land (a shard of another partition is refused, not half loaded)."""
+    used: set[str] = set()
+    for stage in stages:
+        own = {key: value for key, value in state_dict.items() if key in stage.state_dict()}
+        stage.load_state_dict(own, strict=strict)
+        used |= own.keys()
+    unused = sorted(set(state_dict) - used)
+    if strict and unused:
+        raise RuntimeError(f"keys that no local pipeline stage holds: {unused[:5]}")
 
 
 def finalize_checkpoint() -> None:

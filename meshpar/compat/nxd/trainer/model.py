@@ -44,38 +44,35 @@ class NxDModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    # NxD's module views: a pipeline's are this rank's stages (NxDPPModel's local_* views), under the model's FQNs
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         if self.pp_enabled:
-            yield from self.module.local_named_parameters()
+            yield from self.module.local_named_parameters(*args, **kwargs)
         else:
             yield from self.module.named_parameters(*args, **kwargs)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if self.pp_enabled:
-            for stage in self.module.local_modules():
-                yield from stage.named_buffers(*args, **kwargs)
+            yield from self.module.local_named_buffers(*args, **kwargs)
         else:
             yield from self.module.named_buffers(*args, **kwargs)
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        if self.pp_enabled:
-            for stage in self.module.local_modules():
-                yield from stage.named_children()
-        else:
-            yield from self.module.named_children()
+        yield from self.module.local_named_children() if self.pp_enabled else self.module.named_children()
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
         if self.pp_enabled:
-            yield from self.module.local_named_modules()
+            yield from self.module.local_named_modules(*args, **kwargs)
         else:
             yield from self.module.named_modules(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.local_state_dict() if self.pp_enabled else self.module.state_dict(*args, **kwargs)
+        if self.pp_enabled:
+            return self.module.local_state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        if self.pp_enabled:
-            return _load_local(self.module.local_modules(), state_dict, strict)
+        """A pipeline's stages take the keys they hold (a whole model's state dict loads on every pp rank)."""
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def __getattr__(self, name: str) -> Any:
@@ -95,18 +92,6 @@ class NxDModel(nn.Module):
     @property
     def name_or_path(self) -> str:
         return self.original_module().name_or_path
-
-
-def _load_local(stages: list[nn.Module], state_dict: dict[str, Any], strict: bool) -> None:
-    """Each local stage takes its own keys (stages keep the model's FQNs); with ``strict`` every key must land."""
-    used: set[str] = set()
-    for stage in stages:
-        own = {key: value for key, value in state_dict.items() if key in stage.state_dict()}
-        stage.load_state_dict(own, strict=strict)
-        used |= own.keys()
-    unused = sorted(set(state_dict) - used)
-    if strict and unused:
-        raise RuntimeError(f"keys that no local pipeline stage holds: {unused[:5]}")
 
 
 __all__ = ["NxDModel"]
