@@ -560,6 +560,8 @@ def local_views_case(virtual: int, traced: bool) -> None:
     wrapped.load_state_dict(with_buffers(3).state_dict())
     assert {name for name, _ in wrapped.named_buffers()} == {name for name, _ in model.local_named_buffers()}
     assert wrapped.state_dict().keys() == local.keys()
+    with pytest.raises(RuntimeError, match="local_state_dict"):
+        model.state_dict()  # as in NxD: the wrapper's names and the wrapped model's copy would be a wrong save
 
 
 @pytest.mark.parametrize("virtual,traced", [(1, False), (2, True)])

@@ -589,6 +589,14 @@ class NxDPPModel(PipelineModel):
             state.update(stage.state_dict(*args, **kwargs))
         return state
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Refused, as in NxD: this rank holds only its stages, and the wrapped model's own copy of a stage split by
+        structure is not the one that trains (a save of it would hold stale weights under the wrapper's names)."""
+        raise RuntimeError(
+            "NxDPPModel.state_dict() is not supported (as in NxD): use local_state_dict() for this rank's stages under "
+            "the model's names, or nxd.save_checkpoint / meshpar.checkpoint.save for the whole model"
+        )
+
     def translate_origin_state_dict_to_local_state_dict(self, origin_state_dict: dict[str, Any]) -> dict[str, Any]:
         """The entries of a whole model's state dict that this rank's stages hold (the others' are dropped)."""
         held = self.local_state_dict(keep_vars=True)
