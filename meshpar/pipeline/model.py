@@ -62,24 +62,6 @@ class StageChunk(nn.Module):
         return self.stage(*(inputs[n] for n in names), **extras)
 
 
-def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
-    """NxD's ``output_loss_value_spec``: ``(True, False)`` picks from a tuple output, ``{"loss": True, ...}`` from a
-    dict (or HF ``ModelOutput``); ``None``: the output is the loss."""
-    if spec is None:
-        return output
-    if isinstance(spec, str):
-        return output[spec]
-    if isinstance(spec, dict):
-        picked = [output[key] for key, take in spec.items() if take]
-        if len(picked) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
-        return picked[0]
-    picked = [o for o, take in zip(output, spec, strict=True) if take]
-    if len(picked) != 1:
-        raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
-    return picked[0]
-
-
 class PipelineModel(nn.Module):
     """This rank's built stages (``chunks``, one per virtual stage, in stage order) of ``plan``, run over
     ``num_microbatches`` equal slices of each batch. The last stage computes ``loss_fn(output, **microbatch)``;

@@ -57,3 +57,23 @@ def test_weight_sharing_stages_by_nxds_keyword() -> None:
     gather = PipelineStageModule._gather_pp_stage_idxs_for_weight_sharing
     assert gather(stage_idx_mapping=mapping, current_stage_idx=3) == {"tied": [[0, 3], [layers[3], "weight"]]}
     assert gather(mapping, current_stage_idx=1) == {}
+
+
+def test_output_loss_value_spec_picks_the_loss_from_each_output_kind() -> None:
+    """``True``: the output is the loss; a tuple spec picks by position (an HF ModelOutput by its fields' order, not
+    by iterating its keys); a dict spec or a key by name; a spec that picks none or two is refused."""
+    import torch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from meshpar.compat.nxd.pipeline.model import _pick_loss
+
+    loss, logits = torch.tensor(2.5), torch.ones(2, 3)
+    assert _pick_loss(loss, True) is loss
+    assert _pick_loss((loss, logits), (True, False)) is loss
+    assert _pick_loss((logits, loss), (False, True)) is loss
+    hf = CausalLMOutputWithPast(loss=loss, logits=logits)
+    assert _pick_loss(hf, (True, False)) is loss
+    assert _pick_loss(hf, {"loss": True, "logits": False}) is loss
+    assert _pick_loss(hf, "loss") is loss
+    with pytest.raises(ValueError, match="exactly one"):
+        _pick_loss((loss, logits), (True, True))

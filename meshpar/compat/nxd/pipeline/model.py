@@ -74,8 +74,9 @@ def _pick_loss(output: Any, spec: Any) -> torch.Tensor:
         return output[spec]
     if isinstance(spec, dict):
         picked = [output[key] for key, take in spec.items() if take]
-    else:
-        picked = [o for o, take in zip(output, spec, strict=True) if take]
+    else:  # by position: an HF ModelOutput's fields in order (iterating one would give its keys)
+        values = output.to_tuple() if hasattr(output, "to_tuple") else output
+        picked = [o for o, take in zip(values, spec, strict=True) if take]
     if len(picked) != 1:
         raise ValueError(f"output_loss_value_spec {spec} must select exactly one output")
     return picked[0]
