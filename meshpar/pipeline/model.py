@@ -62,6 +62,15 @@ class StageChunk(nn.Module):
         return self.stage(*(inputs[n] for n in names), **extras)
 
 
+def _each_object_once(pairs: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``pairs`` without a value already given under an earlier name."""
+    seen: set[int] = set()
+    for name, value in pairs:
+        if id(value) not in seen:
+            seen.add(id(value))
+            yield name, value
+
+
 class PipelineModel(nn.Module):
     """This rank's built stages (``chunks``, one per virtual stage, in stage order) of ``plan``, run over
     ``num_microbatches`` equal slices of each batch. The last stage computes ``loss_fn(output, **microbatch)``;
@@ -160,28 +169,38 @@ class PipelineModel(nn.Module):
         """This rank's stage modules (what :mod:`meshpar.checkpoint` saves and loads)."""
         return [chunk.stage for chunk in self.chunks]
 
-    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Each parameter of this rank's stages once (traced chunks of one rank share the model's modules: a weight
-        the model ties is one object in both, which an optimizer must step once)."""
-        seen: set[int] = set()
-        for chunk in self.chunks:
-            for name, param in chunk.stage.named_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
+    def _each_once(self, named: Callable[[nn.Module], Iterator[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
+        """``named(stage)`` over this rank's stages, each object once (traced chunks of one rank share the model's
+        modules: a weight the model ties is one object in both, which an optimizer must step once). The stages are
+        taken at the call, so a pipeline whose stages do not exist yet refuses there, not at the first item."""
+        stages = self.local_modules()
+        return _each_object_once(pair for stage in stages for pair in named(stage))
 
-    def local_parameters(self) -> Iterator[nn.Parameter]:
-        for _, param in self.local_named_parameters():
-            yield param
+    def local_named_parameters(self, recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Each parameter of this rank's stages once."""
+        return self._each_once(lambda stage: stage.named_parameters(recurse=recurse))
 
-    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        for chunk in self.chunks:
-            yield from chunk.stage.named_modules()
+    def local_parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (param for _, param in self.local_named_parameters(recurse=recurse))
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = {}
-        for chunk in self.chunks:
-            state.update(chunk.stage.state_dict())
+    def local_named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """Every module of this rank's stages (each stage itself first, under ``prefix``); with ``remove_duplicate``
+        a module two stages share comes once."""
+        memo = (set() if memo is None else memo) if remove_duplicate else None
+        stages = self.local_modules()  # at the call, as in _each_once
+        return (
+            item
+            for stage in stages
+            for item in stage.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
+        )
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The stages' state dicts merged (keys: the model's FQNs, after ``prefix=`` where given)."""
+        state: dict[str, Any] = {}
+        for stage in self.local_modules():
+            state.update(stage.state_dict(*args, **kwargs))
         return state
 
     @property

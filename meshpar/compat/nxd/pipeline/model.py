@@ -540,27 +540,13 @@ class NxDPPModel(PipelineModel):
             )
 
     # NxD's local views: this rank's stages under the model's own FQNs (meshpar's stages keep them, so NxD's
-    # local <-> original name translation is the identity on the names this rank holds), once the stages exist
+    # local <-> original name translation is the identity on the names this rank holds), once the stages exist;
+    # every local view goes through local_modules (parameters, modules and state dict as the core gives them)
     def local_modules(self) -> list[nn.Module]:
         """This rank's stage modules (meshpar's protocol: what :mod:`meshpar.checkpoint` saves). NxD's yields every
         submodule of them: that is :meth:`local_named_modules`."""
         self._validate_partitioned()
         return super().local_modules()
-
-    def _each_once(self, named: Callable[[nn.Module], Iterator[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
-        """``named(stage)`` over this rank's stages, each object once (traced chunks of one rank share modules)."""
-        seen: set[int] = set()
-        for stage in self.local_modules():
-            for name, value in named(stage):
-                if id(value) not in seen:
-                    seen.add(id(value))
-                    yield name, value
-
-    def local_named_parameters(self, recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        return self._each_once(lambda stage: stage.named_parameters(recurse=recurse))
-
-    def local_parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return (param for _, param in self.local_named_parameters(recurse=recurse))
 
     def local_named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self._each_once(lambda stage: stage.named_buffers(prefix=prefix, recurse=recurse))
@@ -573,22 +559,6 @@ class NxDPPModel(PipelineModel):
 
     def local_children(self) -> Iterator[nn.Module]:
         return (child for _, child in self.local_named_children())
-
-    def local_named_modules(
-        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Module]]:
-        """Every module of this rank's stages (each stage itself first, under ``prefix``); with ``remove_duplicate``
-        a module two stages share comes once."""
-        memo = (set() if memo is None else memo) if remove_duplicate else None
-        for stage in self.local_modules():
-            yield from stage.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
-
-    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The stages' state dicts merged (keys: the model's FQNs, after ``prefix=`` where given)."""
-        state: dict[str, Any] = {}
-        for stage in self.local_modules():
-            state.update(stage.state_dict(*args, **kwargs))
-        return state
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Refused, as in NxD: this rank holds only its stages, and the wrapped model's own copy of a stage split by
@@ -621,12 +591,12 @@ class NxDPPModel(PipelineModel):
         """A whole model's (or this rank's) state dict split by local model chunk: ``{chunk: {name: value}}``, each
         name given to the first chunk that holds it (``strict`` is NxD's check that every local name lies in some
         chunk, which holds by construction here)."""
-        per_chunk: dict[int, dict[str, Any]] = {index: {} for index in range(len(self.local_modules()))}
         names = [set(stage.state_dict(keep_vars=True)) for stage in self.local_modules()]
-        for name, value in self.translate_origin_state_dict_to_local_state_dict(
-            origin_state_dict_all_model_chunks
-        ).items():
-            per_chunk[next(index for index, held in enumerate(names) if name in held)][name] = value
+        per_chunk: dict[int, dict[str, Any]] = {index: {} for index in range(len(names))}
+        for name, value in origin_state_dict_all_model_chunks.items():
+            holder = next((index for index, held in enumerate(names) if name in held), None)
+            if holder is not None:  # another stage's entry: not this rank's
+                per_chunk[holder][name] = value
         return per_chunk
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -475,7 +475,8 @@ def _load_local(stages: list[torch.nn.Module], state_dict: dict[str, Any], stric
     with ``strict`` every key must land (a shard of another partition is refused, not half loaded)."""
     used: set[str] = set()
     for stage in stages:
-        own = {key: value for key, value in state_dict.items() if key in stage.state_dict()}
+        held = stage.state_dict(keep_vars=True)
+        own = {key: value for key, value in state_dict.items() if key in held}
         stage.load_state_dict(own, strict=strict)
         used |= own.keys()
     unused = sorted(set(state_dict) - used)
