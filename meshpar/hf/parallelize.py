@@ -52,7 +52,7 @@ from meshpar.hf.context_parallel import (
 from meshpar.hf.context_parallel import INPUTS_KEY as CONTEXT_INPUTS
 from meshpar.hf.fused import use_fused_modules
 from meshpar.hf.generation import pipelined_generate
-from meshpar.hf.hf_plan import layer_container, takes_use_cache, text_config
+from meshpar.hf.hf_plan import takes_use_cache, text_config
 from meshpar.hf.init import init_hf_weights
 from meshpar.hf.loss import ROW_TASKS, RowLoss, TokenLoss, causal_labels_shifted, decoder_inputs_from_labels
 from meshpar.hf.loss import TASKS as LOSS_TASKS
@@ -67,21 +67,19 @@ from meshpar.hf.router_loss import (
 )
 from meshpar.hf.stages import (
     PipelineLayout,
-    block_lists,
     check_stage_composition,
+    decoder_pipeline_plan,
     encoder_decoder_layout,
     head_modules,
     head_output,
-    inferred_pipeline_layout,
     install_decoder_stage,
-    pipeline_layout,
     tensors_crossing,
 )
 from meshpar.hf.verify import verify_plan
 from meshpar.materialize import is_meta
 from meshpar.parallel_dims import ParallelDims, get_parallel, init_parallel, is_initialized
 from meshpar.pipeline.model import PipelineModel, StageChunk
-from meshpar.pipeline.split import StagePlan, build_stages, plan_encoder_decoder_stages, plan_stages
+from meshpar.pipeline.split import StagePlan, build_stages, plan_encoder_decoder_stages
 from meshpar.recipe import Recipe, apply_recipe, block_classes, has_parameter
 from meshpar.replicas import make_replicas_equal
 
@@ -424,60 +422,13 @@ class ParallelizedModel(nn.Module):
             )
         if getattr(model.config, "is_encoder_decoder", False):
             return self._encoder_decoder_plan(model)
-        try:
-            layout = pipeline_layout(model)
-            inferred = layout is None
-        except ValueError as plan_error:  # the plan does not describe the model: read one off it
-            layout = None if self._from_meta else inferred_pipeline_layout(model)
-            if layout is None:
-                lists = block_lists(model)
-                raise ValueError(
-                    f"{plan_error}; nor can a plan be read off the model: "
-                    + (
-                        f"it keeps its layers in {lists}, not in one list its forward runs once in order"
-                        if len(lists) > 1
-                        else "its base model holds no single list of layers"
-                    )
-                ) from plan_error
-            inferred = True
-            _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
-        if inferred and layout is None:
-            layout = inferred_pipeline_layout(model)
-        if layout is None:
-            depth = getattr(text_config(model.config), "num_hidden_layers", None)
-            lists = block_lists(model) or [name for name in (layer_container(model),) if name]
-            blocks = sum(len(model.get_submodule(name)) for name in lists)
-            if isinstance(depth, int) and 0 < blocks < depth:
-                raise ValueError(
-                    f"{type(model).__name__} runs {depth} layers on the weights of {blocks} (shared across its depth, "
-                    "as ALBERT's): no pipeline stage can own its layers apart; use pipeline_parallel_size 1 (tensor "
-                    "and data parallelism work for it)"
-                )
-            raise ValueError(
-                "pipeline parallelism needs a model whose config carries transformers' pipeline plan "
-                "(base_model_pp_plan), or one meshpar has a table for, or whose base model holds one list of layers; "
-                f"{type(model).__name__} is none of these"
-            )
-        sides = layout.stage_sides(model)
-        last = [*sides[1], *head_modules(model, layout.base)]
-        if self._from_meta and inferred:
-            raise ValueError(
-                f"{type(model).__name__} has no pipeline plan: meshpar reads one from the model's modules and proves "
-                "it on the dense model, which a model built on meta cannot run; build it on cpu, or use "
-                "pipeline_parallel_size 1"
-            )
-        stages = plan_stages(
+        layout, stages = decoder_pipeline_plan(
             model,
             self.dims.pp * config.virtual_pipeline_size,
             transformer_layer_cls=self._layer_cls,
             auto_partition=config.auto_partition,
-            first_stage_modules=sides[0],
-            last_stage_modules=last,
+            from_meta=self._from_meta,
         )
-        if self._from_meta:
-            _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", family)
-        else:  # the plan proven here is the plan built below
-            check_stage_composition(model, layout, stages)
         crossing = tensors_crossing(layout, stages) if config.pipeline_schedule == "zero_bubble" else []
         if max(crossing, default=1) > 1:
             raise ValueError(

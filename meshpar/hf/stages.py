@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,18 @@ from torch import nn
 
 from meshpar._compat import tree_flatten, tree_map_only
 from meshpar._in_place import mix_into
-from meshpar.hf.hf_plan import base_model_name, dense_probe, ends_with_eos, eval_mode, folds_choices, text_config
-from meshpar.pipeline.split import StagePlan, build_stage
+from meshpar.hf.hf_plan import (
+    base_model_name,
+    dense_probe,
+    ends_with_eos,
+    eval_mode,
+    folds_choices,
+    layer_container,
+    text_config,
+)
+from meshpar.pipeline.split import StagePlan, build_stage, plan_stages
+
+_log = logging.getLogger(__name__)
 
 # meshpar's pipeline plans, in the format of transformers' ``base_model_pp_plan`` (base-model children in run order,
 # each with what it takes and gives), for families whose config ships none: GPT-2, and BERT and RoBERTa, whose layer
@@ -861,20 +872,22 @@ def _run_stage(
     received: torch.Tensor | None,
     inputs: dict[str, object],
     sequence_shards: int,
-) -> torch.Tensor:
+    whole_output: bool = False,
+) -> Any:
     """One call of a built stage: the model's own forward on the microbatch's ids (masks, positions and rotary
     tables are the model's own, for the full sequence); a non-first stage's layers take the tensors ``received``
     from the previous stage (under sequence parallelism the hidden states' sequence shard: the first layer's style
     split them, the last stage's final norm gathers them). The last stage runs the model class's own forward to the
-    logits; the others run the base model's forward to its end (the later stages' layers are pass-throughs, their
-    final modules shape-only stand-ins) and send what the pass-through after their last layer was handed."""
+    logits (``whole_output``: to what that forward returns); the others run the base model's forward to its end
+    (the later stages' layers are pass-throughs, their final modules shape-only stand-ins) and send what the
+    pass-through after their last layer was handed."""
     runtime.boundary = boundary = _Boundary(layout, sorted(runtime.owned), received, sequence_shards)
     own = super(_DecoderStage, stage).forward if isinstance(stage, _DecoderStage) else stage.forward
     try:
         if last:
-            logits = head_output(own(**inputs))
+            output = own(**inputs)
             boundary.check_used()
-            return logits
+            return output if whole_output else head_output(output)
         # the base model's forward; T5's model is its own base (its head a stand-in here)
         (stage.get_submodule(layout.base) if layout.base else own)(**inputs)
     finally:
@@ -901,7 +914,9 @@ def decoder_stage_forward(
     stage) or the received tensor in, with the microbatch's ``input_ids`` (and mask and positions, and an
     encoder-decoder's decoder ids and mask, where given) on every stage; what the next stage needs or (last stage)
     logits out. ``context``: what the model's forward carries down to its attention layers (context parallelism's
-    inputs: :data:`meshpar.hf.context_parallel.INPUTS_KEY`)."""
+    inputs: :data:`meshpar.hf.context_parallel.INPUTS_KEY`), and, for a stage installed with ``own_loss_inputs``,
+    those inputs, which only the last stage's forward is given (it returns what the model's forward returns: the
+    model computes its own loss from them)."""
     layout: PipelineLayout = self.meshpar_layout
     runtime = self.__dict__.get("_meshpar_runtime")
     if runtime is None:  # once, at the first call: after the recipe sharded, wrapped or compiled the stage
@@ -923,8 +938,15 @@ def decoder_stage_forward(
         # a multiple-choice head's forward folds [batch, choices, seq] into [batch * choices, seq] before the base
         # model; stages before the head run the base model alone, so they fold as it does
         inputs = {k: v.flatten(0, 1) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    own_loss = self.meshpar_own_loss_inputs
+    if own_loss is not None:  # the head's inputs (the labels) go to the last stage's forward alone
+        head_inputs = {name: inputs.pop(name) for name in own_loss if name in inputs}
+        inputs |= head_inputs if self.meshpar_last_stage else {}
     received = None if runtime.first else x
-    return _run_stage(self, runtime, layout, self.meshpar_last_stage, received, inputs, self.meshpar_sequence_shards)
+    return _run_stage(
+        self, runtime, layout, self.meshpar_last_stage, received, inputs, self.meshpar_sequence_shards,
+        whole_output=own_loss is not None,
+    )  # fmt: skip
 
 
 def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: StagePlan) -> None:
@@ -976,9 +998,87 @@ def check_stage_composition(model: nn.Module, layout: PipelineLayout, plan: Stag
         )
 
 
-def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_shards: int = 1) -> nn.Module:
+def decoder_pipeline_plan(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    transformer_layer_cls: type | tuple[type, ...] | None = None,
+    pipeline_cuts: Sequence[str] | None = None,
+    auto_partition: bool = False,
+    from_meta: bool = False,
+) -> tuple[PipelineLayout, StagePlan]:
+    """A decoder-only (or encoder-only) model's pipeline layout and its plan for ``num_stages`` stages: transformers'
+    pipeline plan (or meshpar's table), else one read off the model, with its layers cut at ``pipeline_cuts``, by
+    ``auto_partition`` or evenly, proven on the dense model (:func:`check_stage_composition`; a model built on meta
+    cannot run and is not proven, and one without a shipped plan is refused). Decided alike on every rank (no
+    collective). What both HF ``parallelize`` and NxD's ``NxDPPModel`` of an HF model build."""
+    try:
+        layout = pipeline_layout(model)
+        inferred = layout is None
+    except ValueError as plan_error:  # the plan does not describe the model: read one off it
+        layout = None if from_meta else inferred_pipeline_layout(model)
+        if layout is None:
+            lists = block_lists(model)
+            raise ValueError(
+                f"{plan_error}; nor can a plan be read off the model: "
+                + (
+                    f"it keeps its layers in {lists}, not in one list its forward runs once in order"
+                    if len(lists) > 1
+                    else "its base model holds no single list of layers"
+                )
+            ) from plan_error
+        inferred = True
+        _log.info("%s; reading the pipeline plan off the model instead (proven below)", plan_error)
+    if inferred and layout is None:
+        layout = inferred_pipeline_layout(model)
+    if layout is None:
+        depth = getattr(text_config(model.config), "num_hidden_layers", None)
+        lists = block_lists(model) or [name for name in (layer_container(model),) if name]
+        blocks = sum(len(model.get_submodule(name)) for name in lists)
+        if isinstance(depth, int) and 0 < blocks < depth:
+            raise ValueError(
+                f"{type(model).__name__} runs {depth} layers on the weights of {blocks} (shared across its depth, "
+                "as ALBERT's): no pipeline stage can own its layers apart; use pipeline_parallel_size 1 (tensor "
+                "and data parallelism work for it)"
+            )
+        raise ValueError(
+            "pipeline parallelism needs a model whose config carries transformers' pipeline plan "
+            "(base_model_pp_plan), or one meshpar has a table for, or whose base model holds one list of layers; "
+            f"{type(model).__name__} is none of these"
+        )
+    if from_meta and inferred:
+        raise ValueError(
+            f"{type(model).__name__} has no pipeline plan: meshpar reads one from the model's modules and proves "
+            "it on the dense model, which a model built on meta cannot run; build it on cpu, or use "
+            "pipeline_parallel_size 1"
+        )
+    first, last = layout.stage_sides(model)
+    plan = plan_stages(
+        model,
+        num_stages,
+        transformer_layer_cls=transformer_layer_cls,
+        pipeline_cuts=pipeline_cuts,
+        auto_partition=auto_partition,
+        first_stage_modules=first,
+        last_stage_modules=[*last, *head_modules(model, layout.base)],
+    )
+    if from_meta:
+        _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", type(model))
+    else:  # the plan proven here is the plan built
+        check_stage_composition(model, layout, plan)
+    return layout, plan
+
+
+def install_decoder_stage(
+    stage: nn.Module,
+    layout: PipelineLayout,
+    sequence_shards: int = 1,
+    own_loss_inputs: Sequence[str] | None = None,
+) -> nn.Module:
     """Give a stage of a model split by :func:`pipeline_layout` its forward (the user's attention implementation is
-    kept); ``sequence_shards``: tp under sequence parallelism."""
+    kept); ``sequence_shards``: tp under sequence parallelism. ``own_loss_inputs`` (NxD's way: the model computes
+    its loss in its forward): the microbatch inputs only the model's head takes (the labels), handed to the last
+    stage's forward alone, which then returns the model's whole output instead of its logits."""
     carried = {c for layer in range(layout.num_layers) for c in layout.carried_into(layer)} - set(_STREAM)
     if sequence_shards > 1 and carried:
         raise ValueError(
@@ -989,6 +1089,7 @@ def install_decoder_stage(stage: nn.Module, layout: PipelineLayout, sequence_sha
         )
     stage.meshpar_layout = layout
     stage.meshpar_sequence_shards = sequence_shards
+    stage.meshpar_own_loss_inputs = tuple(own_loss_inputs) if own_loss_inputs is not None else None
     stage.meshpar_fold_choices = folds_choices(stage)
     # the last stage holds the head: the LM head, or a classifier outside the base model (the other stages hold none)
     stage.meshpar_last_stage = _output_embeddings(stage) is not None or bool(head_modules(stage, layout.base))

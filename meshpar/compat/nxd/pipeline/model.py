@@ -25,6 +25,7 @@ rule), ``run_train`` takes the output as the loss.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -180,6 +181,58 @@ def _with_nxd_leaves(module: nn.Module, tracing: dict[str, Any]) -> dict[str, An
     }
 
 
+def _splits_as_hf(module: nn.Module, tracer_cls: Any) -> bool:
+    """Whether a pipeline NxD would trace with transformers' fx tracer (``tracer_cls`` ``"hf"``, or none for an HF
+    model) is cut by the model's structure instead (:func:`_hf_stages`): transformers 5 has no fx tracer, and its
+    models' forwards build masks with control flow on their inputs that torch.fx cannot trace."""
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) and tracer_cls in (None, "hf")
+
+
+def _hf_arguments(module: nn.Module) -> list[str]:
+    """The named arguments of an HF model's forward: what a step of its pipeline may give."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    return [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _hf_stages(
+    build: dict[str, Any], pipeline_cuts: Sequence[str] | None, auto_partition: bool
+) -> tuple[list[StageChunk], Any]:
+    """This rank's stage chunks of an HF model as HF ``parallelize`` builds them (:mod:`meshpar.hf.stages`: the
+    model's own forward on every stage, transformers' pipeline plan or one read off the model, proven on the dense
+    model), cut after ``transformer_layer_cls`` layers as NxD cuts them. The microbatch's inputs reach every stage;
+    those only the model's head takes (the labels) reach the last stage's forward alone, which returns what the
+    model's forward returns, so ``output_loss_value_spec`` picks the loss the model computes itself (NxD's usage)."""
+    from meshpar.hf.stages import decoder_pipeline_plan, install_decoder_stage
+
+    module, dims = build["module"], build["dims"]
+    if getattr(module.config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"NxDPPModel of {type(module).__name__}: an encoder-decoder's stages need the encoder's output on every "
+            "decoder stage; use meshpar.parallelize, which pipelines encoder-decoders"
+        )
+    if build["input_names"] is not None and "input_ids" not in build["input_names"]:
+        raise ValueError(
+            f"NxDPPModel of {type(module).__name__}: input_names {list(build['input_names'])} must include "
+            "'input_ids' (every stage runs the model's own forward on the token ids)"
+        )
+    layout, plan = decoder_pipeline_plan(
+        module, dims.pp * build["virtual_pipeline_size"], transformer_layer_cls=build["transformer_layer_cls"],
+        pipeline_cuts=pipeline_cuts, auto_partition=auto_partition,
+    )  # fmt: skip
+    base = module.get_submodule(layout.base) if layout.base else module
+    head_only = [name for name in _hf_arguments(module) if name not in _hf_arguments(base)]
+    stages = build_stages(module, plan, dims.pp_rank, dims.pp, keep_modules=layout.keep, device=dims.device)
+    chunks = [
+        StageChunk(
+            install_decoder_stage(stage, layout, own_loss_inputs=head_only), index, ["input_ids"], _hf_arguments(module)
+        )
+        for index, stage in stages
+    ]
+    return chunks, plan
+
+
 def _built_stages(
     build: dict[str, Any],
     pipeline_cuts: Sequence[str] | None,
@@ -196,6 +249,9 @@ def _built_stages(
         "pipeline_cuts": pipeline_cuts,
         "auto_partition": auto_partition,
     }
+    if tracing is not None and _splits_as_hf(module, tracing["tracer_cls"]):
+        _leaf_classes(module, tracing["leaf_module_cls"])  # names that match no module are refused as in NxD
+        return _hf_stages(build, pipeline_cuts, auto_partition)
     if tracing is not None:
         tracing = _with_nxd_leaves(module, tracing)
         stages, plan = traced_stages(
@@ -382,6 +438,9 @@ class NxDPPModel(PipelineModel):
         self._first_step = tracing if deferred else None
         # a traced pipeline's input names: every step must give exactly these (NxD's rule)
         traced = trace_it and not deferred and not manual_pp_partition
+        # an HF model split by its structure (no trace): its steps give any of its forward's arguments
+        self._hf_split = trace_it and not manual_pp_partition and _splits_as_hf(module, tracer_cls)
+        traced = traced and not (self._hf_split and input_names is None)
         self._traced_inputs = set(traced_input_names(module, input_names)) if traced else None
         self._after_partition: list[Callable[[], None]] = []
         self.model_moved_to_device = not deferred
@@ -434,6 +493,12 @@ class NxDPPModel(PipelineModel):
             "autowrap_modules": autowrap_modules, "tracer_cls": tracer_cls,
         }  # fmt: skip
         module = self._build["module"]
+        if self._hf_split or _splits_as_hf(module, tracer_cls):  # cut by structure: nothing to trace
+            _leaf_classes(module, leaf_modules)
+            self._hf_split = True
+            self._build = {**self._build, "input_names": input_names}
+            self._tracing = tracing
+            return
         leafy = _with_nxd_leaves(module, tracing)
         traced = fx_trace(
             module, traced_input_names(module, input_names),
@@ -454,10 +519,15 @@ class NxDPPModel(PipelineModel):
             raise AssertionError(f"cut_pipeline_stage({cut_point!r}): the model is partitioned already")
         if self._tracing is None:
             raise AssertionError("cut_pipeline_stage() comes after trace()")
-        calls = [n for n in self.traced_model.graph.nodes if n.op == "call_module" and n.target == cut_point]
-        if not calls:
-            raise RuntimeError(f"cut_pipeline_stage({cut_point!r}): the traced model calls no module of that name")
-        calls[0].meta["partition"] = True
+        if self._hf_split:  # an HF model is cut by its structure: after one of its layers
+            if cut_point not in get_model_layers(self._build["module"], self.transformer_layer_cls):
+                raise RuntimeError(f"cut_pipeline_stage({cut_point!r}): the model has no transformer layer so named")
+        else:
+            graph = self.traced_model.graph
+            calls = [n for n in graph.nodes if n.op == "call_module" and n.target == cut_point]
+            if not calls:
+                raise RuntimeError(f"cut_pipeline_stage({cut_point!r}): the traced model calls no module so named")
+            calls[0].meta["partition"] = True
         self.pipeline_cuts.append(cut_point)
 
     def partition(self) -> None:
@@ -495,7 +565,8 @@ class NxDPPModel(PipelineModel):
         build = {**self._build, "dims": self.dims, "input_names": input_names}
         chunks, plan = _built_stages(build, cuts, False, tracing, traced)
         self.install_stages(chunks, plan)
-        self._traced_inputs = set(traced_input_names(module, input_names))
+        hf_any = self._hf_split and input_names is None  # any arguments of its forward (checked at each step)
+        self._traced_inputs = None if hf_any else set(traced_input_names(module, input_names))
         self._first_step = None
         self.model_moved_to_device = True
         callbacks, self._after_partition = self._after_partition, []
@@ -517,6 +588,16 @@ class NxDPPModel(PipelineModel):
             if original is None or name in self._OWN_LATER or name.startswith("__"):
                 raise
             return getattr(original, name)
+
+    def _check_hf_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
+        """An HF model's step gives its token ids and only arguments of its forward (another would be ignored)."""
+        module = self._build["module"]
+        unknown = sorted(set(inputs) - set(_hf_arguments(module)))
+        if unknown or "input_ids" not in inputs:
+            raise RuntimeError(
+                f"NxDPPModel of {type(module).__name__}: a step gives input_ids and arguments of its forward; got "
+                f"{sorted(inputs)}" + (f" ({unknown} it does not take)" if unknown else "")
+            )
 
     @property
     def built(self) -> bool:
@@ -676,6 +757,8 @@ class NxDPPModel(PipelineModel):
                     f"NxDPPModel: the step's inputs {sorted(inputs)} must be the traced input names "
                     f"{sorted(self._traced_inputs)} (as in NxD: an input the trace does not take would be ignored)"
                 )
+            if self._hf_split:
+                self._check_hf_inputs(inputs)
         self.partitioned = True  # NxD partitions at the first step at the latest
         outputs_only = forward_only and self._evaluates_outputs
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
