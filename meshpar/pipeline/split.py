@@ -274,11 +274,15 @@ def _restore_parameter_attributes(module: nn.Module, attributes: dict[str, dict[
                 setattr(param, key, value)
 
 
-def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Sequence[str] = ()) -> nn.Module:
+def build_stage(
+    model: nn.Module, plan: StagePlan, stage: int, keep_modules: Sequence[str] = (), share_tensors: bool = False
+) -> nn.Module:
     """A copy of ``model`` holding only what ``stage`` owns (FQNs unchanged); other pieces are ``None``.
     ``keep_modules`` (e.g. Llama's ``model.rotary_emb``) are copied to every stage, and so is every module outside
     the layers that holds no parameters or buffers (an activation or loss module registered before the base model,
-    as DistilBERT's head does): it costs nothing and its stage's forward may call it."""
+    as DistilBERT's head does): it costs nothing and its stage's forward may call it. With ``share_tensors`` the
+    stage's modules are new but its parameters and buffers are ``model``'s own objects (NxD's stages are the
+    model's modules: what was built from the model, an optimizer over its parameters say, trains the stage)."""
     dropped = []
     for fqn, per_stage in plan.owned_layers():
         owned = set(per_stage[stage])
@@ -291,6 +295,8 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int, keep_modules: Seq
         elsewhere += [n for n in plan.last_stage_modules if n not in keep_modules]
     dropped += [m for m in map(model.get_submodule, elsewhere) if _holds_state(m)]
     memo: dict[int, object] = {id(m): None for m in dropped}
+    if share_tensors:
+        memo.update({id(t): t for t in (*model.parameters(), *model.buffers())})
     stage_model = copy.deepcopy(model, memo)
     _restore_parameter_attributes(stage_model, _parameter_attributes(model))
     for fqn, _ in plan.owned_layers():
@@ -341,9 +347,10 @@ def build_stages(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     stage_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    share_tensors: bool = False,
 ) -> list[tuple[int, nn.Module]]:
     """The stages of ``plan`` that pipeline rank ``pp_rank`` runs (``pp_rank + k * pp``), each built once:
-    ``[(stage_index, module), ...]``.
+    ``[(stage_index, module), ...]`` (``share_tensors``: see :func:`build_stage`).
 
     A model built on ``meta`` is materialised stage by stage on ``device`` (``stage_init_fn(stage)``, NxD's
     ``param_init_fn`` per module, or every submodule's ``reset_parameters()``; see :func:`_materialize`), so a rank
@@ -356,7 +363,7 @@ def build_stages(
     is_meta = any(p.is_meta for p in model.parameters())
     stages = []
     for stage in range(pp_rank, plan.num_stages, pp):
-        module = build_stage(model, plan, stage, keep_modules)
+        module = build_stage(model, plan, stage, keep_modules, share_tensors)
         if is_meta:
             _materialize(module, torch.device(device or "cpu"), param_init_fn, stage_init_fn)
         elif device is not None:

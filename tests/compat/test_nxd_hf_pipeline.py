@@ -73,15 +73,15 @@ def hf_case(family: str, pp: int, virtual: int, how: str, spec: str) -> None:
     dense = build(family, layers=LAYERS).train()
     vocab = dense.config.vocab_size
     model = _built(copy.deepcopy(dense), pp, virtual, how, spec)
-    # a pipeline built at its first step has its local parameters from then on (SGD: made after the backward alike)
-    optimizer = None if how == "deferred" else torch.optim.SGD(model.local_parameters(), lr=0.5)
+    # NxD's usage: the optimizer over the pipeline's parameters (the model's), made before the first step builds a
+    # deferred pipeline's stages; the stages train those very tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     dense_optimizer = torch.optim.SGD(dense.parameters(), lr=0.5)
     per_rank = 2 * pp
     for step in range(3):
         batch = _batch(step, per_rank * dp, vocab)
         mine = {k: v[per_rank * dp_rank : per_rank * (dp_rank + 1)] for k, v in batch.items()}
         loss = model.run_train(**mine)
-        optimizer = optimizer or torch.optim.SGD(model.local_parameters(), lr=0.5)
         optimizer.step()
         optimizer.zero_grad()
         dense_loss = _dense_loss(dense, batch, dp * per_rank)
@@ -92,8 +92,11 @@ def hf_case(family: str, pp: int, virtual: int, how: str, spec: str) -> None:
     dense_params = dict(dense.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
     local = dict(model.local_named_parameters())
     assert local and all(name in dense_params for name in local)
+    original = dict(model.original_torch_module.named_parameters(remove_duplicate=False))
+    assert [name for name, _ in model.named_parameters()] == list(dict(dense.named_parameters()))  # NxD's: the model's
     for name, param in local.items():
         torch.testing.assert_close(param.detach(), dense_params[name].detach(), msg=name)
+        assert original[name] is param and model.get_parameter(name) is param, name  # the model's view is trained
     batch = _batch(7, per_rank * dp, vocab)
     mine = {k: v[per_rank * dp_rank : per_rank * (dp_rank + 1)] for k, v in batch.items()}
     with torch.no_grad():

@@ -541,8 +541,15 @@ def local_views_case(virtual: int, traced: bool) -> None:
     result = model.load_state_dict(full, strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
     dense_values = dict(dense.named_parameters(remove_duplicate=False))
+    # NxD's views of the pipeline itself are the model's, whose entries for this rank's stages are the stages' own
+    original = model.original_torch_module
+    assert [name for name, _ in model.named_parameters()] == [name for name, _ in original.named_parameters()]
+    assert [name for name, _ in model.named_buffers()] == [name for name, _ in original.named_buffers()]
     for name, param in model.local_named_parameters():
         torch.testing.assert_close(param, dense_values[name], rtol=0, atol=0, msg=name)
+        assert original.get_parameter(name) is param, name
+    for name, buffer in model.local_named_buffers():
+        assert original.get_buffer(name) is buffer, name
     local = model.local_state_dict()
     assert model.translate_origin_state_dict_to_local_state_dict(full).keys() == local.keys()
     assert model.translate_local_state_dict_to_origin_state_dict(local) == local

@@ -224,6 +224,9 @@ def pipeline_case(meta: bool) -> None:
     grads = {n: p.grad for n, p in dense.named_parameters()}
     for name, param in model.local_named_parameters():
         torch.testing.assert_close(param.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        # the model's own view (model.parameters(), as NxD's optimizer takes it) holds the stage's tensors, also
+        # where the stage was materialised from meta
+        assert model.original_torch_module.get_parameter(name) is param, name
 
 
 @pytest.mark.parametrize("meta", [False, True])

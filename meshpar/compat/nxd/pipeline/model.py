@@ -223,7 +223,9 @@ def _hf_stages(
     )  # fmt: skip
     base = module.get_submodule(layout.base) if layout.base else module
     head_only = [name for name in _hf_arguments(module) if name not in _hf_arguments(base)]
-    stages = build_stages(module, plan, dims.pp_rank, dims.pp, keep_modules=layout.keep, device=dims.device)
+    stages = build_stages(
+        module, plan, dims.pp_rank, dims.pp, keep_modules=layout.keep, device=dims.device, share_tensors=True
+    )
     chunks = [
         StageChunk(
             install_decoder_stage(stage, layout, own_loss_inputs=head_only), index, ["input_ids"], _hf_arguments(module)
@@ -262,7 +264,10 @@ def _built_stages(
         # each traced stage reads the model inputs it needs from the microbatch, by name
         return [StageChunk(stage, index, (), reads) for index, stage, reads in stages], plan
     plan = plan_stages(module, dims.pp * build["virtual_pipeline_size"], **common)
-    stages = build_stages(module, plan, dims.pp_rank, dims.pp, param_init_fn=build["param_init_fn"], device=dims.device)
+    stages = build_stages(
+        module, plan, dims.pp_rank, dims.pp, param_init_fn=build["param_init_fn"], device=dims.device,
+        share_tensors=True,
+    )  # fmt: skip
     return [StageChunk(stage, index, build["input_names"]) for index, stage in stages], plan
 
 
@@ -454,6 +459,8 @@ class NxDPPModel(PipelineModel):
         self.pipeline_parallel_size, self.pipeline_parallel_rank = pp, pp_rank
         self.virtual_pipeline_size = virtual_pipeline_size
         self.timeline = PPTimeline(trace_file_path, pp_rank)  # NxD's trace file: a timeline of the steps
+        if chunks is not None:
+            self._point_model_at_stages()
         if chunks is not None and not manual_pp_partition:  # NxD runs them when it partitions (here: built)
             from meshpar.compat.nxd.trainer import hooks
 
@@ -565,6 +572,7 @@ class NxDPPModel(PipelineModel):
         build = {**self._build, "dims": self.dims, "input_names": input_names}
         chunks, plan = _built_stages(build, cuts, False, tracing, traced)
         self.install_stages(chunks, plan)
+        self._point_model_at_stages()
         hf_any = self._hf_split and input_names is None  # any arguments of its forward (checked at each step)
         self._traced_inputs = None if hf_any else set(traced_input_names(module, input_names))
         self._first_step = None
@@ -575,6 +583,42 @@ class NxDPPModel(PipelineModel):
         from meshpar.compat.nxd.trainer import hooks
 
         hooks.execute_all_hooks(self)
+
+    def _point_model_at_stages(self) -> None:
+        """The wrapped model's entries for what this rank's stages hold become the stages' own tensors. NxD's stages
+        are the model's modules, so ``original_torch_module``, :meth:`parameters` and attributes read through the
+        pipeline (``model.lm_head``) see the weights that train; meshpar's stages share the model's tensors when
+        built (``share_tensors``), and a stage materialised from meta has new ones, which its model takes here."""
+        original = self._wrapped_model()
+        if original is None:
+            return
+        for slots, named in (("_parameters", self.local_named_parameters()), ("_buffers", self.local_named_buffers())):
+            for fqn, tensor in named:
+                prefix, _, leaf = fqn.rpartition(".")
+                try:
+                    held = getattr(original.get_submodule(prefix), slots)
+                except AttributeError:  # a stage's own module the model lacks
+                    continue
+                if held.get(leaf) is not None and held[leaf].shape == tensor.shape:
+                    held[leaf] = tensor
+
+    # NxD's module views of the pipeline itself: the wrapped model's (this rank's stages' tensors where it holds them)
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        original = self._wrapped_model()
+        return (
+            super().named_parameters(*args, **kwargs)
+            if original is None
+            else original.named_parameters(*args, **kwargs)
+        )
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        original = self._wrapped_model()
+        return super().named_buffers(*args, **kwargs) if original is None else original.named_buffers(*args, **kwargs)
+
+    def _wrapped_model(self) -> nn.Module | None:
+        """The model NxD's views read (``None`` for manual partitioning, whose model was a list of layers)."""
+        original = self._modules.get("original_torch_module")
+        return original if original is not None and original is self._build["module"] else None
 
     # the runtime's own attributes, which exist once the stages are built: never looked up on the wrapped model
     _OWN_LATER = frozenset({"chunks", "plan", "data_parallel"})

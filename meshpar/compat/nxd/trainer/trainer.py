@@ -221,7 +221,7 @@ def _with_defaults(nxd_config: dict[str, Any]) -> dict[str, Any]:
 
 def filter_to_local_parameter_group(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Keep in each param group only the parameters this rank's stages hold."""
-    local = {id(p) for p in model.parameters()}
+    local = {id(p) for p in getattr(model, "local_parameters", model.parameters)()}
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) in local]
 
