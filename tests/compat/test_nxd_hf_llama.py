@@ -3,7 +3,8 @@ embedding, attention and MLP are NxD's parallel layers (``ParallelEmbedding``, `
 column / row-parallel linears), whose head stays vocab-parallel and whose ``forward`` computes the loss with
 ``parallel_cross_entropy`` over the labelled tokens. Trained through NxD's trainer with the example's
 ``pipeline_config`` (no ``tracer_cls``: an HF model, cut by its structure; ``leaf_module_cls`` as class names),
-SGD with momentum, gradient clipping and ZeRO-1 where dp > 1, at tp2 x pp2, pp2 x dp2 and tp2 x dp2, against the plain
+SGD with momentum, gradient clipping and ZeRO-1 where dp > 1, at tp2 x pp2, pp2 x dp2 and tp2 x dp2, and with sequence
+parallelism (NxD's seq-first layout between layers and across stages) at tp2 x pp2 and tp2 x dp2, against the plain
 transformers model in one process: the loss of every step (left-padded rows, labels masked where padded), every
 parameter after every step, and a checkpoint saved after the second step and loaded into a fresh model and
 optimizer that run the third.
@@ -16,10 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
+    LlamaModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -39,7 +41,9 @@ SGD = {"lr": 0.2, "momentum": 0.9}  # state to checkpoint; errors in a grad show
 
 class NxDAttention(LlamaAttention):
     """q, k and v from one ``GQAQKVColumnParallelLinear`` (this rank's heads), the output through a
-    ``RowParallelLinear``; the attention itself is transformers'."""
+    ``RowParallelLinear``; the attention itself is transformers'. Under sequence parallelism (NxD's
+    ``config.sequence_parallel_enabled``) the hidden states are NxD's ``[seq / tp, batch, hidden]``: the q/k/v layer
+    gathers the sequence, the output layer reduce-scatters it."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
@@ -47,21 +51,64 @@ class NxDAttention(LlamaAttention):
 
         super().__init__(config, layer_idx)
         del self.q_proj, self.k_proj, self.v_proj
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        heads, kv_heads, sp = config.num_attention_heads, config.num_key_value_heads, config.sequence_parallel_enabled
         self.qkv_proj = GQAQKVColumnParallelLinear(
             config.hidden_size, [heads * self.head_dim, kv_heads * self.head_dim], bias=False, gather_output=False,
-            fuse_qkv=False,
+            fuse_qkv=False, sequence_parallel_enabled=sp,
         )  # fmt: skip
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False, input_is_parallel=True)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False, input_is_parallel=True,
+                                        sequence_parallel_enabled=sp)  # fmt: skip
+        self.seq_first = sp
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        rows = hidden_states.shape[:-1]
-        query, key, value = (
-            state.view(*rows, -1, self.head_dim).transpose(1, 2) for state in self.qkv_proj(hidden_states)
-        )
+        states = self.qkv_proj(hidden_states)  # [batch, seq, .] or, seq first, [seq, batch, .]
+        lead = states[0].shape[:2]
+        order = (1, 2, 0, 3) if self.seq_first else (0, 2, 1, 3)  # to [batch, heads, seq, head_dim]
+        query, key, value = (state.view(*lead, -1, self.head_dim).permute(order) for state in states)
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         out, weights = eager_attention_forward(self, query, key, value, attention_mask, scaling=self.scaling)
-        return self.o_proj(out.reshape(*rows, -1)), weights
+        out = out.transpose(0, 1) if self.seq_first else out  # transformers returns [batch, seq, heads, head_dim]
+        return self.o_proj(out.reshape(*lead, -1)), weights
+
+
+class NxDLlamaModel(LlamaModel):
+    """transformers' Llama body of NxD's layers. Under sequence parallelism its ``forward`` is NxD's example's own
+    (transformers' reads the batch and sequence off the embedding's output, which is then ``[seq / tp, batch, .]``):
+    the causal and padding mask, the rotary angles, the layers and the norm, seq first throughout."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+
+        super().__init__(config)
+        hidden, inner, sp = config.hidden_size, config.intermediate_size, config.sequence_parallel_enabled
+        self.embed_tokens = ParallelEmbedding(config.vocab_size, hidden, sequence_parallel_enabled=sp)
+        for index, layer in enumerate(self.layers):
+            layer.self_attn = NxDAttention(config, index)
+            mlp = layer.mlp
+            mlp.gate_proj = ColumnParallelLinear(hidden, inner, bias=False, gather_output=False,
+                                                 sequence_parallel_enabled=sp)  # fmt: skip
+            mlp.up_proj = ColumnParallelLinear(hidden, inner, bias=False, gather_output=False,
+                                               sequence_parallel_enabled=sp)  # fmt: skip
+            mlp.down_proj = RowParallelLinear(inner, hidden, bias=False, input_is_parallel=True,
+                                              sequence_parallel_enabled=sp)  # fmt: skip
+        for norm in (self.norm, *(n for layer in self.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm))):  # fmt: skip
+            norm.weight.sequence_parallel_enabled = sp  # NxD's norm: its grads are partial over tp under sp
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        if not self.config.sequence_parallel_enabled:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        rows, seq = input_ids.shape
+        hidden = self.embed_tokens(input_ids)
+        lowest = torch.finfo(torch.float32).min
+        mask = torch.full((seq, seq), lowest, device=input_ids.device).triu(1)[None, None]
+        if attention_mask is not None:  # padded keys masked too
+            mask = (mask + (1.0 - attention_mask[:, None, None, :].float()) * lowest).clamp(min=lowest)
+        positions = torch.arange(seq, device=input_ids.device)[None]
+        rotary = self.rotary_emb(torch.empty(rows, seq, 1, device=input_ids.device), positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
 
 
 class NxDLlamaForCausalLM(LlamaForCausalLM):
@@ -69,24 +116,20 @@ class NxDLlamaForCausalLM(LlamaForCausalLM):
     inside, -100 ignored) from vocab-parallel logits, as NxD's example model does."""
 
     def __init__(self, config: LlamaConfig) -> None:
-        from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+        from meshpar.compat.nxd.parallel_layers import ColumnParallelLinear
 
         super().__init__(config)
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.model.embed_tokens = ParallelEmbedding(config.vocab_size, hidden)
-        for index, layer in enumerate(self.model.layers):
-            layer.self_attn = NxDAttention(config, index)
-            mlp = layer.mlp
-            mlp.gate_proj = ColumnParallelLinear(hidden, inner, bias=False, gather_output=False)
-            mlp.up_proj = ColumnParallelLinear(hidden, inner, bias=False, gather_output=False)
-            mlp.down_proj = RowParallelLinear(inner, hidden, bias=False, input_is_parallel=True)
-        self.lm_head = ColumnParallelLinear(hidden, config.vocab_size, bias=False, gather_output=False)
+        self.model = NxDLlamaModel(config)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, gather_output=False,
+                                            sequence_parallel_enabled=config.sequence_parallel_enabled)  # fmt: skip
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         from meshpar.compat.nxd.parallel_layers.loss_functions import parallel_cross_entropy
 
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         logits = self.lm_head(hidden)
+        if self.config.sequence_parallel_enabled:  # the head gathered the sequence: [seq, batch, vocab / tp]
+            logits = logits.transpose(0, 1)
         loss = None
         if labels is not None:
             shifted_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
@@ -103,15 +146,15 @@ def _dense_name(name: str) -> str:
     return name
 
 
-def _batch(step: int, rows: int) -> dict[str, torch.Tensor]:
+def _batch(step: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, CONFIG["vocab_size"], (rows, SEQ), generator=generator)
+    ids = torch.randint(0, CONFIG["vocab_size"], (rows, seq), generator=generator)
     mask = torch.ones_like(ids)
     mask[1::3, :3] = 0  # left padding on some rows: the padded positions carry no loss
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def hf_llama_case(tp: int, pp: int, tmp: str) -> None:
+def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) -> None:
     import meshpar.compat.nxd as nxd
     from meshpar.compat.nxd.parallel_layers import parallel_state
 
@@ -125,8 +168,9 @@ def hf_llama_case(tp: int, pp: int, tmp: str) -> None:
     config = nxd.neuronx_distributed_config(
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": dp > 1, "grad_clipping": True, "max_grad_norm": 1.0},
+        sequence_parallel=sp,
     )  # fmt: skip
-    llama = LlamaConfig(**CONFIG)
+    llama = LlamaConfig(**CONFIG, sequence_parallel_enabled=sp)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(llama).train()
     dense_params = dict(dense.named_parameters())
@@ -147,7 +191,7 @@ def hf_llama_case(tp: int, pp: int, tmp: str) -> None:
             optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, model.parameters(), **SGD)
             nxd.load_checkpoint(tmp, model=model, optimizer=optimizer)
             assert_params_match(model, dense_params, _dense_name, atol=2e-6, rtol=1e-5)
-        batch = _batch(step, ROWS * dp)
+        batch = _batch(step, ROWS * dp, seq)
         mine = {key: value[ROWS * dp_rank : ROWS * (dp_rank + 1)] for key, value in batch.items()}
         if pp > 1:  # the mean of the microbatches' losses, on every stage
             loss = model.run_train(**mine).detach()
@@ -169,6 +213,12 @@ def hf_llama_case(tp: int, pp: int, tmp: str) -> None:
         assert_params_match(model, dense_params, _dense_name, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 2), (2, 1)])
-def test_nxd_llama_example_as_an_hf_model_trains_like_dense(tp: int, pp: int, tmp_path) -> None:
-    run_distributed(hf_llama_case, 4, tp, pp, str(tmp_path))
+@pytest.mark.parametrize("tp,pp,sp", [(2, 2, False), (1, 2, False), (2, 1, False), (2, 2, True), (2, 1, True)])
+def test_nxd_llama_example_as_an_hf_model_trains_like_dense(tp: int, pp: int, sp: bool, tmp_path) -> None:
+    # under sequence parallelism the sequence is one tp divides: NxD's layout crosses the stages seq first
+    run_distributed(hf_llama_case, 4, tp, pp, str(tmp_path), sp, SEQ + 1 if sp else SEQ)
+
+
+def test_nxd_llama_example_as_an_hf_model_refuses_a_sequence_tp_does_not_divide_under_sp(tmp_path) -> None:
+    with pytest.raises(AssertionError, match=r"ValueError: .*the sequence length must be divisible by tp"):
+        run_distributed(hf_llama_case, 4, 2, 2, str(tmp_path), True, SEQ)  # raised on every rank
