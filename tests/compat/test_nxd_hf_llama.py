@@ -3,11 +3,12 @@ embedding, attention and MLP are NxD's parallel layers (``ParallelEmbedding``, `
 column / row-parallel linears), whose head stays vocab-parallel and whose ``forward`` computes the loss with
 ``parallel_cross_entropy`` over the labelled tokens. Trained through NxD's trainer with the example's
 ``pipeline_config`` (no ``tracer_cls``: an HF model, cut by its structure; ``leaf_module_cls`` as class names),
-SGD with momentum, gradient clipping and ZeRO-1 where dp > 1, at tp2 x pp2, pp2 x dp2 and tp2 x dp2, and with sequence
-parallelism (NxD's seq-first layout between layers and across stages) at tp2 x pp2 and tp2 x dp2, against the plain
-transformers model in one process: the loss of every step (left-padded rows, labels masked where padded), every
-parameter after every step, and a checkpoint saved after the second step and loaded into a fresh model and
-optimizer that run the third.
+SGD with momentum, gradient clipping, every layer recomputed in backward (the example's
+``activation_checkpoint_config="full"``) and ZeRO-1 where dp > 1, at tp2 x pp2, pp2 x dp2 and tp2 x dp2, and with
+sequence parallelism (NxD's seq-first layout between layers and across stages) at tp2 x pp2 and tp2 x dp2, against
+the plain transformers model in one process: the loss of every step (left-padded rows, labels masked where
+padded), every parameter after every step, and a checkpoint saved after the second step and loaded into a fresh
+model and optimizer that run the third.
 
 NxD's own ``modeling_llama_nxd.py`` cannot be imported with the installed transformers (it imports names
 transformers 5 removed), so this is the example's model in meshpar's words."""
@@ -157,6 +158,7 @@ def _batch(step: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
 def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) -> None:
     import meshpar.compat.nxd as nxd
     from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.utils.activation_checkpoint import NxDCheckpointWrapper
 
     dp = 4 // (tp * pp)
     pipeline_config = {
@@ -168,7 +170,7 @@ def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) 
     config = nxd.neuronx_distributed_config(
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": dp > 1, "grad_clipping": True, "max_grad_norm": 1.0},
-        sequence_parallel=sp,
+        sequence_parallel=sp, activation_checkpoint_config="full",
     )  # fmt: skip
     llama = LlamaConfig(**CONFIG, sequence_parallel_enabled=sp)
     torch.manual_seed(0)
@@ -181,6 +183,8 @@ def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) 
         return model
 
     model = nxd.initialize_parallel_model(config, built)
+    layers = [module for _, module in model.named_modules() if isinstance(module, LlamaDecoderLayer)]
+    assert layers and all(isinstance(layer, NxDCheckpointWrapper) for layer in layers)  # the example's "full"
     optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, model.parameters(), **SGD)
     dense_optimizer = torch.optim.SGD(dense.parameters(), **SGD)
     dp_rank = parallel_state.get_data_parallel_rank()
