@@ -147,6 +147,14 @@ def _dense_name(name: str) -> str:
     return name
 
 
+def _decay_groups(model: torch.nn.Module) -> list[dict]:
+    """The example's param groups: weight decay on all but biases and norms (by name)."""
+    named = list(model.named_parameters())
+    plain = [p for n, p in named if "bias" not in n and "norm" not in n]
+    return [{"params": plain, "weight_decay": 0.01},
+            {"params": [p for n, p in named if "bias" in n or "norm" in n], "weight_decay": 0.0}]  # fmt: skip
+
+
 def _batch(step: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, CONFIG["vocab_size"], (rows, seq), generator=generator)
@@ -157,20 +165,24 @@ def _batch(step: int, rows: int, seq: int) -> dict[str, torch.Tensor]:
 
 def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) -> None:
     import meshpar.compat.nxd as nxd
-    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.parallel_layers import mappings, parallel_state
     from meshpar.compat.nxd.utils.activation_checkpoint import NxDCheckpointWrapper
 
     dp = 4 // (tp * pp)
-    pipeline_config = {
+    pipeline_config = {  # the example's keys, with its values for a CPU run
         "transformer_layer_cls": LlamaDecoderLayer, "num_microbatches": MICROBATCHES,
         "output_loss_value_spec": (True, False), "input_names": ["input_ids", "attention_mask", "labels"],
-        "auto_partition": True, "leaf_module_cls": [LlamaRMSNorm.__name__, LlamaRotaryEmbedding.__name__],
-        "broadcast_and_average_loss": True,
+        "virtual_pipeline_size": 1, "auto_partition": True, "trace_file_path": None, "param_init_fn": None,
+        "leaf_module_cls": [LlamaRMSNorm.__name__, LlamaRotaryEmbedding.__name__], "autowrap_modules": [mappings],
+        "use_zero1_optimizer": dp > 1, "use_optimizer_wrapper": True, "deallocate_pipeline_outputs": False,
+        "fuse_microbatches": False, "broadcast_and_average_loss": True,
     }  # fmt: skip
     config = nxd.neuronx_distributed_config(
         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=pipeline_config if pp > 1 else None,
         optimizer_config={"zero_one_enabled": dp > 1, "grad_clipping": True, "max_grad_norm": 1.0},
-        sequence_parallel=sp, activation_checkpoint_config="full",
+        sequence_parallel=sp, activation_checkpoint_config="full", model_init_config=None,
+        mixed_precision_config={"use_master_weights": False, "use_fp32_grad_acc": False,
+                                "use_master_weights_in_ckpt": False},
     )  # fmt: skip
     llama = LlamaConfig(**CONFIG, sequence_parallel_enabled=sp)
     torch.manual_seed(0)
@@ -185,14 +197,14 @@ def hf_llama_case(tp: int, pp: int, tmp: str, sp: bool = False, seq: int = SEQ) 
     model = nxd.initialize_parallel_model(config, built)
     layers = [module for _, module in model.named_modules() if isinstance(module, LlamaDecoderLayer)]
     assert layers and all(isinstance(layer, NxDCheckpointWrapper) for layer in layers)  # the example's "full"
-    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, model.parameters(), **SGD)
-    dense_optimizer = torch.optim.SGD(dense.parameters(), **SGD)
+    optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, _decay_groups(model), **SGD)
+    dense_optimizer = torch.optim.SGD(_decay_groups(dense), **SGD)
     dp_rank = parallel_state.get_data_parallel_rank()
     for step in range(3):
         if step == 2:
             nxd.save_checkpoint(tmp, "step2", model=model, optimizer=optimizer)
             model = nxd.initialize_parallel_model(config, lambda: NxDLlamaForCausalLM(llama))
-            optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, model.parameters(), **SGD)
+            optimizer = nxd.initialize_parallel_optimizer(config, torch.optim.SGD, _decay_groups(model), **SGD)
             nxd.load_checkpoint(tmp, model=model, optimizer=optimizer)
             assert_params_match(model, dense_params, _dense_name, atol=2e-6, rtol=1e-5)
         batch = _batch(step, ROWS * dp, seq)
