@@ -153,3 +153,36 @@ def refusal_case(kind: str) -> None:
 def test_nxd_pipeline_of_an_hf_model_refuses_what_it_cannot_run(kind: str, message: str) -> None:
     with pytest.raises(AssertionError, match=message):  # raised on every rank
         run_distributed(refusal_case, 2, kind)
+
+
+def modes_case() -> None:
+    """NxD's modes: ``run_eval`` runs the stages in eval mode (a model with dropout evaluates as the dense model in
+    eval mode), ``run_train`` in train mode again; ``forward()``, ``train()`` and ``eval()`` are refused as in NxD."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+    from meshpar.compat.nxd.pipeline import NxDPPModel
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=48, n_positions=16, n_embd=16, n_layer=LAYERS, n_head=2, resid_pdrop=0.3,
+                        embd_pdrop=0.3, attn_pdrop=0.3)  # fmt: skip
+    dense = GPT2LMHeadModel(config)
+    model = NxDPPModel(copy.deepcopy(dense), transformer_layer_cls=_layer_class(dense), num_microbatches=2,
+                       output_loss_value_spec=(True, False), broadcast_and_average_loss=True)  # fmt: skip
+    batch = _batch(0, 4, config.vocab_size)
+    model.run_train(**batch)
+    assert all(module.training for stage in model.local_modules() for module in stage.modules())
+    with torch.no_grad():
+        dense_eval = _dense_loss(dense.eval(), batch, 2 * parallel_state.get_data_parallel_size())
+    torch.testing.assert_close(model.run_eval(**batch), dense_eval, atol=1e-6, rtol=1e-5)  # dropout off
+    assert not any(module.training for stage in model.local_modules() for module in stage.modules())
+    model.run_train(**batch)
+    assert all(module.training for stage in model.local_modules() for module in stage.modules())
+    for call in (lambda: model(**batch), model.train, model.eval):
+        with pytest.raises(RuntimeError, match="run_train"):
+            call()
+
+
+def test_nxd_pipeline_of_an_hf_model_evaluates_in_eval_mode_and_trains_in_train_mode() -> None:
+    run_distributed(modes_case, 2)

@@ -584,6 +584,18 @@ class NxDPPModel(PipelineModel):
 
         hooks.execute_all_hooks(self)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as in NxD: a pipeline runs whole steps."""
+        raise RuntimeError("NxDPPModel.forward() is not supported (as in NxD): use run_train() or run_eval()")
+
+    def train(self, mode: bool = True) -> NxDPPModel:
+        """Refused, as in NxD (``eval()`` too): ``run_train`` runs the stages in train mode, ``run_eval`` in eval
+        mode."""
+        raise RuntimeError(
+            "NxDPPModel.train() / eval() are not supported (as in NxD): run_train() runs the stages in train mode, "
+            "run_eval() in eval mode"
+        )
+
     def _point_model_at_stages(self) -> None:
         """The wrapped model's entries for what this rank's stages hold become the stages' own tensors. NxD's stages
         are the model's modules, so ``original_torch_module``, :meth:`parameters` and attributes read through the
@@ -804,6 +816,10 @@ class NxDPPModel(PipelineModel):
             if self._hf_split:
                 self._check_hf_inputs(inputs)
         self.partitioned = True  # NxD partitions at the first step at the latest
+        # NxD's modes: a training step runs the stages in train mode, an evaluation in eval mode (dropout off)
+        self.training = not forward_only
+        for stage in self.local_modules():
+            stage.train(not forward_only)
         outputs_only = forward_only and self._evaluates_outputs
         with mark_timeline(self.timeline, "eval_step" if forward_only else "train_step"):
             loss = super()._run(forward_only, inputs, keep_outputs, with_loss=not outputs_only)
