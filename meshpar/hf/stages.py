@@ -1063,7 +1063,9 @@ def decoder_pipeline_plan(
         last_stage_modules=[*last, *head_modules(model, layout.base)],
     )
     if from_meta:
-        _log.warning("%s: pipeline stages are not checked against the dense model (built on meta)", type(model))
+        _log.warning(
+            "%s: pipeline stages are not checked against the dense model (built on meta)", type(model).__name__
+        )
     else:  # the plan proven here is the plan built
         check_stage_composition(model, layout, plan)
     return layout, plan

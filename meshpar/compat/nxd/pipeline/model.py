@@ -222,14 +222,13 @@ def _hf_stages(
         pipeline_cuts=pipeline_cuts, auto_partition=auto_partition,
     )  # fmt: skip
     base = module.get_submodule(layout.base) if layout.base else module
-    head_only = [name for name in _hf_arguments(module) if name not in _hf_arguments(base)]
+    arguments = _hf_arguments(module)
+    head_only = [name for name in arguments if name not in _hf_arguments(base)]
     stages = build_stages(
         module, plan, dims.pp_rank, dims.pp, keep_modules=layout.keep, device=dims.device, share_tensors=True
     )
     chunks = [
-        StageChunk(
-            install_decoder_stage(stage, layout, own_loss_inputs=head_only), index, ["input_ids"], _hf_arguments(module)
-        )
+        StageChunk(install_decoder_stage(stage, layout, own_loss_inputs=head_only), index, ["input_ids"], arguments)
         for index, stage in stages
     ]
     return chunks, plan
@@ -630,7 +629,7 @@ class NxDPPModel(PipelineModel):
     def _wrapped_model(self) -> nn.Module | None:
         """The model NxD's views read (``None`` for manual partitioning, whose model was a list of layers)."""
         original = self._modules.get("original_torch_module")
-        return original if original is not None and original is self._build["module"] else None
+        return original if original is self._build["module"] else None
 
     # the runtime's own attributes, which exist once the stages are built: never looked up on the wrapped model
     _OWN_LATER = frozenset({"chunks", "plan", "data_parallel"})
