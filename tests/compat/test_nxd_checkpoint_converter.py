@@ -12,6 +12,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -444,7 +445,12 @@ class NxDLlama(nn.Module):
         return parallel_cross_entropy(self.lm_head(self.model.norm(h)), labels).mean()
 
 
-def loaded_case(root: str, multiplier: int, fuse: bool) -> None:
+def loaded_case(root: str, multiplier: int, fuse: bool, platform: str) -> None:
+    with mock.patch.dict(os.environ, {"NEURON_PLATFORM_TARGET_OVERRIDE": platform}):
+        _loaded_case(root, multiplier, fuse)
+
+
+def _loaded_case(root: str, multiplier: int, fuse: bool) -> None:
     from transformers import LlamaForCausalLM
 
     import meshpar.compat.nxd as nxd
@@ -464,18 +470,22 @@ def loaded_case(root: str, multiplier: int, fuse: bool) -> None:
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("tp", "multiplier", "fuse", "xser"), [(2, 1, False, True), (4, 2, True, False)])
+@pytest.mark.parametrize(
+    ("tp", "multiplier", "fuse", "xser", "platform"),
+    [(2, 1, False, True, "trn2"), (4, 2, True, False, "trn2"), (4, 2, False, False, "trn1")],
+)
 def test_converted_files_load_into_the_examples_model_and_give_the_hf_loss(
-    tmp_path: Path, tp: int, multiplier: int, fuse: bool, xser: bool
+    tmp_path: Path, tp: int, multiplier: int, fuse: bool, xser: bool, platform: str
 ) -> None:
-    """Also from torch_xla's split-tensor files (NxD's ``use_xser=True``) at tp2."""
+    """Also from torch_xla's split-tensor files (NxD's ``use_xser=True``) at tp2, and files cut for Trn1's layout
+    into a model run on it (``NEURON_PLATFORM_TARGET_OVERRIDE=trn1``)."""
     full, config = _full_checkpoint(tmp_path)
     _convert("--convert_from_full_state", "--input_dir", str(full), "--output_dir", str(tmp_path / "pretrained_weight"),
-             "--config", str(config), *_options(tp, 1, True, multiplier, "trn2", fuse))  # fmt: skip
+             "--config", str(config), *_options(tp, 1, True, multiplier, platform, fuse))  # fmt: skip
     if xser:
         for file in list((tmp_path / "pretrained_weight" / "model").iterdir()):
             _rewrite_as_xser(file)
-    run_distributed(loaded_case, tp, str(tmp_path), multiplier, fuse)
+    run_distributed(loaded_case, tp, str(tmp_path), multiplier, fuse, platform)
 
 
 def mismatch_case(root: str) -> list[str]:

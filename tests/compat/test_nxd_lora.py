@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -261,11 +263,18 @@ def test_nxd_lora_trains_like_dense_lora(tp: int, pp: int, sequence_parallel: bo
     run_distributed(lora_train_case, 4, tp, pp, sequence_parallel, str(tmp_path))
 
 
-def lora_gqa_case(fuse_qkv: bool) -> None:
-    """LoRA around GQAQKVColumnParallelLinear at tp 4 with 2 kv heads (each replicated on 2 ranks): q / k / v equal
-    each rank's heads of the dense projections plus the dense adapter's; after a grouped attention's backward A's
-    grad is the dense one and B's are the dense grads of each rank's heads; merging gives the same outputs; the
-    adapter gathered for saving is the dense adapter."""
+def lora_gqa_case(fuse_qkv: bool, platform: str) -> None:
+    """:func:`_lora_gqa_case` with the platform that selects the kv replica layout (restored after: pooled workers serve
+    later tests)."""
+    with mock.patch.dict(os.environ, {"NEURON_PLATFORM_TARGET_OVERRIDE": platform}):
+        _lora_gqa_case(fuse_qkv, platform)
+
+
+def _lora_gqa_case(fuse_qkv: bool, platform: str) -> None:
+    """LoRA around GQAQKVColumnParallelLinear at tp 4 with 2 kv heads (each replicated on 2 ranks: adjacent ones on
+    Trn2, ranks 2 apart on Trn1): q / k / v equal each rank's heads of the dense projections plus the dense
+    adapter's; after a grouped attention's backward A's grad is the dense one and B's are the dense grads of each
+    rank's heads; merging gives the same outputs; the adapter gathered for saving is the dense adapter."""
     from meshpar.compat.nxd.modules.lora.model import _local_qkv
     from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
     from meshpar.compat.nxd.parallel_layers import parallel_state
@@ -302,7 +311,8 @@ def lora_gqa_case(fuse_qkv: bool) -> None:
     q, k, v = model(x)
     s = model.lora_config.lora_alpha / r
     dense = [x @ w.T + s * (x @ a.T @ b.T) for w, b in zip(masters, (bq, bk, bv), strict=True)]
-    my_kv = rank // 2
+    kv_of_rank = [t % kv_heads if platform == "trn1" else t // 2 for t in range(tp)]
+    my_kv = kv_of_rank[rank]
     torch.testing.assert_close(q, dense[0][..., rank * heads * d // tp : (rank + 1) * heads * d // tp])
     torch.testing.assert_close(k, dense[1][..., my_kv * d : (my_kv + 1) * d])
     torch.testing.assert_close(v, dense[2][..., my_kv * d : (my_kv + 1) * d])
@@ -310,7 +320,8 @@ def lora_gqa_case(fuse_qkv: bool) -> None:
     (q.view(2, S, heads // tp, d) * k.view(2, S, 1, d)).sum().backward()
     a_d, bq_d, bk_d = a.clone().requires_grad_(), bq.clone().requires_grad_(), bk.clone().requires_grad_()
     qd = (x @ masters[0].T + s * (x @ a_d.T @ bq_d.T)).view(2, S, heads, d)
-    kd = (x @ masters[1].T + s * (x @ a_d.T @ bk_d.T)).view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, 2)
+    kv_of_q = torch.tensor([kv_of_rank[h // (heads // tp)] for h in range(heads)])  # each rank's q heads, its kv
+    kd = (x @ masters[1].T + s * (x @ a_d.T @ bk_d.T)).view(2, S, kv_heads, d).index_select(2, kv_of_q)
     (qd * kd).sum().backward()
     lora = model.module.qkv
     torch.testing.assert_close(lora.lora_A.weight.grad, a_d.grad, atol=1e-4, rtol=1e-4)
@@ -333,9 +344,9 @@ def lora_gqa_case(fuse_qkv: bool) -> None:
         torch.testing.assert_close(saved[name], value, msg=name)
 
 
-@pytest.mark.parametrize("fuse_qkv", [True, False])
-def test_nxd_lora_gqa_qkv_equals_dense_heads(fuse_qkv: bool) -> None:
-    run_distributed(lora_gqa_case, 4, fuse_qkv)
+@pytest.mark.parametrize("fuse_qkv,platform", [(True, "trn2"), (False, "trn2"), (True, "trn1"), (False, "trn1")])
+def test_nxd_lora_gqa_qkv_equals_dense_heads(fuse_qkv: bool, platform: str) -> None:
+    run_distributed(lora_gqa_case, 4, fuse_qkv, platform)
 
 
 def overlapped_pipeline_case() -> str:

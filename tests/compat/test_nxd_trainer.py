@@ -8,6 +8,7 @@ refused on every rank), and the GQA QKV layer against dense grouped-query attent
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -352,10 +353,28 @@ def test_nxd_checkpoint_at_another_layout_is_refused_on_every_rank(tmp_path) -> 
     assert str(info.value).count("ValueError: load_checkpoint failed on rank") == 4
 
 
-def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
-    """q / k / v of GQAQKVColumnParallelLinear at tp=4 equal the dense projections' heads each rank needs, and after
-    a backward through a per-rank grouped product of them (whose sum over ranks is the dense one) the input grad,
-    the weight grads and the bias grads are the dense ones of each rank's heads, on every replica of a kv head."""
+def _kv_blocks(rank: int, tp: int, kv_heads: int, platform: str) -> list[int]:
+    """The dense kv heads tp rank ``rank`` holds: its own share, or, replicated, one head: on Trn2 a head's copies
+    sit on adjacent ranks, on Trn1 the whole set of heads is repeated (rank r holds head r % kv_heads)."""
+    multiplier = max(1, tp // kv_heads)
+    if multiplier == 1:
+        per_rank = kv_heads // tp
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [rank % kv_heads] if platform == "trn1" else [rank // multiplier]
+
+
+def gqa_case(fuse_qkv: bool, kv_heads: int, platform: str) -> None:
+    """:func:`_gqa_case` with the platform that selects the kv replica layout (restored after: pooled workers serve
+    later tests)."""
+    with mock.patch.dict(os.environ, {"NEURON_PLATFORM_TARGET_OVERRIDE": platform}):
+        _gqa_case(fuse_qkv, kv_heads, platform)
+
+
+def _gqa_case(fuse_qkv: bool, kv_heads: int, platform: str) -> None:
+    """q / k / v of GQAQKVColumnParallelLinear at tp=4 equal the dense projections' heads each rank holds in the
+    platform's layout, and after a backward through a per-rank grouped product of them (each rank's query heads
+    with its own kv heads: the model the layout trains, dense, pairs them the same way) the input grad, the weight
+    grads and the bias grads are the dense ones of each rank's heads, on every replica of a kv head."""
     import torch.distributed as dist
 
     from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
@@ -377,9 +396,8 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
         wq, wk, wv = layer.master_weight_q, layer.master_weight_k, layer.master_weight_v
     x = torch.randn(2, S, H, requires_grad=True)
     q, k, v = layer(x)
-    kv_per_rank = kv_heads * multiplier // tp
-    my_kv = [rank // multiplier] if multiplier > 1 else list(range(rank * kv_per_rank, (rank + 1) * kv_per_rank))
-    q_rows, kv_rows = heads * d // tp, kv_per_rank * d
+    my_kv = _kv_blocks(rank, tp, kv_heads, platform)
+    q_rows, kv_rows = heads * d // tp, len(my_kv) * d
     biases = (
         layer.bias_qkv.split([q_rows, kv_rows, kv_rows]) if fuse_qkv else (layer.bias_q, layer.bias_k, layer.bias_v)
     )
@@ -387,8 +405,7 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
     gathered = [[torch.empty_like(b) for _ in range(tp)] for b in biases]
     for parts, b in zip(gathered, biases, strict=True):
         dist.all_gather(parts, b.detach().contiguous(), group=group)
-    holder = {h: (r, i) for r in reversed(range(tp)) for i, h in enumerate(
-        [r // multiplier] if multiplier > 1 else range(r * kv_per_rank, (r + 1) * kv_per_rank))}  # fmt: skip
+    holder = {h: (r, i) for r in reversed(range(tp)) for i, h in enumerate(_kv_blocks(r, tp, kv_heads, platform))}
     dense_bias = [torch.cat(gathered[0])] + [
         torch.cat([gathered[j][holder[h][0]][holder[h][1] * d : (holder[h][1] + 1) * d] for h in range(kv_heads)])
         for j in (1, 2)
@@ -403,11 +420,16 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
     k_heads = k.view(2, S, -1, d).repeat_interleave(group_size, dim=2)
     v_heads = v.view(2, S, -1, d).repeat_interleave(group_size, dim=2)
     (q.view(2, S, heads // tp, d) * k_heads * v_heads).sum().backward()
+    # dense: query head h (on rank h // (heads / tp)) pairs with the kv head its rank holds for it
+    q_per_rank = heads // tp
+    kv_of_q = torch.tensor(
+        [_kv_blocks(h // q_per_rank, tp, kv_heads, platform)[h % q_per_rank // group_size] for h in range(heads)]
+    )
     x_d = x.detach().clone().requires_grad_()
     dense = [t.clone().requires_grad_() for t in (wq, wk, wv, *dense_bias)]
     qd, kd, vd = (x_d @ w.t() + b for w, b in zip(dense[:3], dense[3:], strict=True))
-    kd = kd.view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
-    vd = vd.view(2, S, kv_heads, d).repeat_interleave(heads // kv_heads, dim=2)
+    kd = kd.view(2, S, kv_heads, d).index_select(2, kv_of_q)
+    vd = vd.view(2, S, kv_heads, d).index_select(2, kv_of_q)
     (qd.view(2, S, heads, d) * kd * vd).sum().backward()
     torch.testing.assert_close(x.grad, x_d.grad, atol=1e-4, rtol=1e-4)
     if fuse_qkv:
@@ -422,9 +444,83 @@ def gqa_case(fuse_qkv: bool, kv_heads: int) -> None:
         torch.testing.assert_close(got_b, want_b.grad[r], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fuse_qkv,kv_heads", [(True, 2), (False, 2), (True, 4), (False, 8)])
-def test_nxd_gqa_qkv_linear_equals_dense_heads(fuse_qkv: bool, kv_heads: int) -> None:
-    run_distributed(gqa_case, 4, fuse_qkv, kv_heads)
+@pytest.mark.parametrize(
+    "fuse_qkv,kv_heads,platform",
+    [(True, 2, "trn2"), (False, 2, "trn2"), (True, 4, "trn2"), (False, 8, "trn2"), (True, 2, "trn1"),
+     (False, 2, "trn1")],
+)  # fmt: skip
+def test_nxd_gqa_qkv_linear_equals_dense_heads(fuse_qkv: bool, kv_heads: int, platform: str) -> None:
+    run_distributed(gqa_case, 4, fuse_qkv, kv_heads, platform)
+
+
+class _QKV(nn.Module):
+    """One GQAQKVColumnParallelLinear with 2 kv heads at tp 4 (each replicated on 2 ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
+
+        self.qkv = GQAQKVColumnParallelLinear(H, [8 * 4, 2 * 4], bias=True, gather_output=False, kv_size_multiplier=2)
+
+
+def kv_layout_checkpoint_case(tmp: str, saved_on: str, loaded_on: str, api: str) -> None:
+    """Save the layer's shards with the ``saved_on`` platform's kv replica layout, load them with ``loaded_on``'s
+    (through the trainer's or parallel_layers' checkpoints)."""
+    import meshpar.compat.nxd as nxd
+    from meshpar.compat.nxd.parallel_layers import checkpointing
+
+    for platform, save in ((saved_on, True), (loaded_on, False)):
+        with mock.patch.dict(os.environ, {"NEURON_PLATFORM_TARGET_OVERRIDE": platform}):
+            nxd.parallel_layers.parallel_state.destroy_model_parallel()
+            config = nxd.neuronx_distributed_config(tensor_parallel_size=4)
+            torch.manual_seed(3)
+            model = nxd.initialize_parallel_model(config, _QKV)
+            if api == "trainer":
+                (nxd.save_checkpoint if save else nxd.load_checkpoint)(tmp, "t", model=model)
+            elif save:
+                checkpointing.save({"model": model.state_dict()}, tmp)
+            else:
+                checkpointing.load(tmp, model.module if hasattr(model, "module") else model)
+
+
+@pytest.mark.parametrize("api", ["trainer", "parallel_layers"])
+def test_nxd_checkpoint_of_another_kv_replica_layout_is_refused_on_every_rank(tmp_path, api: str) -> None:
+    """The same keys and shapes, other heads: a Trn2-cut checkpoint loaded on Trn1's layout (and back) is refused on
+    every rank, naming the variable that selects the layout; the same layout loads."""
+    run_distributed(kv_layout_checkpoint_case, 4, str(tmp_path / "same"), "trn1", "trn1", api)
+    for saved_on, loaded_on in (("trn2", "trn1"), ("trn1", "trn2")):
+        with pytest.raises(AssertionError, match="NEURON_PLATFORM_TARGET_OVERRIDE=trn1") as info:
+            run_distributed(kv_layout_checkpoint_case, 4, str(tmp_path / saved_on), saved_on, loaded_on, api)
+        assert str(info.value).count("key / value replicas of GQAQKVColumnParallelLinear #0") >= 4, info.value
+
+
+def kv_group_refusal_case(platform: str, sequential: bool, multiplier: int) -> None:
+    from meshpar.compat.nxd.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from meshpar.compat.nxd.parallel_layers import parallel_state
+
+    with mock.patch.dict(os.environ, {"NEURON_PLATFORM_TARGET_OVERRIDE": platform}):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
+        parallel_state.initialize_kv_group(multiplier, sequential_ranks_in_group=sequential)
+        groups = parallel_state.get_kv_shared_replica_groups()
+        GQAQKVColumnParallelLinear(H, [8 * 4, 4 // multiplier * 4], gather_output=False, kv_size_multiplier=multiplier)
+        return groups
+
+
+def test_nxd_kv_groups_follow_the_platform_and_other_groups_are_refused() -> None:
+    """kv-shared groups of the platform's layout (as NxD's ``arrange_kv_groups``); adjacent groups made on Trn1 by
+    ``sequential_ranks_in_group`` would sum different heads' grads in a layer's backward: refused on every rank; an
+    unknown platform and one NxD lays no replicas out for are refused."""
+    assert run_distributed(kv_group_refusal_case, 4, "trn1", False, 2)[0] == [[0, 2], [1, 3]]
+    assert run_distributed(kv_group_refusal_case, 4, "trn2", False, 2)[0] == [[0, 1], [2, 3]]
+    assert run_distributed(kv_group_refusal_case, 4, "trn2", True, 2)[0] == [[0, 1], [2, 3]]
+    with pytest.raises(AssertionError, match="the kv-shared groups were made as") as info:
+        run_distributed(kv_group_refusal_case, 4, "trn1", True, 2)
+    assert str(info.value).count("ValueError: the kv-shared groups were made as") == 4
+    with pytest.raises(AssertionError, match=r"NEURON_PLATFORM_TARGET_OVERRIDE='trn9'"):
+        run_distributed(kv_group_refusal_case, 4, "trn9", False, 2)
+    with pytest.raises(AssertionError, match=r"NotImplementedError: .* on trn3"):
+        run_distributed(kv_group_refusal_case, 4, "trn3", False, 2)
+    assert run_distributed(kv_group_refusal_case, 4, "trn3", False, 1)[0] == [[0], [1], [2], [3]]
 
 
 def _init_own(module: nn.Module, device: torch.device) -> None:

@@ -2,10 +2,12 @@
 column-parallel layer, with the key / value heads replicated ``kv_size_multiplier`` times when tp exceeds their
 count.
 
-The query weight is split over tp like a column-parallel layer. The key and value weights are repeated block by
-block (each rank's heads on ``kv_size_multiplier`` adjacent tp ranks; with ``kv_size_multiplier = tp / kv_heads``
-rank ``r`` holds kv head ``r // multiplier``, the head its own query heads use in the dense model's grouping) and
-then split (NxD's Trn2 layout; its Trn1 layout interleaves the replicas instead). The projection runs as NxD's
+The query weight is split over tp like a column-parallel layer. The key and value weights are repeated as NxD lays
+them out on the platform (:func:`~meshpar.compat.nxd.utils.utils.platform_hardware`), then split: on Trn2 (the
+default off Neuron) block by block, each rank's heads on ``kv_size_multiplier`` adjacent tp ranks (with
+``kv_size_multiplier = tp / kv_heads`` rank ``r`` holds kv head ``r // multiplier``, the head its own query heads use
+in the dense model's grouping); on Trn1 (``NEURON_PLATFORM_TARGET_OVERRIDE=trn1``, for a model trained there) the
+whole set repeated, rank ``r`` holding kv head ``r % kv_heads``. The projection runs as NxD's
 autograd function (:class:`GQAQKVLinearWithAsyncCommunication`): in backward it sums the k / v output grads over
 each kv-shared group (:func:`~meshpar.compat.nxd.parallel_layers.parallel_state.initialize_kv_group`), which makes
 every replica's weight and bias grads the dense grads of its head, so replicas stay equal.
@@ -45,6 +47,7 @@ from meshpar.compat.nxd.parallel_layers.utils import (
     set_tensor_model_parallel_attributes,
     verify_casted_dtype,
 )
+from meshpar.compat.nxd.utils.utils import hardware, platform_hardware
 
 
 def _linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,12 +161,74 @@ def gqa_qkv_linear_with_async_allreduce(
         return GQAQKVLinearWithAsyncCommunication.apply(*args)
 
 
-def _replicated_blocks(full: torch.Tensor, per_partition: int, multiplier: int) -> torch.Tensor:
-    """``full`` (``[out, ...]``) with each block of ``per_partition`` rows (one rank's heads) repeated ``multiplier``
-    times in place: cut over tp, adjacent ranks then hold the same heads."""
+def _replicated_blocks(full: torch.Tensor, per_partition: int, multiplier: int, cycled: bool) -> torch.Tensor:
+    """``full`` (``[out, ...]``) with its kv rows replicated ``multiplier`` times so that, cut over tp into parts of
+    ``per_partition`` rows, each part sits on ``multiplier`` ranks: adjacent ranks (each block repeated in place), or,
+    ``cycled`` (Trn1), ranks ``tp / multiplier`` apart (the whole set repeated)."""
     if multiplier == 1:
         return full
+    if cycled:
+        return torch.cat([full] * multiplier, dim=0)
     return torch.cat([block for block in full.split(per_partition, dim=0) for _ in range(multiplier)], dim=0)
+
+
+def _kv_replica_layout(multiplier: int) -> hardware:
+    """The platform's layout of replicated kv heads: Trn1's or Trn2's (NxD lays them out for no other)."""
+    kind = platform_hardware()
+    if multiplier > 1 and kind not in (hardware.TRN1, hardware.TRN2):
+        raise NotImplementedError(
+            f"GQAQKVColumnParallelLinear(kv_size_multiplier={multiplier}) on {kind.value}: NxD lays replicated key / "
+            "value heads out for trn1 and trn2 only (set NEURON_PLATFORM_TARGET_OVERRIDE to one of them)"
+        )
+    return kind
+
+
+def _check_kv_groups(layout: hardware, tp: int, multiplier: int) -> None:
+    """The kv-shared groups already made must be the ones the layout replicates heads on (their sums in backward
+    would otherwise mix different heads' grads)."""
+    expected = parallel_state.arrange_kv_groups(1, tp, multiplier, False, layout)
+    made = parallel_state.get_kv_shared_replica_groups()
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tp_ranks = next(ranks for ranks in parallel_state.get_tensor_model_parallel_replica_groups() if rank in ranks)
+    local = [[tp_ranks.index(r) for r in group] for group in made if group[0] in tp_ranks]
+    if sorted(local) != sorted(expected):
+        raise ValueError(
+            f"the kv-shared groups were made as {local} (tp-local ranks), but the {layout.value} layout replicates "
+            f"key / value heads on {expected}: call initialize_kv_group with the default sequential_ranks_in_group"
+        )
+
+
+def kv_replica_mismatch(modules: list[nn.Module]) -> str | None:
+    """Why the loaded key / value replicas of the ``GQAQKVColumnParallelLinear`` layers in ``modules`` are not
+    replicas (``None`` if they all are): each kv head's copies on its kv-shared group must agree, or the checkpoint
+    was cut for the other platform layout (a model trained on Trn1 loads with ``NEURON_PLATFORM_TARGET_OVERRIDE=trn1``)
+    or by another cut. Copies agree within 1% of their norm: replicas trained with stochastic rounding may differ in
+    their last bits, different heads differ by about their whole norm. Collective over the kv-shared groups: every
+    rank of a tp group calls it with the same layers."""
+    import torch.distributed as dist
+
+    layers = [m for module in modules for m in module.modules() if isinstance(m, GQAQKVColumnParallelLinear)]
+    layers = [layer for layer in layers if layer.kv_size_multiplier > 1]
+    if not layers:
+        return None
+    group = parallel_state.get_kv_shared_group()
+    size = dist.get_world_size(group)
+    for number, layer in enumerate(layers):
+        for name, rows in layer._kv_rows():
+            mine = rows.detach().float().contiguous()
+            copies = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(copies, mine, group=group)
+            scale = max(float(copies[0].norm()), torch.finfo(torch.float32).tiny)
+            if any(float((copy - copies[0]).norm()) > 1e-2 * scale for copy in copies[1:]):
+                return (
+                    f"the key / value replicas of GQAQKVColumnParallelLinear #{number} ({name}) differ across the "
+                    f"kv-shared group {dist.get_process_group_ranks(group)}: the checkpoint holds another layout than "
+                    f"this platform's {layer.kv_replica_layout.value} one (a model trained on Trn1 loads with "
+                    "NEURON_PLATFORM_TARGET_OVERRIDE=trn1, or convert it with checkpoint_converter --hw_backend)"
+                )
+    return None
 
 
 class GQAQKVColumnParallelLinear(BaseParallelLinear):
@@ -200,6 +265,9 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         if sequence_parallel_enabled and gather_output:
             raise RuntimeError("sequence_parallel_enabled=True requires gather_output=False")
         parallel_state.initialize_kv_group(kv_size_multiplier)
+        self.kv_replica_layout = _kv_replica_layout(kv_size_multiplier)
+        if kv_size_multiplier > 1:
+            _check_kv_groups(self.kv_replica_layout, tp, kv_size_multiplier)
         self.input_size, self.output_sizes, self.gather_output = input_size, list(output_sizes), gather_output
         self.arg_init_method, self.dtype, self.device = init_method, dtype, device
         self.keep_master_weight, self.kv_size_multiplier, self.fuse_qkv = (
@@ -248,6 +316,33 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 self.bias_q, self.bias_k, self.bias_v = (make(r, sharded=not self.gather_output) for r in bias_rows)
         self.master_weight_qkv = self.master_weight_q = self.master_weight_k = self.master_weight_v = None
 
+    def kv_block_of(self, tp_rank: int) -> int:
+        """Which ``kv_output_size_per_partition`` rows of the dense k / v weights tp rank ``tp_rank`` holds."""
+        m = self.kv_size_multiplier
+        if m == 1:
+            return tp_rank
+        return tp_rank % (self.world_size // m) if self.kv_replica_layout is hardware.TRN1 else tp_rank // m
+
+    def kv_owner_ranks(self) -> list[int]:
+        """For each block of the dense k / v rows in order, the first tp rank holding it."""
+        first: dict[int, int] = {}
+        for rank in range(self.world_size):
+            first.setdefault(self.kv_block_of(rank), rank)
+        return [first[block] for block in sorted(first)]
+
+    def _kv_rows(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's key and value weight rows (and biases), by name."""
+        q = self.q_output_size_per_partition
+        if self.fuse_qkv:
+            rows = [("weight_qkv[k, v]", self.weight_qkv[q:])]
+            if self.bias_qkv is not None and not self.gather_output:
+                rows.append(("bias_qkv[k, v]", self.bias_qkv[q:]))
+            return rows
+        named = [("weight_k", self.weight_k), ("weight_v", self.weight_v)]
+        if not self.gather_output:
+            named += [("bias_k", self.bias_k), ("bias_v", self.bias_v)]
+        return [(name, tensor) for name, tensor in named if tensor is not None]
+
     def _init_weight_part(
         self, size: int, per_partition: int, multiplier: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -255,7 +350,8 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         master = torch.empty(size, self.input_size, dtype=torch.float32)
         self._init_weight(master)
         master = master.to(self.dtype)
-        local = create_local_weight(_replicated_blocks(master, per_partition, multiplier), 0, per_partition, 1)
+        cycled = self.kv_replica_layout is hardware.TRN1
+        local = create_local_weight(_replicated_blocks(master, per_partition, multiplier, cycled), 0, per_partition, 1)
         return local, (master if self.keep_master_weight else None)
 
     def _init_bias_part(self, size: int, per_partition: int, multiplier: int) -> torch.Tensor:
@@ -263,7 +359,8 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         master = torch.empty(size, dtype=torch.float32).uniform_(-bound, bound).to(self.dtype)
         if self.gather_output:
             return master
-        return create_local_weight(_replicated_blocks(master, per_partition, multiplier), 0, per_partition, 1)
+        cycled = self.kv_replica_layout is hardware.TRN1
+        return create_local_weight(_replicated_blocks(master, per_partition, multiplier, cycled), 0, per_partition, 1)
 
     def initialize_weight_biases(self) -> None:
         """Fill the parameters: each of q, k, v initialised whole in float32 (``init_method``, or ``nn.Linear``'s

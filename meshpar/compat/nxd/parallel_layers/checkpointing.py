@@ -229,6 +229,10 @@ def load(
             except (RuntimeError, KeyError, ValueError) as exc:
                 error = f"loading {model_key!r} into {type(target).__name__}: {exc}"
     _agree(error)
+    if isinstance(target, nn.Module):  # replicated kv heads of another layout load without a key mismatch
+        from meshpar.compat.nxd.modules.qkv_linear import kv_replica_mismatch
+
+        _agree(kv_replica_mismatch([target]))
     if target is None:
         return checkpoint
     if model_key is None:

@@ -62,10 +62,11 @@ def generate_padding_mask(
     """Which of tp rank ``tp_rank``'s query heads are real (True) and which padding (False), when ``num_heads``
     query heads padded to ``num_heads_with_pad`` share ``num_kv_heads`` kv heads replicated up to ``tp_degree``.
     The kv heads' replica layout decides it: Trn1 cycles the kv heads over the ranks, Trn2 puts a head's replicas on
-    adjacent ranks (the layout meshpar's ``GQAQKVColumnParallelLinear`` uses, and the default here)."""
-    from meshpar.compat.nxd.utils.utils import hardware
+    adjacent ranks; by default the platform's (:func:`~meshpar.compat.nxd.utils.utils.platform_hardware`, the layout
+    ``GQAQKVColumnParallelLinear`` uses)."""
+    from meshpar.compat.nxd.utils.utils import hardware, platform_hardware
 
-    kind = hardware.TRN2 if hardware_type is None else hardware_type
+    kind = platform_hardware() if hardware_type is None else hardware_type
     per_rank = num_heads_with_pad // tp_degree
     per_kv_head = num_heads // num_kv_heads
     if kind == hardware.TRN1:

@@ -152,8 +152,8 @@ def arrange_kv_groups(
     """The groups of global ranks holding the same key/value heads when they are replicated
     ``kv_shared_group_size`` times in each tp group of consecutive ranks. NxD's two layouts: a head on adjacent
     ranks (``hardware_type`` Trn2, or ``sequential_ranks_in_group``: blocks of consecutive ranks), or, by default
-    (Trn1), the heads cycled so that each group takes every ``tp / kv_shared_group_size``-th rank. meshpar's own
-    layers use the adjacent layout (:func:`initialize_kv_group`)."""
+    (Trn1), the heads cycled so that each group takes every ``tp / kv_shared_group_size``-th rank
+    (:func:`initialize_kv_group` picks the platform's)."""
     from meshpar.compat.nxd.utils.utils import hardware
 
     size, m = tensor_model_parallel_size, kv_shared_group_size
@@ -211,18 +211,21 @@ class _SizedGroups:
 _KV = _SizedGroups("kv-shared", "initialize_kv_group, or a GQAQKVColumnParallelLinear")
 
 
-def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = True) -> None:
+def initialize_kv_group(kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = False) -> None:
     """Make the kv-shared groups (every rank must call it: process groups are collective); one size per state.
-    They are blocks of adjacent tp ranks, the layout ``GQAQKVColumnParallelLinear`` replicates heads in."""
-    if not sequential_ranks_in_group:
-        raise NotImplementedError("initialize_kv_group: meshpar replicates each kv head on adjacent tp ranks only")
+    They follow the platform's replica layout, as NxD's do (:func:`arrange_kv_groups` with
+    :func:`~meshpar.compat.nxd.utils.utils.platform_hardware`): blocks of adjacent tp ranks (Trn2, the default off
+    Neuron, or ``sequential_ranks_in_group``), or every ``tp / kv_shared_group_size``-th rank (Trn1)."""
+    from meshpar.compat.nxd.utils.utils import platform_hardware
+
     if _KV.made_with(kv_shared_group_size):
         return
     dims = get_parallel()
     if dims.tp % kv_shared_group_size != 0:
         raise ValueError(f"kv_shared_group_size {kv_shared_group_size} must divide tp={dims.tp}")
     size = kv_shared_group_size
-    _KV.make(size, [ranks[i : i + size] for ranks in dims.group_ranks("tp") for i in range(0, dims.tp, size)])
+    local = arrange_kv_groups(1, dims.tp, size, sequential_ranks_in_group, platform_hardware())
+    _KV.make(size, [[ranks[i] for i in group] for ranks in dims.group_ranks("tp") for group in local])
 
 
 def get_kv_shared_group(as_list: bool = False) -> Any:

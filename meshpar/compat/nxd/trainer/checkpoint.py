@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from meshpar._compat import tree_map_only
 from meshpar.compat.nxd import _xser
+from meshpar.compat.nxd.modules.qkv_linear import kv_replica_mismatch
 from meshpar.compat.nxd.optimizer import NeuronZero1Optimizer
 from meshpar.compat.nxd.optimizer import zero_dcp_utils as dcp_utils
 from meshpar.compat.nxd.optimizer.convert_zero_checkpoints import read_full_state
@@ -424,6 +425,8 @@ def load_checkpoint(
             except (RuntimeError, KeyError, ValueError) as exc:
                 error = f"loading the model: {exc}"
         _agree(error, "load_checkpoint")
+        if not isinstance(model, dict):
+            _agree(kv_replica_mismatch(_local_modules(model)), "load_checkpoint")
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
     content = directory / "user_content.pt"
@@ -462,12 +465,19 @@ def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
     if isinstance(model, dict):
         model.clear()
         model.update(state)
-    elif isinstance(model, NxDModel) and model.pp_enabled:
-        _load_local(model.module.local_modules(), state, strict)
-    elif isinstance(model, PipelineModel):
-        _load_local(model.local_modules(), state, strict)
+    elif isinstance(model, NxDModel | PipelineModel) and (not isinstance(model, NxDModel) or model.pp_enabled):
+        _load_local(_local_modules(model), state, strict)
     else:
         _into_model(model, state, strict)
+
+
+def _local_modules(model: Any) -> list[torch.nn.Module]:
+    """The modules this rank holds of an ``NxDModel``, a pipeline or a module."""
+    if isinstance(model, NxDModel) and model.pp_enabled:
+        return list(model.module.local_modules())
+    if isinstance(model, PipelineModel):
+        return list(model.local_modules())
+    return [model]
 
 
 def _load_local(stages: list[torch.nn.Module], state_dict: dict[str, Any], strict: bool) -> None:

@@ -42,6 +42,19 @@ class HloMetadataLevel(Enum):
         return None
 
 
+def platform_hardware() -> hardware:
+    """The Neuron generation whose layouts NxD's layers follow here: ``NEURON_PLATFORM_TARGET_OVERRIDE`` (the
+    variable torch_neuronx reads, e.g. ``trn1`` to load a checkpoint trained on Trn1) when set, else Trn2, whose
+    replicated key / value heads keep the dense model's grouping of query heads. An unknown value is refused."""
+    value = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    if not value:
+        return hardware.TRN2
+    kind = hardware(value)
+    if kind is hardware.CUSTOM:
+        raise ValueError(f"NEURON_PLATFORM_TARGET_OVERRIDE={value!r}: expected trn1, trn1n, inf2, trn2 or trn3")
+    return kind
+
+
 def get_dict_from_json(json_file: str | os.PathLike) -> dict[Any, Any]:
     """The JSON file's contents; a missing or malformed file raises ``ValueError`` naming it."""
     try:

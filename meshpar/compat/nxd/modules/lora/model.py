@@ -105,9 +105,8 @@ def _qkv_row_sizes(layer: GQAQKVColumnParallelLinear, name: str) -> list[int]:
 
 def _dense_qkv(layer: GQAQKVColumnParallelLinear, name: str, local: torch.Tensor) -> torch.Tensor:
     """The dense rows of a grouped q/k/v weight from every rank's shard: q parts concatenated, k / v parts with each
-    head's ``kv_size_multiplier`` replicas (adjacent ranks) taken once."""
+    head's ``kv_size_multiplier`` replicas (laid out as the layer's platform lays them) taken once."""
     tp, _ = _tp(layer)
-    replicas = layer.kv_size_multiplier
     gathered = gather_from_tensor_model_parallel_region_with_dim(local.contiguous(), 0)
     per_rank = gathered.split(local.shape[0], dim=0)
     sizes = _qkv_row_sizes(layer, name)
@@ -115,7 +114,7 @@ def _dense_qkv(layer: GQAQKVColumnParallelLinear, name: str, local: torch.Tensor
     dense = []
     for index in range(len(sizes)):
         is_q = name == "weight_q" or (len(sizes) == 3 and index == 0)
-        owners = range(tp) if is_q else range(0, tp, replicas)
+        owners = range(tp) if is_q else layer.kv_owner_ranks()
         dense.append(torch.cat([parts[r][index] for r in owners], dim=0))
     return torch.cat(dense, dim=0)
 
@@ -132,7 +131,7 @@ def _local_qkv(layer: GQAQKVColumnParallelLinear, name: str, dense: torch.Tensor
     local = []
     for index, (part, size) in enumerate(zip(parts, sizes, strict=True)):
         is_q = name == "weight_q" or (len(sizes) == 3 and index == 0)
-        block = rank if is_q else rank // layer.kv_size_multiplier
+        block = rank if is_q else layer.kv_block_of(rank)
         local.append(part[block * size : (block + 1) * size])
     return torch.cat(local, dim=0)
 
