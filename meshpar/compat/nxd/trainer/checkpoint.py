@@ -465,19 +465,25 @@ def _load_model(model: Any, state: dict[str, Any], strict: bool) -> None:
     if isinstance(model, dict):
         model.clear()
         model.update(state)
-    elif isinstance(model, NxDModel | PipelineModel) and (not isinstance(model, NxDModel) or model.pp_enabled):
-        _load_local(_local_modules(model), state, strict)
+    elif (stages := _pipeline_stages(model)) is not None:
+        _load_local(stages, state, strict)
     else:
         _into_model(model, state, strict)
 
 
-def _local_modules(model: Any) -> list[torch.nn.Module]:
-    """The modules this rank holds of an ``NxDModel``, a pipeline or a module."""
+def _pipeline_stages(model: Any) -> list[torch.nn.Module] | None:
+    """The stages this rank holds when ``model`` is a pipeline (an ``NxDModel`` with pp, or a ``PipelineModel``)."""
     if isinstance(model, NxDModel) and model.pp_enabled:
         return list(model.module.local_modules())
     if isinstance(model, PipelineModel):
         return list(model.local_modules())
-    return [model]
+    return None
+
+
+def _local_modules(model: Any) -> list[torch.nn.Module]:
+    """The modules this rank holds of an ``NxDModel``, a pipeline or a module."""
+    stages = _pipeline_stages(model)
+    return [model] if stages is None else stages
 
 
 def _load_local(stages: list[torch.nn.Module], state_dict: dict[str, Any], strict: bool) -> None:
