@@ -171,11 +171,13 @@ def gather_from_tensor_model_parallel_region_with_dim(
     return gather_from_tp(input_, group_mesh(process_group), dim=gather_dim)
 
 
-def _swap_split_over_ep(x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
+def swap_split_over_ep(
+    x: torch.Tensor, split_dim: int, concat_dim: int, ep_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """``x`` cut into ep equal parts along ``split_dim``, part ``j`` sent to ep rank ``j``; the parts received,
     in ep-rank order, concatenated along ``concat_dim`` (every ep rank's ``x`` has the same shape). Differentiable:
-    the grads go back by the inverse exchange."""
-    ep_mesh = get_parallel().ep_mesh
+    the grads go back by the inverse exchange. ``ep_mesh``: the parallel state's ep group unless given."""
+    ep_mesh = ep_mesh if ep_mesh is not None else get_parallel().ep_mesh
     if ep_mesh is None:
         return x
     ep = ep_mesh.size()
@@ -192,13 +194,13 @@ def enter_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch
     experts' slots from each ep rank (``[e, 1, c, h]`` without expert parallelism). ``scatter_gather``: see the
     module docstring."""
     e, c, h = x.shape
-    return _swap_split_over_ep(x.view(e, 1, c, h), 0, 1)
+    return swap_split_over_ep(x.view(e, 1, c, h), 0, 1)
 
 
 def exit_expert_parallel_region(x: torch.Tensor, scatter_gather: bool) -> torch.Tensor:
     """The inverse of :func:`enter_expert_parallel_region`: ``[e / ep, ep, c, h]`` -> ``[e, c, h]``, each ep rank's
     slots back to it."""
-    return _swap_split_over_ep(x, 1, 0).squeeze(1)
+    return swap_split_over_ep(x, 1, 0).squeeze(1)
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """``neuronx_distributed.modules.moe.expert_mlps``: ``ExpertMLPs``, every expert's MLP over the tokens routed to it.
 
-The experts' weights are split over tp along the intermediate dim (NxD's layout, the parameters plain local shards
-with NxD's attributes): ``mlp_op.gate_up_proj.weight`` ``[E, H, 2I/tp]`` (each rank's gate columns then its up
+The experts' weights are those of ``mlp_op``, an :class:`~meshpar.compat.nxd.modules.moe.experts.Experts` (as
+NxD's), split over tp along the intermediate dim (the parameters plain local shards with NxD's attributes):
+``mlp_op.gate_up_proj.weight`` ``[E, H, 2I/tp]`` (each rank's gate columns then its up
 columns; ``mlp_op.up_proj.weight`` ``[E, H, I/tp]`` without a gate) and ``mlp_op.down_proj.weight``
 ``[E, I/tp, H]``. The output is each rank's partial sum over its intermediate slice; the ``MoE`` layer sums it over tp
 once, after the experts' outputs are combined (NxD's delayed all-reduce).
@@ -38,13 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshpar.compat.nxd.modules.moe.model_utils import ACT2FN, GLUType
+from meshpar.compat.nxd.modules.moe.experts import Experts
+from meshpar.compat.nxd.modules.moe.model_utils import ACT2FN, GLUType, expert_activation
+from meshpar.compat.nxd.modules.moe.moe_parallel_layers import expert_parallel_mesh
 from meshpar.compat.nxd.parallel_layers import parallel_state
-from meshpar.compat.nxd.parallel_layers.layers import create_local_weight
 from meshpar.compat.nxd.parallel_layers.mappings import copy_to_tensor_model_parallel_region, group_mesh
-from meshpar.compat.nxd.parallel_layers.utils import divide, set_tensor_model_parallel_attributes
 from meshpar.expert_parallel import combine, dispatch, experts_touched
-from meshpar.parallel_dims import get_parallel
 
 # NxD's options of its Neuron kernels and inference sharding: accepted, and change nothing here (the torch path)
 _NEURON_OPTIONS = frozenset({
@@ -85,74 +85,6 @@ class _ShareOfReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
-
-
-def _sharded_parameter(local_experts: torch.Tensor, dim: int, stride: int, tp: int, ep: int) -> nn.Parameter:
-    """This rank's experts' values split over tp along ``dim`` (NxD's attributes set; marked
-    ``expert_model_parallel`` under expert parallelism)."""
-    local = create_local_weight(local_experts, dim, local_experts.shape[dim] // tp, stride)
-    param = nn.Parameter(local.contiguous())
-    set_tensor_model_parallel_attributes(param, True, dim, stride, tp)
-    if ep > 1:
-        param.expert_model_parallel = True
-    return param
-
-
-def _per_expert_init(experts: range, shape: tuple[int, ...], dtype: torch.dtype, init: Callable) -> torch.Tensor:
-    """``[len(experts), *shape]``: expert ``g`` initialised by ``init`` from its own seed, ``base + g``, ``base``
-    drawn once from the default generator (the same draw on every rank). Only this rank's experts are made, and
-    they are the values an unsplit layer built from the same generator state gives them."""
-    base = int(torch.randint(0, 2**62, ()))
-    out = torch.empty(len(experts), *shape, dtype=dtype)
-    with torch.random.fork_rng(devices=[]):
-        for i, g in enumerate(experts):
-            torch.default_generator.manual_seed(base + g)
-            init(out[i])
-    return out
-
-
-class _ExpertProjection(nn.Module):
-    """One projection of this rank's experts: ``weight`` ``[E / ep, in, out]`` (the local shard), optional ``bias``."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-
-
-class _Experts(nn.Module):
-    """The experts' MLPs (NxD's ``Experts``: ``gate_up_proj`` or ``up_proj``, then ``down_proj``)."""
-
-    def __init__(self, mlps: ExpertMLPs, init_method: Callable | None, output_init_method: Callable | None) -> None:
-        super().__init__()
-        config = mlps
-        tp = mlps.tp_mesh.size()
-        experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
-        divide(inter, tp)
-        mine = range(mlps.local_experts.start, mlps.local_experts.stop)
-        ep = experts // len(mine)
-
-        def weight(rows: int, cols: int, method: Callable | None) -> torch.Tensor:
-            # each expert's [in, out] matrix initialised alone, as NxD does
-            init = method if method is not None else (lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
-            return _per_expert_init(mine, (rows, cols), config.dtype, init).to(config.device)
-
-        def bias(size: int, fan_in: int) -> torch.Tensor:
-            bound = 1 / math.sqrt(fan_in)
-            return _per_expert_init(mine, (size,), config.dtype, lambda b: b.uniform_(-bound, bound)).to(config.device)
-
-        columns = 2 * inter if config.glu_mlp else inter
-        stride = 2 if config.glu_mlp else 1
-        up_weight = _sharded_parameter(weight(hidden, columns, init_method), 2, stride, tp, ep)
-        up_bias = _sharded_parameter(bias(columns, hidden), 1, stride, tp, ep) if config.bias else None
-        setattr(self, "gate_up_proj" if config.glu_mlp else "up_proj", _ExpertProjection(up_weight, up_bias))
-        down_weight = _sharded_parameter(weight(inter, hidden, output_init_method), 1, 1, tp, ep)
-        down_bias = None
-        if config.bias:
-            down_bias = nn.Parameter(bias(hidden, inter))
-            if ep > 1:
-                down_bias.expert_model_parallel = True
-        self.down_proj = _ExpertProjection(down_weight, down_bias)
 
 
 class ExpertMLPs(nn.Module):
@@ -218,15 +150,17 @@ class ExpertMLPs(nn.Module):
         self.tp_mesh = group_mesh(self.tensor_parallel_group)
         # the state's ep group by default (None without expert parallelism: no one-rank groups made here, which
         # would be a collective call every rank must make, pipeline stages without MoE layers included)
-        ep_mesh = get_parallel().ep_mesh
-        if expert_model_parallel_group is not None:
-            ep_mesh = group_mesh(expert_model_parallel_group) if expert_model_parallel_group.size() > 1 else None
-        self.ep_mesh = ep_mesh
-        self.expert_model_parallel_group = ep_mesh.get_group() if ep_mesh is not None else expert_model_parallel_group
-        ep, ep_rank = (ep_mesh.size(), ep_mesh.get_local_rank()) if ep_mesh is not None else (1, 0)
-        per_rank = divide(num_experts, ep)
-        self.local_experts = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-        self.mlp_op = _Experts(self, init_method, output_layer_init_method)
+        self.ep_mesh = expert_parallel_mesh(expert_model_parallel_group)
+        self.expert_model_parallel_group = (
+            self.ep_mesh.get_group() if self.ep_mesh is not None else expert_model_parallel_group
+        )
+        self.mlp_op = Experts(
+            num_experts, hidden_size, intermediate_size, glu_mlp, ACT2FN[hidden_act], dtype, device, bias=bias,
+            glu_type=glu_type, input_layer_init_method=init_method, output_layer_init_method=output_layer_init_method,
+            tensor_model_parallel_group=self.tensor_parallel_group,
+            expert_model_parallel_group=expert_model_parallel_group,
+        )  # fmt: skip
+        self.local_experts = slice(self.mlp_op.down_proj._experts.start, self.mlp_op.down_proj._experts.stop)
 
     # -- routing ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -261,18 +195,11 @@ class ExpertMLPs(nn.Module):
 
     # -- the experts' MLPs ----------------------------------------------------------------------------------------
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
-        act = ACT2FN[self.hidden_act]
-        if not self.glu_mlp:
-            return act(x)
-        gate, up = x.chunk(2, dim=-1)  # this rank's gate columns, then its up columns
-        if any(v is not None for v in self.gate_limits):
-            gate = gate.clamp(*self.gate_limits)
-        if any(v is not None for v in self.up_limits):
-            up = up.clamp(*self.up_limits)
-        activated = act(self.hidden_act_scaling_factor * gate)
-        if self.glu_type == GLUType.SWIGLU:
-            activated = gate * activated
-        return activated * (up + self.hidden_act_bias)
+        glu_type = self.glu_type if self.glu_mlp else None
+        return expert_activation(
+            x, ACT2FN[self.hidden_act], glu_type, self.hidden_act_scaling_factor, self.hidden_act_bias,
+            self.gate_limits, self.up_limits,
+        )  # fmt: skip
 
     def _expert(self, e: int, tokens: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
         """Local expert ``e``'s partial output (this rank's intermediate slice) for ``tokens`` ``[n, H]``;

@@ -36,4 +36,29 @@ class GLUType(Enum):
             raise ValueError(f"glu_type must be one of {[t.value for t in cls]}, got {value!r}") from None
 
 
-__all__ = ["ACT2FN", "DEFAULT_BLOCK_SIZE", "DEFAULT_LNC_SIZE", "GLUType"]
+def expert_activation(
+    x: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    glu_type: GLUType | None,
+    scaling: float = 1.0,
+    bias: float = 0.0,
+    gate_limits: tuple[float | None, float | None] = (None, None),
+    up_limits: tuple[float | None, float | None] = (None, None),
+) -> torch.Tensor:
+    """An expert MLP's activation of its first projection's output ``x``: ``act(x)``, or with a ``glu_type`` the
+    gated unit over ``x``'s halves (this rank's gate columns, then its up columns), each half clamped to its
+    ``(lower, upper)`` limits first (a limit of 0 is one: NxD's ``Experts`` skips a falsy limit)."""
+    if glu_type is None:
+        return act(x)
+    gate, up = x.chunk(2, dim=-1)
+    if any(v is not None for v in gate_limits):
+        gate = gate.clamp(*gate_limits)
+    if any(v is not None for v in up_limits):
+        up = up.clamp(*up_limits)
+    activated = act(scaling * gate)
+    if glu_type == GLUType.SWIGLU:
+        activated = gate * activated
+    return activated * (up + bias)
+
+
+__all__ = ["ACT2FN", "DEFAULT_BLOCK_SIZE", "DEFAULT_LNC_SIZE", "GLUType", "expert_activation"]
